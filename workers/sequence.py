@@ -1,0 +1,66 @@
+"""A request's tokens and progress inside one worker's engine."""
+
+import enum
+from dataclasses import dataclass, field
+
+from workers.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued; no KV in the cache
+    RUNNING = "running"  # holds blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """Tokens of one request and how many of them have KV in the cache.
+
+    A sequence always computes `all_token_ids[num_computed_tokens:]` next: the
+    rest of its prompt while prefilling, the last sampled token while decoding,
+    and everything again after it was preempted and its blocks dropped.
+    """
+
+    seq_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_s: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    output_text: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens the sequence can reach: prompt plus its generation limit."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    def token_at(self, position: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
