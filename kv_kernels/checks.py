@@ -114,7 +114,12 @@ def check_prefill(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tabl
         )
     check_last_dim_contiguous("query", query)
     check_last_dim_contiguous("block_tables", block_tables)
-    check_same_device(query=query, k_cache=k_cache, cu_seqlens_q=cu_seqlens_q, block_tables=block_tables)
+    check_same_device(
+        query=query, k_cache=k_cache, cu_seqlens_q=cu_seqlens_q, prefix_lens=prefix_lens, block_tables=block_tables
+    )
+    bounds = cu_seqlens_q.tolist()
+    if bounds[0] != 0 or bounds[-1] != num_tokens or any(b > a for a, b in zip(bounds[1:], bounds)):
+        raise ValueError(f"cu_seqlens_q must rise from 0 to num_tokens={num_tokens}, got {bounds}")
 
 
 def check_block_ids(name: str, block_ids: torch.Tensor, num_blocks: int) -> None:
@@ -132,6 +137,16 @@ def check_copy(k_cache, v_cache, src_block_ids, dst_block_ids) -> None:
     check_block_ids("dst_block_ids", dst_block_ids, num_blocks)
     if src_block_ids.shape != dst_block_ids.shape:
         raise ValueError(f"src_block_ids {tuple(src_block_ids.shape)} != dst_block_ids {tuple(dst_block_ids.shape)}")
+    # Kernels run the copies in parallel: no block may be written twice, or
+    # written while another copy reads it.
+    if dst_block_ids.unique().numel() != dst_block_ids.numel():
+        raise ValueError(f"dst_block_ids must be distinct, got {dst_block_ids.tolist()}")
+    moved = src_block_ids != dst_block_ids  # a copy of a block onto itself is a no-op
+    if bool(torch.isin(dst_block_ids[moved], src_block_ids).any()):
+        raise ValueError(
+            f"a destination block is also a source of another copy (src {src_block_ids.tolist()}, "
+            f"dst {dst_block_ids.tolist()}); split the copy into independent batches"
+        )
 
 
 def check_gather(cache, block_ids) -> None:

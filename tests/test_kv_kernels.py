@@ -237,11 +237,12 @@ def test_copy_blocks_matches_reference():
     "src,dst,message",
     [([0, 1], [1, 2], "also a source"), ([0, 3], [2, 2], "distinct")],
 )
-def test_triton_copy_blocks_rejects_racing_copies(src, dst, message):
+@pytest.mark.parametrize("impl", [reference, triton_kernels], ids=["reference", "triton"])
+def test_copy_blocks_rejects_racing_copies(src, dst, message, impl):
     k_cache, v_cache = random_cache(4, 4, 1, 16, seed=2)
     before = k_cache.clone()
     with pytest.raises(ValueError, match=message):
-        triton_kernels.copy_blocks(k_cache, v_cache, torch.tensor(src), torch.tensor(dst))
+        impl.copy_blocks(k_cache, v_cache, torch.tensor(src), torch.tensor(dst))
     assert torch.equal(k_cache, before)
 
 
@@ -306,6 +307,10 @@ def _check_cases():
         "prefill_kv_heads": (
             lambda m: m.prefill_attention(query, k_cache, v_cache[:, :, :1], cu, prefixes, tables, 1.0),
             "k_cache shape .* != v_cache shape",
+        ),
+        "prefill_cu_seqlens_short": (
+            lambda m: m.prefill_attention(query, k_cache, v_cache, torch.tensor([0, 1, 1]), prefixes, tables, 1.0),
+            r"cu_seqlens_q must rise from 0 to num_tokens=2",
         ),
         "copy_out_of_range": (
             lambda m: m.copy_blocks(k_cache, v_cache, torch.tensor([1, 4]), torch.tensor([2, 3])),
