@@ -46,6 +46,32 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_policies(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from benchmarks import policy_bench
+
+    base = policy_bench.quick_config() if args.quick else policy_bench.PolicyBenchConfig()
+    overrides = {
+        "trace_path": args.trace,
+        "prompts_path": args.prompts,
+        "max_len": args.max_len,
+        "mode": args.mode,
+        "time_scale": args.time_scale,
+        "predictor": args.predictor,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "sweep_sigmas": tuple(args.sweep_sigma or ()),
+    }
+    if args.num_requests is not None:
+        overrides["num_requests"] = args.num_requests
+    if args.max_prompt_tokens is not None:
+        overrides["max_prompt_tokens"] = args.max_prompt_tokens
+    if args.policies is not None:
+        overrides["policies"] = tuple(args.policies)
+    policy_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.plot)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     print("s3serve serve: not yet; the HTTP service lands with the cluster issue. "
           "Try `s3serve bench engine --quick` to run the engine.")
@@ -84,6 +110,42 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-tokens", type=int, default=None, help="override the generation limit per prompt")
     engine.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     engine.set_defaults(handler=_bench_engine)
+
+    policies = benches.add_parser(
+        "policies",
+        help="max_reserve vs paged_greedy vs s3 vs oracle on one model, trace and KV budget",
+        description="Replays a serving trace (real prompt text, outputs forced to the trace's lengths) through "
+                    "the engine once per scheduling policy, same model and KV budget, and reports throughput, "
+                    "concurrency, KV use, preemptions, recomputation, swapping and latency, with s3's ratios.",
+    )
+    _add_model_args(policies)
+    policies.add_argument("--trace", type=Path, default=Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv"),
+                          help="Azure CSV or Mooncake JSONL trace (default: %(default)s)")
+    policies.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                          help="prompt texts the replayed prompts are cut from (default: %(default)s)")
+    policies.add_argument("--num-requests", type=int, default=None, help="first N trace rows (default 64; 32 with --quick)")
+    policies.add_argument("--kv-cache-bytes", type=int, default=None,
+                          help="KV budget in bytes (default: room for 4 worst-case sequences of --max-len tokens)")
+    policies.add_argument("--max-len", type=int, default=1024,
+                          help="longest sequence; each request's max_tokens is max-len minus its prompt (default: %(default)s)")
+    policies.add_argument("--max-prompt-tokens", type=int, default=None,
+                          help="cap on replayed prompt length, reported (default 256; 128 with --quick)")
+    policies.add_argument("--mode", choices=("offline", "online"), default="offline",
+                          help="offline: every request at t=0; online: the trace's arrival times (default: %(default)s)")
+    policies.add_argument("--time-scale", type=float, default=1.0,
+                          help="online mode: multiply arrival times by this (<1 compresses) (default: %(default)s)")
+    policies.add_argument("--predictor", default="noisy-oracle:0.3",
+                          help="noisy-oracle:SIGMA (true length x seeded log-normal error; a benchmark instrument) "
+                               "(default: %(default)s)")
+    policies.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
+                          help="subset of max_reserve paged_greedy s3 oracle (default: all four)")
+    policies.add_argument("--sweep-sigma", type=float, nargs="+", default=None, metavar="SIGMA",
+                          help="also run s3 with noisy-oracle predictors of these sigmas; reports tok/s and preemptions")
+    policies.add_argument("--quick", action="store_true", help="32 requests, prompts capped at 128 tokens (< 10 min here)")
+    policies.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    policies.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                          help="write throughput.png, kv_utilisation.png and concurrency.png here")
+    policies.set_defaults(handler=_bench_policies)
     return parser
 
 

@@ -123,7 +123,7 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_temperature_samples_follow_the_softmax(temperature):
-    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    logits = torch.tensor([1.0, 0.5, 0.2, 0.0, -0.5, -1.0])  # every bin expects >= 40 draws
     expected = torch.softmax(logits / temperature, dim=-1)
     num_draws = 4000
     samples = draw(Sampler(), [logits] * num_draws, "x", SamplingParams(temperature=temperature, seed=11))
@@ -132,3 +132,14 @@ def test_temperature_samples_follow_the_softmax(temperature):
     chi_square = float(((observed - expected_counts) ** 2 / expected_counts).sum())
     # 5 degrees of freedom: P(chi2 > 20.5) = 0.001. A wrong temperature gives hundreds.
     assert chi_square < 20.5, (observed.tolist(), expected_counts.tolist())
+
+
+def test_a_tiny_positive_temperature_is_refused_or_acts_greedy():
+    # logits / 1e-39 overflows float32 to inf and softmax turns it into NaN; accepting the
+    # temperature and then failing in the sampler would crash the whole engine step.
+    logits = torch.tensor([[5.0, 1.0, -2.0]])
+    try:
+        params = SamplingParams(temperature=1e-39, seed=0)
+    except ValueError:
+        return
+    assert Sampler().sample(logits, ["x"], [params]) == [0]

@@ -46,6 +46,13 @@ def run_chunks(scheduler: FcfsScheduler, chunks: list[ScheduledChunk]) -> list[S
     return finished
 
 
+def schedule(scheduler: FcfsScheduler) -> list[ScheduledChunk]:
+    """One step's chunks; the default policy recomputes, so it never swaps."""
+    out = scheduler.schedule()
+    assert out.swap_out == [] and out.swap_in == []
+    return out.chunks
+
+
 def scheduled(chunks: list[ScheduledChunk]) -> list[tuple[str, int]]:
     return [(chunk.seq.seq_id, chunk.num_tokens) for chunk in chunks]
 
@@ -56,7 +63,7 @@ def test_admits_in_arrival_order_while_blocks_are_free():
     for seq in (a, b, c):
         scheduler.add(seq)
     # a takes 2 blocks; b needs 3 of the 2 left; c would fit but must not overtake b.
-    assert scheduled(scheduler.schedule()) == [("a", 8)]
+    assert scheduled(schedule(scheduler)) == [("a", 8)]
     assert scheduler.running == [a]
     assert list(scheduler.waiting) == [b, c]
     assert a.status is SequenceStatus.RUNNING and b.status is SequenceStatus.WAITING
@@ -69,12 +76,12 @@ def test_finish_frees_blocks_and_lets_the_queue_move():
     a, b = make_seq("a", 8), make_seq("b", 12)
     scheduler.add(a)
     scheduler.add(b)
-    run_chunks(scheduler, scheduler.schedule())
+    run_chunks(scheduler, schedule(scheduler))
     scheduler.finish(a)
     assert not scheduler.allocator.has("a")
     assert scheduler.allocator.num_free_blocks == 4
     assert scheduler.running == []
-    assert scheduled(scheduler.schedule()) == [("b", 12)]
+    assert scheduled(schedule(scheduler)) == [("b", 12)]
     assert scheduler.allocator.num_free_blocks == 1
 
 
@@ -83,7 +90,7 @@ def test_finish_of_a_waiting_sequence_drops_it_from_the_queue():
     a, b = make_seq("a", 4), make_seq("b", 4)
     scheduler.add(a)
     scheduler.add(b)
-    scheduler.schedule()
+    schedule(scheduler)
     scheduler.finish(b)
     assert list(scheduler.waiting) == []
     assert scheduler.has_unfinished()
@@ -97,14 +104,14 @@ def test_max_num_seqs_caps_running_sequences():
     seqs = [make_seq(f"s{i}", 3, max_tokens=2) for i in range(5)]
     for seq in seqs:
         scheduler.add(seq)
-    chunks = scheduler.schedule()
+    chunks = schedule(scheduler)
     assert scheduled(chunks) == [("s0", 3), ("s1", 3)]
     assert len(scheduler.waiting) == 3
     run_chunks(scheduler, chunks)
-    chunks = scheduler.schedule()
+    chunks = schedule(scheduler)
     assert scheduled(chunks) == [("s0", 1), ("s1", 1)]  # a free seat is needed, not just free blocks
     run_chunks(scheduler, chunks)  # both reach max_tokens=2 and finish
-    assert scheduled(scheduler.schedule()) == [("s2", 3), ("s3", 3)]
+    assert scheduled(schedule(scheduler)) == [("s2", 3), ("s3", 3)]
 
 
 def test_chunked_prefill_fits_the_token_budget():
@@ -114,7 +121,7 @@ def test_chunked_prefill_fits_the_token_budget():
     scheduler.add(b)
     steps = []
     for _ in range(4):
-        chunks = scheduler.schedule()
+        chunks = schedule(scheduler)
         steps.append(scheduled(chunks))
         assert [c.completes_sequence_tokens for c in chunks] == [
             c.seq.num_computed_tokens + c.num_tokens == c.seq.num_tokens for c in chunks
@@ -136,10 +143,10 @@ def test_decodes_keep_their_token_while_a_long_prompt_is_chunked():
     a, b, c = make_seq("a", 2, max_tokens=20), make_seq("b", 2, max_tokens=20), make_seq("c", 30)
     for seq in (a, b):
         scheduler.add(seq)
-    run_chunks(scheduler, scheduler.schedule())
+    run_chunks(scheduler, schedule(scheduler))
     scheduler.add(c)
     for _ in range(5):
-        chunks = scheduler.schedule()
+        chunks = schedule(scheduler)
         assert scheduled(chunks) == [("a", 1), ("b", 1), ("c", 2)]
         run_chunks(scheduler, chunks)
     assert c.num_computed_tokens == 10
@@ -150,9 +157,9 @@ def test_decode_out_of_blocks_preempts_the_newest_for_recompute():
     a, b, c = make_seq("a", 8), make_seq("b", 8), make_seq("c", 4)
     scheduler.add(a)
     scheduler.add(b)
-    run_chunks(scheduler, scheduler.schedule())  # both prefilled, one token each: 9 tokens, 2 blocks each
+    run_chunks(scheduler, schedule(scheduler))  # both prefilled, one token each: 9 tokens, 2 blocks each
     scheduler.add(c)
-    chunks = scheduler.schedule()
+    chunks = schedule(scheduler)
     # a needs a third block, none is free: b, the newest, loses its blocks.
     assert scheduled(chunks) == [("a", 1)]
     assert scheduler.running == [a]
@@ -172,8 +179,8 @@ def test_the_newest_preempts_itself_rather_than_an_older_sequence():
     a, b = make_seq("a", 7), make_seq("b", 4)
     scheduler.add(a)
     scheduler.add(b)
-    run_chunks(scheduler, scheduler.schedule())  # a: 8 tokens in 2 blocks; b: 5 tokens, needs a second block
-    chunks = scheduler.schedule()
+    run_chunks(scheduler, schedule(scheduler))  # a: 8 tokens in 2 blocks; b: 5 tokens, needs a second block
+    chunks = schedule(scheduler)
     assert scheduled(chunks) == [("a", 1)]
     assert list(scheduler.waiting) == [b]
     assert b.num_computed_tokens == 0 and b.num_preemptions == 1
@@ -189,7 +196,8 @@ def simulate(scheduler: FcfsScheduler, arrivals: dict[int, list[Sequence]], max_
         assert step < max_steps, "no progress"
         for seq in arrivals.get(step, []):
             scheduler.add(seq)
-        chunks = scheduler.schedule()
+        holding_kv = {seq.seq_id for seq in scheduler.running}
+        chunks = schedule(scheduler)
         if scheduler.has_unfinished():
             assert chunks, f"step {step}: sequences are waiting but nothing was scheduled"
         ids = [chunk.seq.seq_id for chunk in chunks]
@@ -201,6 +209,9 @@ def simulate(scheduler: FcfsScheduler, arrivals: dict[int, list[Sequence]], max_
         assert sorted(ids) == sorted(seq.seq_id for seq in scheduler.running)
         for chunk in chunks:
             assert chunk.seq.status is SequenceStatus.RUNNING
+            if chunk.seq.seq_id not in holding_kv:
+                # Admitted (or readmitted after preemption) this step: no KV yet, so it starts at token 0.
+                assert chunk.seq.num_computed_tokens == 0
             assert allocator.num_reserved_tokens(chunk.seq.seq_id) >= chunk.seq.num_computed_tokens + chunk.num_tokens
         assert allocator.num_reserved_blocks <= allocator.num_blocks
         allocator.check_invariants()

@@ -17,7 +17,8 @@ from kv_kernels import KVKernelBackend, backend_for_device
 from workers.kv_cache_manager import BlockAllocator
 from workers.model_runner import ModelRunner, pool_shape_for
 from workers.sampling import Sampler, SamplingParams
-from workers.scheduler import FcfsScheduler, SchedulerConfig
+from workers.policies import SchedulingPolicy
+from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
 
 
@@ -54,6 +55,33 @@ class EngineConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """Timings of a finished request, in `time.monotonic()` seconds."""
+
+    arrival_s: float
+    first_token_s: float
+    finish_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first; None for one-token outputs."""
+        if self.num_output_tokens < 2:
+            return None
+        return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """One new token of one sequence; `finish_reason` is set on its last token."""
 
@@ -61,6 +89,7 @@ class StepOutput:
     token_id: int
     finish_reason: str | None
     output_token_ids: tuple[int, ...] | None = None  # all of them, on the last token only
+    metrics: RequestMetrics | None = None  # on the last token only
 
     @property
     def is_finished(self) -> bool:
@@ -75,6 +104,7 @@ class Engine:
         config: engine settings.
         tokenizer: needed only for stop strings and output text.
         backend: KV kernels; chosen from the model's device when None.
+        policy: admission, reservation and preemption rules; on-demand paging when None.
     """
 
     def __init__(
@@ -83,6 +113,7 @@ class Engine:
         config: EngineConfig,
         tokenizer=None,
         backend: KVKernelBackend | None = None,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -97,8 +128,8 @@ class Engine:
             )
         bytes_per_block = pool_shape_for(model_config, 1, config.block_size, model.dtype).bytes_per_block
         self.allocator = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size)
-        self.scheduler = FcfsScheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.allocator
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.allocator, policy
         )
         self.runner = ModelRunner(
             model,
@@ -112,11 +143,22 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.swapped_bytes = 0
 
     # -- requests ---------------------------------------------------------
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> str:
-        """Queue a request; raise ValueError (changing nothing) if it can never be served."""
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seq_id: str | None = None,
+        predicted_output_tokens: int | None = None,
+    ) -> str:
+        """Queue a request; raise ValueError (changing nothing) if it can never be served.
+
+        `predicted_output_tokens` is the length predictor's upper bound, used by
+        length-aware policies; the worker never predicts by itself.
+        """
         seq_id = seq_id if seq_id is not None else f"seq-{next(self._ids)}"
         if seq_id in self._sequences:
             raise ValueError(f"request id {seq_id!r} is already in use")
@@ -143,7 +185,15 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine built with a tokenizer")
-        seq = Sequence(seq_id=seq_id, prompt_token_ids=prompt, params=params, arrival_s=time.monotonic())
+        if predicted_output_tokens is not None and predicted_output_tokens < 1:
+            raise ValueError(f"predicted_output_tokens must be >= 1 or None, got {predicted_output_tokens}")
+        seq = Sequence(
+            seq_id=seq_id,
+            prompt_token_ids=prompt,
+            params=params,
+            arrival_s=time.monotonic(),
+            predicted_output_tokens=predicted_output_tokens,
+        )
         self._sequences[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -155,6 +205,7 @@ class Engine:
             return False
         self.scheduler.finish(seq)
         self.sampler.forget(seq_id)
+        self.runner.drop_swapped(seq_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -172,20 +223,29 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Run one forward over every scheduled chunk; return the tokens it produced."""
-        chunks = self.scheduler.schedule()
+        decisions = self.scheduler.schedule()
+        for seq, block_ids in decisions.swap_out:
+            self.swapped_bytes += self.runner.swap_out(seq.seq_id, block_ids)
+        for seq, block_ids in decisions.swap_in:
+            self.swapped_bytes += self.runner.swap_in(seq.seq_id, block_ids)
+        chunks = decisions.chunks
         if not chunks:
             return []
         logits, sampling_chunks = self.runner.run(chunks, self.allocator)
-        for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
         seqs = [chunk.seq for chunk in sampling_chunks]
         token_ids = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
+        # Progress moves only once sampling succeeded: if it raised, the next
+        # step recomputes the same chunks (rewriting the same KV slots).
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
         self.num_steps += 1
         return [self._append_token(seq, token_id) for seq, token_id in zip(seqs, token_ids)]
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion (all queued at once); return output token ids in prompt order."""
         param_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"got {len(param_list)} sampling params for {len(prompts)} prompts")
         ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, param_list)]
         outputs: dict[str, list[int]] = {}
         while self.has_unfinished():
@@ -196,18 +256,32 @@ class Engine:
 
     def _append_token(self, seq: Sequence, token_id: int) -> StepOutput:
         seq.output_token_ids.append(token_id)
+        now_s = time.monotonic()
+        if seq.first_token_s is None:
+            seq.first_token_s = now_s
         reason = self._finish_reason(seq, token_id)
         if reason is None:
             return StepOutput(seq.seq_id, token_id, None)
+        seq.finish_s = now_s
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         self.sampler.forget(seq.seq_id)
         del self._sequences[seq.seq_id]
-        return StepOutput(seq.seq_id, token_id, reason, tuple(seq.output_token_ids))
+        metrics = RequestMetrics(
+            arrival_s=seq.arrival_s,
+            first_token_s=seq.first_token_s,
+            finish_s=now_s,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_preemptions=seq.num_preemptions,
+        )
+        return StepOutput(seq.seq_id, token_id, reason, tuple(seq.output_token_ids), metrics)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params
+        if params.forced_output_tokens is not None:
+            return "length" if len(seq.output_token_ids) >= params.forced_output_tokens else None
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
         if params.stop and self._hit_stop_string(seq):

@@ -62,6 +62,36 @@ class ModelRunner:
         self.pool_shape = pool_shape_for(model.config, num_blocks, block_size, model.dtype)
         self.kv_caches = allocate_block_pool(self.pool_shape, self.device)
         self.model = wrap_with_deepspeed(model, tensor_parallel_size)
+        # seq_id -> per layer (k_blocks, v_blocks), each [num_blocks, block_size, kv_heads, head_dim] on the host
+        self._swapped: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def swap_out(self, seq_id: str, block_ids: list[int]) -> int:
+        """Copy a preempted sequence's blocks to host memory; returns the bytes moved."""
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        host_shape = (len(block_ids), *self.pool_shape.layer_shape()[1:])
+        pin = self.device.type == "cuda"
+        saved = []
+        for k_cache, v_cache in self.kv_caches:
+            k_host = torch.empty(host_shape, dtype=k_cache.dtype, pin_memory=pin)
+            v_host = torch.empty(host_shape, dtype=v_cache.dtype, pin_memory=pin)
+            self.backend.swap_out(k_cache, ids, k_host)
+            self.backend.swap_out(v_cache, ids, v_host)
+            saved.append((k_host, v_host))
+        self._swapped[seq_id] = saved
+        return len(block_ids) * self.pool_shape.bytes_per_block
+
+    def swap_in(self, seq_id: str, block_ids: list[int]) -> int:
+        """Copy a sequence's host blocks into its newly allocated blocks; returns the bytes moved."""
+        saved = self._swapped.pop(seq_id)
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for (k_cache, v_cache), (k_host, v_host) in zip(self.kv_caches, saved):
+            self.backend.swap_in(k_cache, ids, k_host)
+            self.backend.swap_in(v_cache, ids, v_host)
+        return len(block_ids) * self.pool_shape.bytes_per_block
+
+    def drop_swapped(self, seq_id: str) -> None:
+        """Forget host blocks of a sequence that will not come back (aborted)."""
+        self._swapped.pop(seq_id, None)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator) -> tuple[torch.Tensor, list[ScheduledChunk]]:

@@ -59,6 +59,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
         if out_dir.exists():
             # A crashed earlier conversion left a partial folder behind.
             shutil.rmtree(out_dir)
+        for stale in out_dir.parent.glob(out_dir.name + ".tmp-*"):
+            # Temp folders of converters killed outright; we hold the lock, so none is live.
+            shutil.rmtree(stale, ignore_errors=True)
         tmp_dir = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
         try:
             source_dir, file_name = str(gguf_path.parent), gguf_path.name

@@ -1,14 +1,14 @@
-"""The in-worker loop's admission: first come, first served, while KV blocks are free.
+"""The in-worker scheduler: applies a `SchedulingPolicy` to the block allocator each step.
 
-Pure (no torch): it decides which token chunks run in the next step and keeps
-the allocator in step with those decisions. Length-aware policies (s3,
-max_reserve, ...) replace this admission rule; the chunk format stays.
+Pure (no torch): it decides which token chunks run in the next step, which
+sequences are swapped out or back in, and keeps the allocator in step with
+those decisions. The engine carries them out.
 """
 
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from workers.kv_cache_manager import BlockAllocator
+from workers.policies import PagedGreedyPolicy, PreemptionMode, SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 
 
@@ -23,6 +23,34 @@ class ScheduledChunk:
     def completes_sequence_tokens(self) -> bool:
         """After this chunk every known token has KV, so the step samples a new one."""
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's decisions. Swaps run before the forward, swap-outs first."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # blocks to copy to host
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # new blocks to copy back into
+
+
+@dataclass(frozen=True, slots=True)
+class MispredictionEvent:
+    """A sequence outran the reservation its predicted bound bought."""
+
+    seq_id: str
+    predicted_output_tokens: int | None
+    num_output_tokens: int
+    step: int
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_swaps: int = 0
+    num_swapped_blocks: int = 0
+    num_recomputed_tokens: int = 0
+    mispredictions: list[MispredictionEvent] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,15 +76,27 @@ class SchedulerConfig:
             )
 
 
-class FcfsScheduler:
-    """Admit in arrival order while blocks are free; on decode OOM preempt the newest and recompute it later."""
+class Scheduler:
+    """Admission, reservation and preemption of one worker, as the policy decides.
 
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+    Args:
+        config: step limits.
+        allocator: the worker's block allocator.
+        policy: decisions; on-demand paging (vLLM-style) when None.
+    """
+
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, policy: SchedulingPolicy | None = None):
         self.config = config
         self.allocator = allocator
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy or PagedGreedyPolicy()
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self.stats = SchedulerStats()
+        self.num_steps = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,31 +104,26 @@ class FcfsScheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> SchedulerOutput:
         """Pick the chunks of the next step, reserving the blocks they write."""
+        self.num_steps += 1
+        out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
+        preemptions_before = self.stats.num_preemptions
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if not self._reserve_or_preempt(seq):
+            if not self._ensure_capacity(seq, out):
                 continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if num_tokens == 0:
-                continue
-            chunks.append(ScheduledChunk(seq, num_tokens))
-            budget -= num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if self.allocator.allocate(seq.seq_id, seq.num_tokens) is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            chunks.append(ScheduledChunk(seq, num_tokens))
-            budget -= num_tokens
-        return chunks
+            if num_tokens > 0:
+                out.chunks.append(ScheduledChunk(seq, num_tokens))
+                budget -= num_tokens
+        if self.stats.num_preemptions == preemptions_before:
+            # Admitting right after a preemption would hand the freed blocks
+            # straight back and thrash.
+            self._admit(out, budget)
+        return out
 
     def finish(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence's blocks."""
@@ -98,23 +133,66 @@ class FcfsScheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def _reserve_or_preempt(self, seq: Sequence) -> bool:
-        """Make room for all of `seq`'s known tokens; preempt the newest running sequences if needed.
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        for seq in self.policy.admission_order(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            blocks = self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq))
+            if blocks is None:
+                if self.policy.is_first_fit:
+                    continue
+                return  # FCFS: nobody overtakes the head of the queue
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if seq.is_swapped:
+                out.swap_in.append((seq, blocks[: self.allocator.blocks_for(seq.num_computed_tokens)]))
+                seq.is_swapped = False
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if num_tokens > 0:
+                out.chunks.append(ScheduledChunk(seq, num_tokens))
+                budget -= num_tokens
 
-        Returns False when `seq` itself was the one preempted.
+    def _ensure_capacity(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Make room for all of `seq`'s known tokens, preempting as the policy says.
+
+        Returns False when `seq` itself was preempted.
         """
-        while self.allocator.extend(seq.seq_id, seq.num_tokens) is None:
-            victim = self.running[-1]
-            self._preempt(victim)
+        if self.allocator.num_reserved_tokens(seq.seq_id) >= seq.num_tokens:
+            return True
+        predicted = seq.predicted_output_tokens
+        self.policy.on_overrun(seq)
+        if seq.predicted_output_tokens != predicted:
+            self.stats.mispredictions.append(
+                MispredictionEvent(seq.seq_id, predicted, seq.num_output_tokens, self.num_steps)
+            )
+        target_tokens = max(self.policy.growth_tokens(seq), seq.num_tokens)
+        while self.allocator.extend(seq.seq_id, target_tokens) is None:
+            if self.allocator.extend(seq.seq_id, seq.num_tokens) is not None:
+                return True  # the full growth does not fit, but the next token does
+            victim = self.policy.choose_victim(seq, self.running)
+            self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        num_cached_blocks = self.allocator.blocks_for(seq.num_computed_tokens)
+        if self.policy.preemption_mode(seq) is PreemptionMode.SWAP and num_cached_blocks > 0:
+            out.swap_out.append((seq, self.allocator.block_table(seq.seq_id)[:num_cached_blocks]))
+            seq.is_swapped = True
+            self.stats.num_swaps += 1
+            self.stats.num_swapped_blocks += num_cached_blocks
+        else:
+            self.stats.num_recomputed_tokens += seq.num_computed_tokens
+            seq.num_computed_tokens = 0
         self.allocator.release(seq.seq_id)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.stats.num_preemptions += 1
+        self.waiting.insert(0, seq)
+
+
+# The first engine shipped with first-come-first-served paging under this name.
+FcfsScheduler = Scheduler

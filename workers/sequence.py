@@ -31,10 +31,18 @@ class Sequence:
     finish_reason: str | None = None
     output_text: str | None = None
     num_preemptions: int = 0
+    predicted_output_tokens: int | None = None  # the length predictor's upper bound, if any
+    is_swapped: bool = False  # its computed KV waits in host memory
+    first_token_s: float | None = None
+    finish_s: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,337 @@
+"""`s3serve bench policies`: the four scheduling policies on one model, workload and KV budget.
+
+Each policy gets a fresh engine over the same model weights and the same
+replayed trace (real prompt text, outputs forced to the trace's lengths), with
+the same KV budget. By default the budget is what worst-case reservation
+needs for `reserve_slots` sequences of `max_len` tokens: memory binds, as on a
+GPU, and the policies differ only in what they reserve.
+"""
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from benchmarks.noisy_oracle import NoisyOraclePredictor
+from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from benchmarks.report import environment, format_table, write_json
+from benchmarks.traces import build_requests, load_prompt_texts, read_trace
+from predictor_service.length_predictor import LengthPredictor, LengthQuery
+from workers.engine import Engine, EngineConfig
+from workers.model_runner import pool_shape_for
+from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.policies import PreemptionCostModel, make_policy
+from workers.sampling import SamplingParams
+
+POLICIES = ("max_reserve", "paged_greedy", "s3", "oracle")
+DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyBenchConfig:
+    """What `bench policies` runs.
+
+    Attributes:
+        trace_path: Azure CSV or Mooncake JSONL trace.
+        prompts_path: prompt texts the replayed prompts are cut from.
+        num_requests: first N trace rows.
+        max_len: longest sequence; max_tokens of every request is max_len - prompt.
+        max_prompt_tokens: prompts are capped to this (reported).
+        kv_cache_bytes: KV budget; None sizes it for `reserve_slots` worst-case sequences.
+        reserve_slots: sequences max_reserve fits when kv_cache_bytes is None.
+        mode: "offline" (all at t=0) or "online" (trace arrival times).
+        time_scale: online arrival times are multiplied by this.
+        predictor: "noisy-oracle:SIGMA" or an artifact directory.
+        sweep_sigmas: extra s3 runs with noisy-oracle predictors of these sigmas.
+        max_num_seqs: engine cap on running sequences (high: memory should bind).
+        max_num_batched_tokens: engine tokens per step.
+        seed: predictor noise seed.
+    """
+
+    trace_path: Path = DEFAULT_TRACE
+    prompts_path: Path = DEFAULT_PROMPTS
+    num_requests: int = 64
+    max_len: int = 1024
+    max_prompt_tokens: int = 256
+    kv_cache_bytes: int | None = None
+    reserve_slots: int = 4
+    mode: str = "offline"
+    time_scale: float = 1.0
+    predictor: str = "noisy-oracle:0.3"
+    sweep_sigmas: tuple[float, ...] = ()
+    policies: tuple[str, ...] = POLICIES
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 512
+    seed: int = 0
+
+
+def quick_config(**overrides) -> PolicyBenchConfig:
+    return PolicyBenchConfig(**{"num_requests": 32, "max_prompt_tokens": 128, **overrides})
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """Raw measurements of one policy."""
+
+    policy: str
+    wall_s: float = 0.0
+    output_tokens: int = 0
+    steps: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t_s, running, used, reserved blocks)
+    ttft_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    swapped_bytes: int = 0
+    num_mispredictions: int = 0
+    num_blocks: int = 0
+    outputs_ok: bool = True
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed: int) -> LengthPredictor:
+    """`noisy-oracle:SIGMA`, or an artifact directory (needs the predictor issue)."""
+    if spec.startswith("noisy-oracle:"):
+        try:
+            sigma = float(spec.split(":", 1)[1])
+        except ValueError:
+            raise ValueError(f"--predictor {spec!r}: SIGMA must be a number, e.g. noisy-oracle:0.3") from None
+        return NoisyOraclePredictor(true_lengths, sigma=sigma, max_len=max_len, seed=seed)
+    raise ValueError(
+        f"--predictor {spec!r}: only noisy-oracle:SIGMA is available until trained predictor artifacts land"
+    )
+
+
+def run_policy(model, name: str, requests, bounds: dict[str, int], config: PolicyBenchConfig,
+               kv_cache_bytes: int, cost_model: PreemptionCostModel, progress: tqdm) -> PolicyRun:
+    """Replay the requests through a fresh engine with one policy."""
+    kwargs = {"bucket_tokens": max(1, config.max_len // 10), "cost_model": cost_model} if name == "s3" else {}
+    engine = Engine(
+        model,
+        EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len),
+        policy=make_policy(name, **kwargs),
+    )
+    run = PolicyRun(policy=name, num_blocks=engine.allocator.num_blocks)
+    pending = sorted(requests, key=lambda r: r.arrival_s)
+    expected = {r.request_id: r.output_tokens for r in requests}
+    start_s = time.monotonic()
+    next_index = 0
+    while next_index < len(pending) or engine.has_unfinished():
+        now_s = time.monotonic() - start_s
+        while next_index < len(pending) and pending[next_index].arrival_s <= now_s:
+            request = pending[next_index]
+            engine.add_request(
+                list(request.prompt_token_ids),
+                SamplingParams(max_tokens=config.max_len - len(request.prompt_token_ids), ignore_eos=True,
+                               forced_output_tokens=request.output_tokens),
+                seq_id=request.request_id,
+                predicted_output_tokens=bounds.get(request.request_id),
+            )
+            next_index += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[next_index].arrival_s - now_s))
+            continue
+        outputs = engine.step()
+        used_blocks = sum(engine.allocator.blocks_for(s.num_computed_tokens) for s in engine.scheduler.running)
+        run.steps.append((time.monotonic() - start_s, engine.num_running, used_blocks,
+                          engine.allocator.num_reserved_blocks))
+        for out in outputs:
+            if out.is_finished:
+                metrics = out.metrics
+                run.output_tokens += metrics.num_output_tokens
+                run.outputs_ok &= metrics.num_output_tokens == expected[out.seq_id]
+                run.ttft_s.append(metrics.ttft_s)
+                run.latency_s.append(metrics.latency_s)
+                if metrics.tpot_s is not None:
+                    run.tpot_s.append(metrics.tpot_s)
+                progress.update(1)
+    run.wall_s = time.monotonic() - start_s
+    stats = engine.scheduler.stats
+    run.num_preemptions = stats.num_preemptions
+    run.num_recomputed_tokens = stats.num_recomputed_tokens
+    run.swapped_bytes = engine.swapped_bytes
+    run.num_mispredictions = len(stats.mispredictions)
+    return run
+
+
+def summarize(run: PolicyRun, num_requests: int) -> dict:
+    running = [s[1] for s in run.steps] or [0]
+    return {
+        "tokens_per_s": run.output_tokens / run.wall_s,
+        "requests_per_s": num_requests / run.wall_s,
+        "wall_s": run.wall_s,
+        "output_tokens": run.output_tokens,
+        "all_outputs_exact_length": run.outputs_ok,
+        "mean_concurrency": statistics.fmean(running),
+        "max_concurrency": max(running),
+        "kv_blocks_total": run.num_blocks,
+        "kv_used_fraction_mean": statistics.fmean(s[2] for s in run.steps) / run.num_blocks if run.steps else 0.0,
+        "kv_reserved_fraction_mean": statistics.fmean(s[3] for s in run.steps) / run.num_blocks if run.steps else 0.0,
+        "preemptions": run.num_preemptions,
+        "recomputed_tokens": run.num_recomputed_tokens,
+        "swapped_bytes": run.swapped_bytes,
+        "mispredictions": run.num_mispredictions,
+        "latency_p50_s": _percentile(run.latency_s, 0.5),
+        "latency_p99_s": _percentile(run.latency_s, 0.99),
+        "ttft_p50_s": _percentile(run.ttft_s, 0.5),
+        "ttft_p99_s": _percentile(run.ttft_s, 0.99),
+        "tpot_p50_s": _percentile(run.tpot_s, 0.5),
+    }
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def plot_runs(runs: list[PolicyRun], summaries: dict[str, dict], plot_dir: Path) -> list[Path]:
+    """Throughput per policy, KV utilisation over time, concurrency over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    figure, axis = plt.subplots(figsize=(6, 4))
+    names = [run.policy for run in runs]
+    axis.bar(names, [summaries[n]["tokens_per_s"] for n in names], color="#4c72b0")
+    axis.set_ylabel("output tokens / s")
+    axis.set_title("Throughput per policy")
+    paths.append(plot_dir / "throughput.png")
+    figure.tight_layout()
+    figure.savefig(paths[-1], dpi=120)
+    plt.close(figure)
+    for filename, title, column, ylabel in (
+        ("kv_utilisation.png", "KV blocks used (solid) and reserved (dashed)", None, "fraction of KV budget"),
+        ("concurrency.png", "Running sequences over time", 1, "running sequences"),
+    ):
+        figure, axis = plt.subplots(figsize=(7, 4))
+        for run in runs:
+            times = [s[0] for s in run.steps]
+            if column is None:
+                line, = axis.plot(times, [s[2] / run.num_blocks for s in run.steps], label=run.policy)
+                axis.plot(times, [s[3] / run.num_blocks for s in run.steps], linestyle="--", color=line.get_color())
+            else:
+                axis.plot(times, [s[column] for s in run.steps], label=run.policy)
+        axis.set_xlabel("seconds")
+        axis.set_ylabel(ylabel)
+        axis.set_title(title)
+        axis.legend()
+        paths.append(plot_dir / filename)
+        figure.tight_layout()
+        figure.savefig(paths[-1], dpi=120)
+        plt.close(figure)
+    return paths
+
+
+def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None,
+        json_path: Path | None = None, plot_dir: Path | None = None) -> dict:
+    """Run every policy (and the sigma sweep), print tables, write JSON and plots."""
+    if config.mode not in ("offline", "online"):
+        raise ValueError(f"--mode must be offline or online, got {config.mode!r}")
+    unknown = [p for p in config.policies if p not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    rows = read_trace(config.trace_path, config.num_requests)
+    model_dir = resolve_model_dir(model_name, model_cache_dir)
+    tokenizer = load_tokenizer(model_dir)
+    requests, capping = build_requests(
+        rows, tokenizer, load_prompt_texts(config.prompts_path), max_len=config.max_len,
+        max_prompt_tokens=config.max_prompt_tokens, mode=config.mode, time_scale=config.time_scale,
+    )
+    print(f"trace {config.trace_path}: {capping.describe()}")
+    model = load_model(model_dir)
+    pool = pool_shape_for(model.config, 1, 16, model.dtype)
+    bytes_per_token = pool.bytes_per_block // pool.block_size
+    kv_cache_bytes = config.kv_cache_bytes or config.reserve_slots * config.max_len * bytes_per_token
+    cost_model = PreemptionCostModel(kv_bytes_per_token=bytes_per_token)
+    true_lengths = {r.request_id: r.output_tokens for r in requests}
+    queries = [LengthQuery(r.request_id, r.prompt_token_ids, config.max_len - len(r.prompt_token_ids))
+               for r in requests]
+
+    def bounds_for(spec: str) -> dict[str, int]:
+        predictor = parse_predictor(spec, true_lengths, config.max_len, config.seed)
+        return {q.prompt_id: p.upper_bound_tokens for q, p in zip(queries, predictor.predict(queries))}
+
+    bounds = bounds_for(config.predictor)
+    plan = [(name, config.predictor) for name in config.policies]
+    plan += [("s3", f"noisy-oracle:{sigma}") for sigma in config.sweep_sigmas]
+    runs: list[PolicyRun] = []
+    sweep: list[dict] = []
+    with tqdm(total=len(plan) * len(requests), desc="requests (all policies)", unit="req") as progress:
+        for name, spec in plan:
+            progress.set_postfix_str(f"{name} {spec}" if name == "s3" else name)
+            policy_bounds = bounds if spec == config.predictor else bounds_for(spec)
+            # A fresh copy per run: each engine installs its own attention and DeepSpeed wrapper.
+            result = run_policy(copy.deepcopy(model), name, requests, policy_bounds, config, kv_cache_bytes,
+                                cost_model, progress)
+            if spec == config.predictor and len(runs) < len(config.policies):
+                runs.append(result)
+            else:
+                summary = summarize(result, len(requests))
+                sweep.append({"predictor": spec, "tokens_per_s": summary["tokens_per_s"],
+                              "preemptions": summary["preemptions"], "mispredictions": summary["mispredictions"],
+                              "recomputed_tokens": summary["recomputed_tokens"],
+                              "mean_concurrency": summary["mean_concurrency"]})
+    summaries = {r.policy: summarize(r, len(requests)) for r in runs}
+    ratios = {}
+    if "s3" in summaries:
+        s3 = summaries["s3"]
+        for other in ("max_reserve", "paged_greedy", "oracle"):
+            if other in summaries:
+                ratios[f"s3_vs_{other}"] = _ratio(s3["tokens_per_s"], summaries[other]["tokens_per_s"])
+        if "max_reserve" in summaries:
+            ratios["s3_vs_max_reserve_concurrency"] = _ratio(s3["mean_concurrency"],
+                                                             summaries["max_reserve"]["mean_concurrency"])
+        if "paged_greedy" in summaries:
+            ratios["s3_vs_paged_greedy_recomputed_tokens"] = _ratio(
+                s3["recomputed_tokens"], summaries["paged_greedy"]["recomputed_tokens"])
+            ratios["s3_vs_paged_greedy_latency_p99"] = _ratio(
+                s3["latency_p99_s"], summaries["paged_greedy"]["latency_p99_s"])
+    headers = ["policy", "tok/s", "req/s", "conc_mean", "conc_max", "kv_used", "kv_resv", "preempt",
+               "recomp_tok", "swap_MB", "lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50"]
+    table_rows = [[name, s["tokens_per_s"], s["requests_per_s"], s["mean_concurrency"], s["max_concurrency"],
+                   s["kv_used_fraction_mean"], s["kv_reserved_fraction_mean"], s["preemptions"],
+                   s["recomputed_tokens"], s["swapped_bytes"] / 1e6, s["latency_p50_s"], s["latency_p99_s"],
+                   s["ttft_p50_s"], s["ttft_p99_s"], s["tpot_p50_s"]] for name, s in summaries.items()]
+    print(format_table(headers, table_rows))
+    print(format_table(["ratio", "value"], [[k, v if v is not None else "n/a"] for k, v in ratios.items()]))
+    if sweep:
+        print(format_table(["s3 predictor", "tok/s", "preempt", "mispred", "recomp_tok", "conc_mean"],
+                           [[s["predictor"], s["tokens_per_s"], s["preemptions"], s["mispredictions"],
+                             s["recomputed_tokens"], s["mean_concurrency"]] for s in sweep]))
+    result = {
+        "benchmark": "policies",
+        "model": model_name,
+        "trace": str(config.trace_path),
+        "mode": config.mode,
+        "time_scale": config.time_scale,
+        "num_requests": len(requests),
+        "max_len": config.max_len,
+        "predictor": config.predictor,
+        "kv_cache_bytes": kv_cache_bytes,
+        "kv_blocks": runs[0].num_blocks if runs else None,
+        "max_reserve_slots": kv_cache_bytes // (config.max_len * bytes_per_token),
+        "capping": {"description": capping.describe(), "num_prompt_capped": capping.num_prompt_capped,
+                    "num_output_capped": capping.num_output_capped,
+                    "mean_prompt_tokens": capping.mean_prompt_tokens,
+                    "mean_output_tokens": capping.mean_output_tokens},
+        "policies": summaries,
+        "ratios": ratios,
+        "sigma_sweep": sweep,
+        "environment": environment(),
+    }
+    if plot_dir is not None and runs:
+        result["plots"] = [str(p) for p in plot_runs(runs, summaries, Path(plot_dir))]
+    write_json(json_path, result)
+    return result

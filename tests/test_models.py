@@ -1,0 +1,118 @@
+"""Model folders: GGUF conversion (idempotent, safe when two processes race), local folders, the chat template.
+
+The conversion tests are slow: one conversion takes ~25 s on CPU. The race runs
+two conversions side by side once per session, and the other slow tests read its result.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.models import COMPLETE_MARKER, convert_gguf, find_default_gguf, load_model, load_tokenizer, resolve_model_dir
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONVERT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from workers.models import convert_gguf, find_default_gguf
+    print(convert_gguf(find_default_gguf(), Path(sys.argv[1])))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def raced_conversion(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]]:
+    """Two processes convert into the same fresh folder at the same time."""
+    out_dir = tmp_path_factory.mktemp("race") / "m"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONVERT_SCRIPT, str(out_dir)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = []
+    for proc in procs:
+        try:
+            stdout, stderr = proc.communicate(timeout=400)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return out_dir, results
+
+
+@pytest.mark.slow
+def test_racing_conversions_both_succeed_into_one_complete_folder(raced_conversion):
+    out_dir, results = raced_conversion
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip().splitlines()[-1] == str(out_dir)
+    names = {path.name for path in out_dir.iterdir()}
+    assert {"config.json", "model.safetensors", COMPLETE_MARKER} <= names
+    assert any(name.startswith("tokenizer") for name in names)
+    # Only the folder and its lock file remain: no half-written temporary copies.
+    assert sorted(path.name for path in out_dir.parent.iterdir()) == ["m", "m.lock"]
+
+
+@pytest.mark.slow
+def test_converted_model_loads_and_runs(raced_conversion):
+    out_dir, _ = raced_conversion
+    assert resolve_model_dir(str(out_dir)) == out_dir
+    model = load_model(out_dir)
+    assert not model.training
+    assert next(model.parameters()).dtype == torch.float32
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, model.config.vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.slow
+def test_second_conversion_returns_without_rewriting(raced_conversion):
+    out_dir, _ = raced_conversion
+    weights = out_dir / "model.safetensors"
+    mtime_ns = weights.stat().st_mtime_ns
+    start_s = time.monotonic()
+    assert convert_gguf(find_default_gguf(), out_dir) == out_dir
+    assert time.monotonic() - start_s < 2.0
+    assert weights.stat().st_mtime_ns == mtime_ns
+
+
+@pytest.mark.slow
+def test_converted_tokenizer_has_a_chat_template(raced_conversion):
+    tokenizer = load_tokenizer(raced_conversion[0])
+    assert tokenizer.chat_template
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is a KV cache?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "What is a KV cache?" in text
+    assert text.rstrip().endswith("assistant")
+    token_ids = tokenizer.encode(text)
+    assert tokenizer.decode(token_ids).count("What is a KV cache?") == 1
+
+
+def test_folder_without_config_is_refused_with_a_clear_message(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"neither 'smollm2-135m-instruct' nor a local Hugging Face folder with config.json"):
+        resolve_model_dir(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="hub downloads are disabled"):
+        resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_local_folder_with_config_is_used_as_is(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model_dir(str(tmp_path)) == tmp_path

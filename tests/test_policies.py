@@ -1,0 +1,183 @@
+"""Scheduling policies on synthetic request lists, driven without a model.
+
+`simulate` plays the engine's part: it runs the scheduler's chunks, marks
+their tokens computed, appends a fake token to every sequence whose known
+tokens are all cached, and finishes sequences at their forced length.
+"""
+
+import random
+
+import pytest
+
+from workers.kv_cache_manager import BlockAllocator
+from workers.policies import (
+    MaxReservePolicy,
+    OraclePolicy,
+    PagedGreedyPolicy,
+    PreemptionCostModel,
+    PreemptionMode,
+    S3Policy,
+    make_policy,
+    next_bound,
+)
+from workers.sampling import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig
+from workers.sequence import Sequence, SequenceStatus
+
+BLOCK_SIZE = 4
+MAX_LEN = 256
+
+
+def make_requests(num: int, seed: int = 0, prediction_error: float | None = 0.0) -> list[Sequence]:
+    """Sequences with random prompt and forced output lengths; predicted bound = true * (1 + error)."""
+    rng = random.Random(seed)
+    seqs = []
+    for i in range(num):
+        prompt_len = rng.randint(1, 40)
+        true_len = rng.randint(1, 120)
+        predicted = None if prediction_error is None else max(1, int(true_len * (1 + prediction_error)))
+        seqs.append(Sequence(
+            seq_id=f"r{i}",
+            prompt_token_ids=list(range(prompt_len)),
+            params=SamplingParams(max_tokens=MAX_LEN - prompt_len, ignore_eos=True, forced_output_tokens=true_len),
+            predicted_output_tokens=predicted,
+        ))
+    return seqs
+
+
+def simulate(policy, seqs: list[Sequence], num_blocks: int, max_num_seqs: int = 64, max_steps: int = 20_000):
+    """Run to completion; returns (scheduler, allocator, per-step running counts, swapped-out sequence ids)."""
+    allocator = BlockAllocator(num_blocks, BLOCK_SIZE)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, 64), allocator, policy)
+    for seq in seqs:
+        scheduler.add(seq)
+    running_counts, swapped = [], set()
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished():
+            break
+        out = scheduler.schedule()
+        assert allocator.num_reserved_blocks <= num_blocks
+        allocator.check_invariants()
+        for seq, block_ids in out.swap_out:
+            swapped.add(seq.seq_id)
+        for seq, block_ids in out.swap_in:
+            assert seq.seq_id in swapped
+            assert len(block_ids) == allocator.blocks_for(seq.num_computed_tokens)
+        running_counts.append(len(scheduler.running))
+        for chunk in out.chunks:
+            seq = chunk.seq
+            samples = chunk.completes_sequence_tokens
+            assert allocator.num_reserved_tokens(seq.seq_id) >= seq.num_computed_tokens + chunk.num_tokens
+            seq.num_computed_tokens += chunk.num_tokens
+            if samples:
+                seq.output_token_ids.append(7)
+                if seq.num_output_tokens == seq.params.forced_output_tokens:
+                    seq.status = SequenceStatus.FINISHED
+                    scheduler.finish(seq)
+    assert not scheduler.has_unfinished(), "simulation did not finish"
+    return scheduler, allocator, running_counts, swapped
+
+
+def test_max_reserve_never_preempts_and_stays_in_budget():
+    seqs = make_requests(30, seed=1)
+    scheduler, allocator, running, _ = simulate(MaxReservePolicy(), seqs, num_blocks=3 * MAX_LEN // BLOCK_SIZE)
+    assert scheduler.stats.num_preemptions == 0
+    assert max(running) <= 3  # each reserves a whole max-length sequence
+    assert all(s.num_output_tokens == s.params.forced_output_tokens for s in seqs)
+    assert allocator.num_free_blocks == allocator.num_blocks
+
+
+def test_oracle_never_preempts():
+    seqs = make_requests(40, seed=2)
+    scheduler, allocator, _, _ = simulate(OraclePolicy(), seqs, num_blocks=120)
+    assert scheduler.stats.num_preemptions == 0
+    assert allocator.num_free_blocks == allocator.num_blocks
+
+
+def test_s3_with_exact_predictions_never_preempts_and_packs_more_than_max_reserve():
+    num_blocks = 3 * MAX_LEN // BLOCK_SIZE
+    s3_scheduler, allocator, s3_running, _ = simulate(S3Policy(bucket_tokens=25), make_requests(40, 3), num_blocks)
+    _, _, max_running, _ = simulate(MaxReservePolicy(), make_requests(40, 3), num_blocks)
+    assert s3_scheduler.stats.num_preemptions == 0
+    assert s3_scheduler.stats.mispredictions == []
+    assert sum(s3_running) / len(s3_running) > 2 * sum(max_running) / len(max_running)
+    assert allocator.num_free_blocks == allocator.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_s3_under_predictions_preempt_requeue_and_finish_with_right_lengths(mode):
+    # Prefill 1 s/token and a free swap make swap cheaper; the reverse makes recompute cheaper.
+    cost = (PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18) if mode == "swap"
+            else PreemptionCostModel(prefill_s_per_token=0.0, swap_bytes_per_s=1.0))
+    seqs = make_requests(40, seed=4, prediction_error=-0.6)
+    scheduler, allocator, _, swapped = simulate(S3Policy(bucket_tokens=25, cost_model=cost), seqs, num_blocks=60)
+    stats = scheduler.stats
+    assert stats.num_preemptions > 0
+    assert len(stats.mispredictions) > 0
+    event = stats.mispredictions[0]
+    assert event.predicted_output_tokens is not None and event.num_output_tokens > event.predicted_output_tokens
+    assert all(s.num_output_tokens == s.params.forced_output_tokens for s in seqs)
+    assert any(s.num_preemptions > 0 for s in seqs)
+    if mode == "swap":
+        assert swapped and stats.num_swapped_blocks > 0 and stats.num_recomputed_tokens == 0
+    else:
+        assert not swapped and stats.num_recomputed_tokens > 0
+    assert allocator.num_free_blocks == allocator.num_blocks
+
+
+def test_paged_greedy_preempts_newest_and_recomputes_under_pressure():
+    seqs = make_requests(40, seed=5)
+    scheduler, allocator, _, swapped = simulate(PagedGreedyPolicy(), seqs, num_blocks=40)
+    assert scheduler.stats.num_preemptions > 0
+    assert scheduler.stats.num_recomputed_tokens > 0 and not swapped
+    assert all(s.num_output_tokens == s.params.forced_output_tokens for s in seqs)
+    assert allocator.num_free_blocks == allocator.num_blocks
+
+
+@pytest.mark.parametrize("name", ["max_reserve", "paged_greedy", "s3", "oracle"])
+@pytest.mark.parametrize("seed", [10, 11, 12])
+def test_no_policy_leaks_blocks(name, seed):
+    seqs = make_requests(25, seed=seed, prediction_error=random.Random(seed).uniform(-0.7, 0.7))
+    _, allocator, _, _ = simulate(make_policy(name), seqs, num_blocks=MAX_LEN // BLOCK_SIZE + 8)
+    allocator.check_invariants()
+    assert allocator.num_free_blocks == allocator.num_blocks
+    assert all(s.num_output_tokens == s.params.forced_output_tokens for s in seqs)
+
+
+def test_s3_admits_largest_predicted_first_and_first_fit():
+    big = Sequence("big", list(range(10)), SamplingParams(max_tokens=200), predicted_output_tokens=150)
+    mid = Sequence("mid", list(range(10)), SamplingParams(max_tokens=200), predicted_output_tokens=30)
+    small = Sequence("small", list(range(10)), SamplingParams(max_tokens=200), predicted_output_tokens=5)
+    policy = S3Policy()
+    assert [s.seq_id for s in policy.admission_order([small, big, mid])] == ["big", "mid", "small"]
+    # 20 blocks of 4 tokens: big (160 tokens = 40 blocks) cannot fit; first fit goes on to the others.
+    scheduler = Scheduler(SchedulerConfig(8, 64), BlockAllocator(20, 4), policy)
+    for seq in (small, big, mid):
+        scheduler.add(seq)
+    scheduler.schedule()
+    assert [s.seq_id for s in scheduler.running] == ["mid", "small"]
+    assert [s.seq_id for s in scheduler.waiting] == ["big"]
+
+
+def test_next_bound_moves_to_a_larger_bucket_within_max_tokens():
+    assert next_bound(current_bound=50, num_output_tokens=51, max_tokens=1000, bucket_tokens=100) == 100
+    assert next_bound(current_bound=100, num_output_tokens=101, max_tokens=1000, bucket_tokens=100) == 200
+    assert next_bound(current_bound=700, num_output_tokens=701, max_tokens=900, bucket_tokens=100) == 900
+
+
+def test_cost_model_prefers_swap_when_copying_is_cheaper():
+    cheap_copy = PreemptionCostModel(prefill_s_per_token=1e-3, swap_bytes_per_s=1e10, kv_bytes_per_token=1000)
+    slow_copy = PreemptionCostModel(prefill_s_per_token=1e-6, swap_bytes_per_s=1e6, kv_bytes_per_token=1000)
+    assert cheap_copy.cheaper_mode(100) is PreemptionMode.SWAP
+    assert slow_copy.cheaper_mode(100) is PreemptionMode.RECOMPUTE
+
+
+def test_make_policy_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown policy 'fifo'"):
+        make_policy("fifo")
+
+
+def test_oracle_requires_the_true_length():
+    seq = Sequence("x", [1, 2], SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="forced_output_tokens"):
+        OraclePolicy().reservation_tokens(seq)
