@@ -26,7 +26,7 @@ from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_mo
 from workers.policies import PreemptionCostModel, make_policy
 from workers.sampling import SamplingParams
 
-POLICIES = ("max_reserve", "paged_greedy", "s3", "oracle")
+POLICIES = ("max_reserve", "paged_greedy", "s3", "s3_peak", "oracle")
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 
 
@@ -114,7 +114,8 @@ def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed:
 def run_policy(model, name: str, requests, bounds: dict[str, int], config: PolicyBenchConfig,
                kv_cache_bytes: int, cost_model: PreemptionCostModel, progress: tqdm) -> PolicyRun:
     """Replay the requests through a fresh engine with one policy."""
-    kwargs = {"bucket_tokens": max(1, config.max_len // 10), "cost_model": cost_model} if name == "s3" else {}
+    is_s3 = name.startswith("s3")
+    kwargs = {"bucket_tokens": max(1, config.max_len // 10), "cost_model": cost_model} if is_s3 else {}
     engine = Engine(
         model,
         EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
@@ -265,12 +266,13 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
 
     bounds = bounds_for(config.predictor)
     plan = [(name, config.predictor) for name in config.policies]
-    plan += [("s3", f"noisy-oracle:{sigma}") for sigma in config.sweep_sigmas]
+    plan += [(name, f"noisy-oracle:{sigma}") for sigma in config.sweep_sigmas
+             for name in ("s3", "s3_peak") if name in config.policies]
     runs: list[PolicyRun] = []
     sweep: list[dict] = []
     with tqdm(total=len(plan) * len(requests), desc="requests (all policies)", unit="req") as progress:
         for name, spec in plan:
-            progress.set_postfix_str(f"{name} {spec}" if name == "s3" else name)
+            progress.set_postfix_str(f"{name} {spec}" if name.startswith("s3") else name)
             policy_bounds = bounds if spec == config.predictor else bounds_for(spec)
             # A fresh copy per run: each engine installs its own attention and DeepSpeed wrapper.
             result = run_policy(copy.deepcopy(model), name, requests, policy_bounds, config, kv_cache_bytes,
@@ -279,25 +281,27 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
                 runs.append(result)
             else:
                 summary = summarize(result, len(requests))
-                sweep.append({"predictor": spec, "tokens_per_s": summary["tokens_per_s"],
+                sweep.append({"policy": name, "predictor": spec, "tokens_per_s": summary["tokens_per_s"],
                               "preemptions": summary["preemptions"], "mispredictions": summary["mispredictions"],
                               "recomputed_tokens": summary["recomputed_tokens"],
                               "mean_concurrency": summary["mean_concurrency"]})
     summaries = {r.policy: summarize(r, len(requests)) for r in runs}
     ratios = {}
-    if "s3" in summaries:
-        s3 = summaries["s3"]
+    for ours in ("s3", "s3_peak"):
+        if ours not in summaries:
+            continue
+        mine = summaries[ours]
         for other in ("max_reserve", "paged_greedy", "oracle"):
             if other in summaries:
-                ratios[f"s3_vs_{other}"] = _ratio(s3["tokens_per_s"], summaries[other]["tokens_per_s"])
+                ratios[f"{ours}_vs_{other}"] = _ratio(mine["tokens_per_s"], summaries[other]["tokens_per_s"])
         if "max_reserve" in summaries:
-            ratios["s3_vs_max_reserve_concurrency"] = _ratio(s3["mean_concurrency"],
-                                                             summaries["max_reserve"]["mean_concurrency"])
+            ratios[f"{ours}_vs_max_reserve_concurrency"] = _ratio(
+                mine["mean_concurrency"], summaries["max_reserve"]["mean_concurrency"])
         if "paged_greedy" in summaries:
-            ratios["s3_vs_paged_greedy_recomputed_tokens"] = _ratio(
-                s3["recomputed_tokens"], summaries["paged_greedy"]["recomputed_tokens"])
-            ratios["s3_vs_paged_greedy_latency_p99"] = _ratio(
-                s3["latency_p99_s"], summaries["paged_greedy"]["latency_p99_s"])
+            ratios[f"{ours}_vs_paged_greedy_recomputed_tokens"] = _ratio(
+                mine["recomputed_tokens"], summaries["paged_greedy"]["recomputed_tokens"])
+            ratios[f"{ours}_vs_paged_greedy_latency_p99"] = _ratio(
+                mine["latency_p99_s"], summaries["paged_greedy"]["latency_p99_s"])
     headers = ["policy", "tok/s", "req/s", "conc_mean", "conc_max", "kv_used", "kv_resv", "preempt",
                "recomp_tok", "swap_MB", "lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50"]
     table_rows = [[name, s["tokens_per_s"], s["requests_per_s"], s["mean_concurrency"], s["max_concurrency"],
@@ -307,8 +311,8 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     print(format_table(headers, table_rows))
     print(format_table(["ratio", "value"], [[k, v if v is not None else "n/a"] for k, v in ratios.items()]))
     if sweep:
-        print(format_table(["s3 predictor", "tok/s", "preempt", "mispred", "recomp_tok", "conc_mean"],
-                           [[s["predictor"], s["tokens_per_s"], s["preemptions"], s["mispredictions"],
+        print(format_table(["policy", "predictor", "tok/s", "preempt", "mispred", "recomp_tok", "conc_mean"],
+                           [[s["policy"], s["predictor"], s["tokens_per_s"], s["preemptions"], s["mispredictions"],
                              s["recomputed_tokens"], s["mean_concurrency"]] for s in sweep]))
     result = {
         "benchmark": "policies",

@@ -138,9 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="noisy-oracle:SIGMA (true length x seeded log-normal error; a benchmark instrument) "
                                "(default: %(default)s)")
     policies.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
-                          help="subset of max_reserve paged_greedy s3 oracle (default: all four)")
+                          help="subset of max_reserve paged_greedy s3 s3_peak oracle (default: all five)")
     policies.add_argument("--sweep-sigma", type=float, nargs="+", default=None, metavar="SIGMA",
-                          help="also run s3 with noisy-oracle predictors of these sigmas; reports tok/s and preemptions")
+                          help="also run s3 and s3_peak with noisy-oracle predictors of these sigmas; reports tok/s and preemptions")
     policies.add_argument("--quick", action="store_true", help="32 requests, prompts capped at 128 tokens (< 10 min here)")
     policies.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     policies.add_argument("--plot", type=Path, default=None, metavar="DIR",

@@ -16,6 +16,7 @@ from workers.policies import (
     PagedGreedyPolicy,
     PreemptionCostModel,
     PreemptionMode,
+    S3PeakPolicy,
     S3Policy,
     make_policy,
     next_bound,
@@ -134,7 +135,7 @@ def test_paged_greedy_preempts_newest_and_recomputes_under_pressure():
     assert allocator.num_free_blocks == allocator.num_blocks
 
 
-@pytest.mark.parametrize("name", ["max_reserve", "paged_greedy", "s3", "oracle"])
+@pytest.mark.parametrize("name", ["max_reserve", "paged_greedy", "s3", "s3_peak", "oracle"])
 @pytest.mark.parametrize("seed", [10, 11, 12])
 def test_no_policy_leaks_blocks(name, seed):
     seqs = make_requests(25, seed=seed, prediction_error=random.Random(seed).uniform(-0.7, 0.7))
@@ -181,3 +182,30 @@ def test_oracle_requires_the_true_length():
     seq = Sequence("x", [1, 2], SamplingParams(max_tokens=10))
     with pytest.raises(ValueError, match="forced_output_tokens"):
         OraclePolicy().reservation_tokens(seq)
+
+
+def test_s3_peak_with_exact_predictions_never_preempts_and_packs_more_than_s3():
+    num_blocks = 3 * MAX_LEN // BLOCK_SIZE
+    peak, allocator, peak_running, _ = simulate(S3PeakPolicy(bucket_tokens=25), make_requests(60, 6), num_blocks)
+    _, _, s3_running, _ = simulate(S3Policy(bucket_tokens=25), make_requests(60, 6), num_blocks)
+    assert peak.stats.num_preemptions == 0
+    assert sum(peak_running) / len(peak_running) > 1.2 * sum(s3_running) / len(s3_running)
+    assert allocator.num_free_blocks == allocator.num_blocks
+
+
+def test_s3_peak_under_predictions_preempt_and_still_finish():
+    seqs = make_requests(40, seed=7, prediction_error=-0.6)
+    scheduler, allocator, _, _ = simulate(S3PeakPolicy(bucket_tokens=25), seqs, num_blocks=60)
+    assert scheduler.stats.num_preemptions > 0 and scheduler.stats.mispredictions
+    assert all(s.num_output_tokens == s.params.forced_output_tokens for s in seqs)
+    assert allocator.num_free_blocks == allocator.num_blocks
+
+
+def test_s3_peak_refuses_a_request_whose_growth_would_collide_with_running_ones():
+    policy = S3PeakPolicy()
+    # One running sequence: 8 tokens now, 40 at its end. Budget: 12 blocks of 4 tokens = 48 tokens.
+    running = [Sequence("a", list(range(8)), SamplingParams(max_tokens=100), predicted_output_tokens=32)]
+    small = Sequence("s", list(range(4)), SamplingParams(max_tokens=100), predicted_output_tokens=4)
+    large = Sequence("l", list(range(4)), SamplingParams(max_tokens=100), predicted_output_tokens=20)
+    assert policy.can_admit(small, running, num_blocks=12, block_size=4)  # peak 40 + 8 tokens = 12 blocks
+    assert not policy.can_admit(large, running, num_blocks=12, block_size=4)  # both grow past 48 together

@@ -81,6 +81,10 @@ class SchedulingPolicy(abc.ABC):
     def on_overrun(self, seq: Sequence) -> None:
         """`seq` needs more than its reservation; policies that predict may update their bound."""
 
+    def can_admit(self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int) -> bool:
+        """Extra admission test beyond "the reservation's blocks are free"; none by default."""
+        return True
+
 
 class MaxReservePolicy(SchedulingPolicy):
     """Worst case: reserve prompt + max_tokens (FasterTransformer, ORCA-max)."""
@@ -165,12 +169,58 @@ class S3Policy(SchedulingPolicy):
         return self.cost_model.cheaper_mode(seq.num_computed_tokens)
 
 
+class S3PeakPolicy(S3Policy):
+    r"""Our extension of s3: plan the *future peak* of KV use instead of holding whole reservations.
+
+    s3 holds prompt + bound blocks for a sequence's whole life although it
+    fills them one token per step. Here blocks are taken on demand, as in
+    paging, and a request is admitted only if, with every running sequence
+    growing one token per step up to its predicted bound and then leaving,
+    the KV in use never exceeds the budget at any future step:
+
+        blocks
+          ^         seq A ends
+        B +-----------|----------------  budget
+          |      ___/|      ___
+          |  ___/    |  ___/   \___    total planned use (peak checked at
+          | /        | /                 each running sequence's last step)
+          +------------------------> steps
+
+    With exact bounds this never preempts; an overrun is handled as in s3.
+    """
+
+    name = "s3_peak"
+
+    def reservation_tokens(self, seq: Sequence) -> int:
+        return seq.num_tokens
+
+    def growth_tokens(self, seq: Sequence) -> int:
+        return seq.num_tokens
+
+    def _final_tokens(self, seq: Sequence) -> int:
+        return max(seq.num_tokens, seq.num_prompt_tokens + self._bound(seq))
+
+    def can_admit(self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int) -> bool:
+        # (tokens held now, tokens at its last step) for everyone, candidate included.
+        plans = [(s.num_tokens, self._final_tokens(s)) for s in running]
+        plans.append((seq.num_tokens, self._final_tokens(seq)))
+        # Use only rises until someone leaves, so the peak falls on some sequence's last step.
+        for horizon in sorted({final - held for held, final in plans}):
+            in_use = sum(
+                -(-min(held + horizon, final) // block_size) for held, final in plans if final - held >= horizon
+            )
+            if in_use > num_blocks:
+                return False
+        return True
+
+
 def make_policy(name: str, **kwargs) -> SchedulingPolicy:
-    """Build a policy by name: max_reserve, paged_greedy, s3 or oracle."""
+    """Build a policy by name: max_reserve, paged_greedy, s3, s3_peak or oracle."""
     policies = {
         "max_reserve": MaxReservePolicy,
         "paged_greedy": PagedGreedyPolicy,
         "s3": S3Policy,
+        "s3_peak": S3PeakPolicy,
         "oracle": OraclePolicy,
     }
     if name not in policies:

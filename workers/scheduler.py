@@ -137,7 +137,8 @@ class Scheduler:
         for seq in self.policy.admission_order(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            blocks = self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq))
+            fits = self.policy.can_admit(seq, self.running, self.allocator.num_blocks, self.allocator.block_size)
+            blocks = self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq)) if fits else None
             if blocks is None:
                 if self.policy.is_first_fit:
                     continue
