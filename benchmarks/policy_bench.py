@@ -27,6 +27,7 @@ from workers.policies import PreemptionCostModel, make_policy
 from workers.sampling import SamplingParams
 
 POLICIES = ("max_reserve", "paged_greedy", "s3", "s3_peak", "oracle")
+MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 
 
@@ -87,6 +88,7 @@ class PolicyRun:
     num_recomputed_tokens: int = 0
     swapped_bytes: int = 0
     num_mispredictions: int = 0
+    misprediction_events: list[dict] = field(default_factory=list)
     num_blocks: int = 0
     outputs_ok: bool = True
 
@@ -162,6 +164,11 @@ def run_policy(model, name: str, requests, bounds: dict[str, int], config: Polic
     run.num_recomputed_tokens = stats.num_recomputed_tokens
     run.swapped_bytes = engine.swapped_bytes
     run.num_mispredictions = len(stats.mispredictions)
+    run.misprediction_events = [
+        {"request_id": e.seq_id, "predicted_output_tokens": e.predicted_output_tokens,
+         "output_tokens_so_far": e.num_output_tokens, "step": e.step}
+        for e in stats.mispredictions[:MAX_REPORTED_EVENTS]
+    ]
     return run
 
 
@@ -182,6 +189,7 @@ def summarize(run: PolicyRun, num_requests: int) -> dict:
         "recomputed_tokens": run.num_recomputed_tokens,
         "swapped_bytes": run.swapped_bytes,
         "mispredictions": run.num_mispredictions,
+        "misprediction_events": run.misprediction_events,
         "latency_p50_s": _percentile(run.latency_s, 0.5),
         "latency_p99_s": _percentile(run.latency_s, 0.99),
         "ttft_p50_s": _percentile(run.ttft_s, 0.5),
@@ -243,6 +251,8 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     unknown = [p for p in config.policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+    for spec in [config.predictor] + [f"noisy-oracle:{sigma}" for sigma in config.sweep_sigmas]:
+        parse_predictor(spec, {}, config.max_len, config.seed)  # fail on a bad spec before loading anything
     rows = read_trace(config.trace_path, config.num_requests)
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)

@@ -1,0 +1,51 @@
+"""`s3serve bench policies` end to end on the real model, small enough for CI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_policies_writes_every_metric_ratio_and_plot(tmp_path, model_cache_dir, shared_data):
+    out_json, plot_dir = tmp_path / "out.json", tmp_path / "plots"
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "bench", "policies",
+         "--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
+         "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
+         "--num-requests", "6", "--max-len", "256", "--max-prompt-tokens", "32",
+         "--sweep-sigma", "1.5", "--model-cache-dir", str(model_cache_dir),
+         "--json", str(out_json), "--plot", str(plot_dir)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "prompts capped at 32 tokens" in result.stdout
+    data = json.loads(out_json.read_text())
+    assert set(data["policies"]) == {"max_reserve", "paged_greedy", "s3", "s3_peak", "oracle"}
+    for name, metrics in data["policies"].items():
+        for key in ("tokens_per_s", "mean_concurrency", "recomputed_tokens", "latency_p99_s", "ttft_p99_s",
+                    "tpot_p50_s", "kv_used_fraction_mean", "kv_reserved_fraction_mean", "swapped_bytes"):
+            assert key in metrics, (name, key)
+        assert metrics["all_outputs_exact_length"], name
+        assert 0 < metrics["kv_used_fraction_mean"] <= metrics["kv_reserved_fraction_mean"] <= 1.0
+    assert data["policies"]["max_reserve"]["max_concurrency"] <= data["max_reserve_slots"]
+    assert data["policies"]["max_reserve"]["preemptions"] == 0
+    assert data["policies"]["oracle"]["preemptions"] == 0
+    for key in ("s3_vs_max_reserve", "s3_vs_paged_greedy", "s3_vs_oracle"):
+        assert data["ratios"][key] > 0
+    assert [s["predictor"] for s in data["sigma_sweep"]] == ["noisy-oracle:1.5", "noisy-oracle:1.5"]
+    assert sorted(p.name for p in plot_dir.iterdir()) == ["concurrency.png", "kv_utilisation.png", "throughput.png"]
+
+
+def test_bench_policies_rejects_an_unknown_predictor_in_one_line(tmp_path, model_cache_dir, shared_data):
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "bench", "policies", "--num-requests", "2",
+         "--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
+         "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
+         "--predictor", "noisy-oracle:abc", "--model-cache-dir", str(model_cache_dir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    assert "noisy-oracle:abc" in result.stderr and "SIGMA must be a number" in result.stderr
