@@ -8,7 +8,6 @@ GPU, and the policies differ only in what they reserve.
 """
 
 import copy
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,7 +79,9 @@ class PolicyRun:
     policy: str
     wall_s: float = 0.0
     output_tokens: int = 0
-    steps: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t_s, running, used, reserved blocks)
+    # (end of step s, step duration s, sequences in the step, used blocks, reserved blocks); idle
+    # gaps of online replay are steps with no sequence.
+    steps: list[tuple[float, float, int, int, int]] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
@@ -94,6 +95,7 @@ class PolicyRun:
 
 
 def _percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (no interpolation); None for no values."""
     if not values:
         return None
     ordered = sorted(values)
@@ -139,15 +141,19 @@ def run_policy(model, name: str, requests, bounds: dict[str, int], config: Polic
                                forced_output_tokens=request.output_tokens),
                 seq_id=request.request_id,
                 predicted_output_tokens=bounds.get(request.request_id),
+                arrival_s=start_s + request.arrival_s,
             )
             next_index += 1
         if not engine.has_unfinished():
-            time.sleep(max(0.0, pending[next_index].arrival_s - now_s))
+            idle_s = max(0.0, pending[next_index].arrival_s - now_s)
+            time.sleep(idle_s)
+            run.steps.append((time.monotonic() - start_s, idle_s, 0, 0, 0))
             continue
+        step_start_s = time.monotonic()
         outputs = engine.step()
-        used_blocks = sum(engine.allocator.blocks_for(s.num_computed_tokens) for s in engine.scheduler.running)
-        run.steps.append((time.monotonic() - start_s, engine.num_running, used_blocks,
-                          engine.allocator.num_reserved_blocks))
+        now_s = time.monotonic()
+        run.steps.append((now_s - start_s, now_s - step_start_s, engine.last_num_scheduled,
+                          engine.last_used_blocks, engine.last_reserved_blocks))
         for out in outputs:
             if out.is_finished:
                 metrics = out.metrics
@@ -172,19 +178,24 @@ def run_policy(model, name: str, requests, bounds: dict[str, int], config: Polic
     return run
 
 
+def _time_mean(run: PolicyRun, column: int) -> float:
+    """Mean of a step column weighted by step duration (idle gaps count as zero)."""
+    total_s = sum(step[1] for step in run.steps)
+    return sum(step[1] * step[column] for step in run.steps) / total_s if total_s else 0.0
+
+
 def summarize(run: PolicyRun, num_requests: int) -> dict:
-    running = [s[1] for s in run.steps] or [0]
     return {
         "tokens_per_s": run.output_tokens / run.wall_s,
         "requests_per_s": num_requests / run.wall_s,
         "wall_s": run.wall_s,
         "output_tokens": run.output_tokens,
         "all_outputs_exact_length": run.outputs_ok,
-        "mean_concurrency": statistics.fmean(running),
-        "max_concurrency": max(running),
+        "mean_concurrency": _time_mean(run, 2),
+        "max_concurrency": max((step[2] for step in run.steps), default=0),
         "kv_blocks_total": run.num_blocks,
-        "kv_used_fraction_mean": statistics.fmean(s[2] for s in run.steps) / run.num_blocks if run.steps else 0.0,
-        "kv_reserved_fraction_mean": statistics.fmean(s[3] for s in run.steps) / run.num_blocks if run.steps else 0.0,
+        "kv_used_fraction_mean": _time_mean(run, 3) / run.num_blocks,
+        "kv_reserved_fraction_mean": _time_mean(run, 4) / run.num_blocks,
         "preemptions": run.num_preemptions,
         "recomputed_tokens": run.num_recomputed_tokens,
         "swapped_bytes": run.swapped_bytes,
@@ -222,14 +233,14 @@ def plot_runs(runs: list[PolicyRun], summaries: dict[str, dict], plot_dir: Path)
     plt.close(figure)
     for filename, title, column, ylabel in (
         ("kv_utilisation.png", "KV blocks used (solid) and reserved (dashed)", None, "fraction of KV budget"),
-        ("concurrency.png", "Running sequences over time", 1, "running sequences"),
+        ("concurrency.png", "Running sequences over time", 2, "running sequences"),
     ):
         figure, axis = plt.subplots(figsize=(7, 4))
         for run in runs:
             times = [s[0] for s in run.steps]
             if column is None:
-                line, = axis.plot(times, [s[2] / run.num_blocks for s in run.steps], label=run.policy)
-                axis.plot(times, [s[3] / run.num_blocks for s in run.steps], linestyle="--", color=line.get_color())
+                line, = axis.plot(times, [s[3] / run.num_blocks for s in run.steps], label=run.policy)
+                axis.plot(times, [s[4] / run.num_blocks for s in run.steps], linestyle="--", color=line.get_color())
             else:
                 axis.plot(times, [s[column] for s in run.steps], label=run.policy)
         axis.set_xlabel("seconds")

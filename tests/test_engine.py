@@ -419,3 +419,64 @@ def test_engine_refuses_a_context_longer_than_the_model(tiny_model):
 def test_engine_refuses_a_budget_without_one_block(tiny_model):
     with pytest.raises(ValueError, match=f"kv_cache_bytes={BYTES_PER_BLOCK - 1} holds no block of {BYTES_PER_BLOCK} bytes"):
         Engine(copy.deepcopy(tiny_model), EngineConfig(kv_cache_bytes=BYTES_PER_BLOCK - 1, block_size=BLOCK_SIZE))
+
+
+@pytest.mark.parametrize("predicted", [3.5, 0, True, "12"])
+def test_a_malformed_prediction_is_refused_at_the_door(tiny_model, hf_greedy, predicted):
+    engine = make_engine(tiny_model)
+    prompt = make_prompt(5, seed=80)
+    engine.add_request(prompt, greedy(6), seq_id="good")
+    with pytest.raises(ValueError, match="predicted_output_tokens must be an integer >= 1"):
+        engine.add_request(make_prompt(3, seed=81), greedy(4), predicted_output_tokens=predicted)
+    outputs = drain(engine)
+    assert list(outputs[-1].output_token_ids) == hf_greedy(prompt, 6)
+    assert_pool_empty(engine)
+
+
+def test_oracle_policy_refuses_a_request_without_its_true_length_and_keeps_serving(tiny_model, hf_greedy):
+    from workers.policies import OraclePolicy
+
+    model = copy.deepcopy(tiny_model)
+    engine = Engine(model, EngineConfig(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+                                        max_num_seqs=4, max_num_batched_tokens=64), policy=OraclePolicy())
+    prompt = make_prompt(5, seed=82)
+    engine.add_request(prompt, SamplingParams(max_tokens=20, forced_output_tokens=6), seq_id="good")
+    with pytest.raises(ValueError, match="forced_output_tokens"):
+        engine.add_request(make_prompt(3, seed=83), greedy(4))
+    outputs = drain(engine)
+    assert list(outputs[-1].output_token_ids) == hf_greedy(prompt, 6)
+    assert outputs[-1].finish_reason == "length"
+    assert_pool_empty(engine)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("policy_name", ["s3", "s3_peak"])
+def test_mispredicted_sequences_preempted_by_swap_or_recompute_keep_exact_greedy_tokens(
+    tiny_model, hf_greedy, mode, policy_name
+):
+    from workers.policies import PreemptionCostModel, make_policy
+
+    cost = (PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18, swap_overhead_s=0.0)
+            if mode == "swap" else PreemptionCostModel(prefill_s_per_token=0.0, swap_bytes_per_s=1.0))
+    engine = Engine(
+        copy.deepcopy(tiny_model),
+        EngineConfig(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
+                     max_num_batched_tokens=16),
+        policy=make_policy(policy_name, bucket_tokens=4, cost_model=cost),
+    )
+    prompts = {f"r{i}": make_prompt(3 + 2 * i, seed=90 + i) for i in range(6)}
+    lengths = {f"r{i}": 10 + 3 * i for i in range(6)}
+    for seq_id, prompt in prompts.items():
+        # Every prediction is 2 tokens: all of them outrun their reservation.
+        engine.add_request(prompt, SamplingParams(max_tokens=40, forced_output_tokens=lengths[seq_id]),
+                           seq_id=seq_id, predicted_output_tokens=2)
+    finished = {out.seq_id: out for out in drain(engine) if out.is_finished}
+    stats = engine.scheduler.stats
+    assert stats.num_preemptions > 0 and stats.mispredictions
+    if mode == "swap":
+        assert engine.swapped_bytes > 0 and stats.num_recomputed_tokens == 0
+    else:
+        assert engine.swapped_bytes == 0 and stats.num_recomputed_tokens > 0
+    for seq_id, prompt in prompts.items():
+        assert list(finished[seq_id].output_token_ids) == hf_greedy(prompt, lengths[seq_id]), seq_id
+    assert_pool_empty(engine)

@@ -207,5 +207,28 @@ def test_s3_peak_refuses_a_request_whose_growth_would_collide_with_running_ones(
     running = [Sequence("a", list(range(8)), SamplingParams(max_tokens=100), predicted_output_tokens=32)]
     small = Sequence("s", list(range(4)), SamplingParams(max_tokens=100), predicted_output_tokens=4)
     large = Sequence("l", list(range(4)), SamplingParams(max_tokens=100), predicted_output_tokens=20)
-    assert policy.can_admit(small, running, num_blocks=12, block_size=4)  # peak 40 + 8 tokens = 12 blocks
-    assert not policy.can_admit(large, running, num_blocks=12, block_size=4)  # both grow past 48 together
+    assert policy.can_admit(small, running, num_blocks=12, block_size=4, step_token_budget=64)  # peak 40 + 8 tokens = 12 blocks
+    assert not policy.can_admit(large, running, num_blocks=12, block_size=4, step_token_budget=64)  # both grow past 48 together
+
+
+def test_s3_peak_plans_a_sequence_past_its_bound_with_the_next_bound():
+    policy = S3PeakPolicy(bucket_tokens=8)
+    # Bound 1 but already 6 tokens out, all inside its reserved blocks: it will keep growing.
+    overrun = Sequence("a", list(range(4)), SamplingParams(max_tokens=100), predicted_output_tokens=1)
+    overrun.output_token_ids = [7] * 6
+    overrun.num_computed_tokens = 9
+    newcomer = Sequence("b", list(range(4)), SamplingParams(max_tokens=100), predicted_output_tokens=4)
+    # Planned as ending now (10 tokens, 3 blocks) both would fit in 4 blocks; planned to the next
+    # bound (8 outputs, 12 tokens) it holds 3 blocks while the newcomer reaches 2.
+    assert not policy.can_admit(newcomer, [overrun], num_blocks=4, block_size=4, step_token_budget=64)
+    assert policy.can_admit(newcomer, [overrun], num_blocks=5, block_size=4, step_token_budget=64)
+
+
+def test_s3_peak_counts_the_prefill_steps_of_a_chunked_prompt():
+    policy = S3PeakPolicy()
+    # 40-token prompt, 4-token answer: with 8 tokens per step it holds 10 blocks for ~5 steps, not 1.
+    long_prompt = Sequence("p", list(range(40)), SamplingParams(max_tokens=100), predicted_output_tokens=4)
+    short = Sequence("s", list(range(4)), SamplingParams(max_tokens=100), predicted_output_tokens=12)
+    # short peaks at 16 tokens (4 blocks) after 12 steps, long_prompt has 11 blocks until it ends.
+    assert policy.can_admit(short, [long_prompt], num_blocks=14, block_size=4, step_token_budget=64)
+    assert not policy.can_admit(short, [long_prompt], num_blocks=14, block_size=4, step_token_budget=4)

@@ -144,6 +144,9 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.swapped_bytes = 0
+        self.last_num_scheduled = 0  # sequences in the latest step's forward
+        self.last_used_blocks = 0  # blocks holding computed KV after the latest step
+        self.last_reserved_blocks = 0  # blocks reserved after the latest step
 
     # -- requests ---------------------------------------------------------
 
@@ -153,11 +156,14 @@ class Engine:
         params: SamplingParams,
         seq_id: str | None = None,
         predicted_output_tokens: int | None = None,
+        arrival_s: float | None = None,
     ) -> str:
         """Queue a request; raise ValueError (changing nothing) if it can never be served.
 
         `predicted_output_tokens` is the length predictor's upper bound, used by
         length-aware policies; the worker never predicts by itself.
+        `arrival_s` (time.monotonic() seconds) defaults to now; replay passes
+        the scheduled arrival so queueing before this call counts in TTFT.
         """
         seq_id = seq_id if seq_id is not None else f"seq-{next(self._ids)}"
         if seq_id in self._sequences:
@@ -185,15 +191,22 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine built with a tokenizer")
-        if predicted_output_tokens is not None and predicted_output_tokens < 1:
-            raise ValueError(f"predicted_output_tokens must be >= 1 or None, got {predicted_output_tokens}")
+        if predicted_output_tokens is not None and (
+            isinstance(predicted_output_tokens, bool)
+            or not isinstance(predicted_output_tokens, int)
+            or predicted_output_tokens < 1
+        ):
+            raise ValueError(f"predicted_output_tokens must be an integer >= 1 or None, got {predicted_output_tokens!r}")
         seq = Sequence(
             seq_id=seq_id,
             prompt_token_ids=prompt,
             params=params,
-            arrival_s=time.monotonic(),
+            arrival_s=time.monotonic() if arrival_s is None else arrival_s,
             predicted_output_tokens=predicted_output_tokens,
         )
+        # The policy's own needs (e.g. oracle wants the true length): fail here,
+        # not inside a later step where it would stall every request.
+        self.scheduler.policy.reservation_tokens(seq)
         self._sequences[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -229,6 +242,7 @@ class Engine:
         for seq, block_ids in decisions.swap_in:
             self.swapped_bytes += self.runner.swap_in(seq.seq_id, block_ids)
         chunks = decisions.chunks
+        self.last_num_scheduled = len(chunks)
         if not chunks:
             return []
         logits, sampling_chunks = self.runner.run(chunks, self.allocator)
@@ -238,6 +252,9 @@ class Engine:
         # step recomputes the same chunks (rewriting the same KV slots).
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+        # KV as this step left it, before finished sequences give blocks back.
+        self.last_used_blocks = sum(self.allocator.blocks_for(s.num_computed_tokens) for s in self.scheduler.running)
+        self.last_reserved_blocks = self.allocator.num_reserved_blocks
         self.num_steps += 1
         return [self._append_token(seq, token_id) for seq, token_id in zip(seqs, token_ids)]
 

@@ -33,18 +33,20 @@ class PreemptionCostModel:
         prefill_s_per_token: time to recompute one token's KV.
         swap_bytes_per_s: device<->host copy bandwidth.
         kv_bytes_per_token: KV bytes of one token across all layers.
+        swap_overhead_s: fixed cost of one copy, so very short sequences recompute.
     """
 
     prefill_s_per_token: float = 1e-3
     swap_bytes_per_s: float = 5e9
     kv_bytes_per_token: int = 46_080
+    swap_overhead_s: float = 1e-3
 
     def recompute_s(self, num_tokens: int) -> float:
         return num_tokens * self.prefill_s_per_token
 
     def swap_s(self, num_tokens: int) -> float:
-        # out now, back in later
-        return 2 * num_tokens * self.kv_bytes_per_token / self.swap_bytes_per_s
+        # out now, back in later, each copy with a fixed launch/bookkeeping cost
+        return 2 * (self.swap_overhead_s + num_tokens * self.kv_bytes_per_token / self.swap_bytes_per_s)
 
     def cheaper_mode(self, num_tokens: int) -> PreemptionMode:
         if self.swap_s(num_tokens) < self.recompute_s(num_tokens):
@@ -81,7 +83,9 @@ class SchedulingPolicy(abc.ABC):
     def on_overrun(self, seq: Sequence) -> None:
         """`seq` needs more than its reservation; policies that predict may update their bound."""
 
-    def can_admit(self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int) -> bool:
+    def can_admit(
+        self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int, step_token_budget: int
+    ) -> bool:
         """Extra admission test beyond "the reservation's blocks are free"; none by default."""
         return True
 
@@ -168,6 +172,13 @@ class S3Policy(SchedulingPolicy):
     def preemption_mode(self, seq: Sequence) -> PreemptionMode:
         return self.cost_model.cheaper_mode(seq.num_computed_tokens)
 
+    def planned_output_tokens(self, seq: Sequence) -> int:
+        """The bound to plan with: past the current bound, the next one (the overrun is coming)."""
+        bound = self._bound(seq)
+        if seq.num_output_tokens >= bound:
+            return next_bound(bound, seq.num_output_tokens, seq.params.max_tokens, self.bucket_tokens)
+        return bound
+
 
 class S3PeakPolicy(S3Policy):
     r"""Our extension of s3: plan the *future peak* of KV use instead of holding whole reservations.
@@ -186,7 +197,9 @@ class S3PeakPolicy(S3Policy):
           | /        | /                 each running sequence's last step)
           +------------------------> steps
 
-    With exact bounds this never preempts; an overrun is handled as in s3.
+    With exact bounds it preempts only when prefill chunks shared by several
+    prompts stretch a plan (each prompt is planned as if it had the step's
+    token budget to itself); an overrun is handled as in s3.
     """
 
     name = "s3_peak"
@@ -198,16 +211,26 @@ class S3PeakPolicy(S3Policy):
         return seq.num_tokens
 
     def _final_tokens(self, seq: Sequence) -> int:
-        return max(seq.num_tokens, seq.num_prompt_tokens + self._bound(seq))
+        return max(seq.num_tokens, seq.num_prompt_tokens + self.planned_output_tokens(seq))
 
-    def can_admit(self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int) -> bool:
-        # (tokens held now, tokens at its last step) for everyone, candidate included.
-        plans = [(s.num_tokens, self._final_tokens(s)) for s in running]
-        plans.append((seq.num_tokens, self._final_tokens(seq)))
+    def admission_order(self, waiting: list[Sequence]) -> list[Sequence]:
+        return sorted(waiting, key=self._final_tokens, reverse=True)
+
+    def can_admit(
+        self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int, step_token_budget: int
+    ) -> bool:
+        # Per sequence: tokens held now, tokens at its last step, and steps of
+        # prefill left before it starts growing (a chunked prompt takes several).
+        plans = [
+            (s.num_tokens, self._final_tokens(s), max(0, -(-s.num_uncomputed_tokens // step_token_budget) - 1))
+            for s in [*running, seq]
+        ]
         # Use only rises until someone leaves, so the peak falls on some sequence's last step.
-        for horizon in sorted({final - held for held, final in plans}):
+        for horizon in sorted({delay + final - held for held, final, delay in plans}):
             in_use = sum(
-                -(-min(held + horizon, final) // block_size) for held, final in plans if final - held >= horizon
+                -(-min(held + max(0, horizon - delay), final) // block_size)
+                for held, final, delay in plans
+                if delay + final - held >= horizon
             )
             if in_use > num_blocks:
                 return False

@@ -110,7 +110,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.stats.num_preemptions
-        for seq in list(self.running):
+        # Decodes first (one token each, in admission order), then prefill
+        # chunks: a long prompt must not take the step's budget from decodes.
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if not self._ensure_capacity(seq, out):
@@ -137,7 +139,10 @@ class Scheduler:
         for seq in self.policy.admission_order(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            fits = self.policy.can_admit(seq, self.running, self.allocator.num_blocks, self.allocator.block_size)
+            fits = self.policy.can_admit(
+                seq, self.running, self.allocator.num_blocks, self.allocator.block_size,
+                self.config.max_num_batched_tokens,
+            )
             blocks = self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq)) if fits else None
             if blocks is None:
                 if self.policy.is_first_fit:
@@ -178,6 +183,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        assert all(chunk.seq is not seq for chunk in out.chunks), f"{seq.seq_id} already runs this step"
         num_cached_blocks = self.allocator.blocks_for(seq.num_computed_tokens)
         if self.policy.preemption_mode(seq) is PreemptionMode.SWAP and num_cached_blocks > 0:
             out.swap_out.append((seq, self.allocator.block_table(seq.seq_id)[:num_cached_blocks]))
