@@ -72,6 +72,19 @@ def _bench_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _label(args: argparse.Namespace) -> int:
+    from cluster.labeling import LabelConfig, run_labeling
+
+    config = LabelConfig(
+        prompt_paths=tuple(args.prompts), out_path=args.out, max_len=args.max_len, temperature=args.temperature,
+        top_p=args.top_p, num_samples=args.num_samples, seed=args.seed, limit=args.limit,
+        max_num_seqs=args.batch_size,
+    )
+    summary = run_labeling(config, args.model, args.model_cache_dir)
+    print(", ".join(f"{key}: {value}" for key, value in summary.items()) + f" -> {args.out}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     print("s3serve serve: not yet; the HTTP service lands with the cluster issue. "
           "Try `s3serve bench engine --quick` to run the engine.")
@@ -88,6 +101,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the HTTP service (lands with the cluster issue)")
     serve.set_defaults(handler=_serve)
+
+    label = commands.add_parser(
+        "label",
+        help="label prompts with the served model's own output lengths (predictor training data)",
+        description="Runs each prompt through the engine with the chat template and the service's default "
+                    "sampling settings and appends, per prompt and sample, a JSON line with a stable prompt id, "
+                    "prompt and output token counts, finish reason and sampling settings (no prompt text). "
+                    "Re-running with the same --out resumes.",
+    )
+    _add_model_args(label)
+    label.add_argument("--prompts", type=Path, nargs="+", required=True, metavar="FILE",
+                       help="prompt JSONL files: the sets in ../shared/data/prompts, or {\"prompt\": ...} / "
+                            "{\"messages\": [...]} lines")
+    label.add_argument("--out", type=Path, required=True, help="labels JSONL to append to")
+    label.add_argument("--max-len", type=int, default=1024,
+                       help="longest sequence; max_tokens = max-len minus the prompt (default: %(default)s)")
+    label.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s, greedy)")
+    label.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: %(default)s)")
+    label.add_argument("--num-samples", type=int, default=1, help="samples per prompt, needs --temperature > 0")
+    label.add_argument("--seed", type=int, default=0, help="base seed of sampled labels (default: %(default)s)")
+    label.add_argument("--limit", type=int, default=None, help="label only the first N prompts")
+    label.add_argument("--batch-size", type=int, default=32, help="sequences running at once (default: %(default)s)")
+    label.set_defaults(handler=_label)
 
     bench = commands.add_parser("bench", help="run a benchmark; prints a table and writes JSON")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")

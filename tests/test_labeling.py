@@ -1,0 +1,55 @@
+"""`s3serve label` on the real model: labels are written, resumable, and carry no prompt text."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cluster.labeling import LabelConfig, read_done
+
+pytestmark = pytest.mark.slow
+
+
+def label(tmp_path, model_cache_dir, prompts, out, *extra):
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "label", "--prompts", str(prompts), "--out", str(out),
+         "--max-len", "96", "--batch-size", "4", "--model-cache-dir", str(model_cache_dir), *extra],
+        capture_output=True, text=True, timeout=600,
+    )
+
+
+def test_label_writes_lengths_resumes_and_keeps_prompt_text_out(tmp_path, model_cache_dir):
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["Say hi.", "List three colours.", "Write a haiku about rain."]
+    prompts.write_text("\n".join(
+        [json.dumps({"prompt": texts[0]}), json.dumps({"messages": [{"role": "user", "content": texts[1]}]}),
+         json.dumps({"id": "h", "instruction": texts[2], "input": ""})]) + "\n")
+    out = tmp_path / "labels.jsonl"
+    first = label(tmp_path, model_cache_dir, prompts, out, "--limit", "2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert len(out.read_text().splitlines()) == 2
+    second = label(tmp_path, model_cache_dir, prompts, out)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "already_labelled: 2" in second.stdout and "to_label: 1" in second.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and len({r["prompt_id"] for r in rows}) == 3
+    assert "prompts:h" in {r["prompt_id"] for r in rows}
+    for row in rows:
+        assert 1 <= row["output_tokens"] <= 96 - row["prompt_tokens"]
+        assert row["finish_reason"] in {"stop", "length"}
+        assert row["sampling"]["temperature"] == 0.0
+        assert row["sampling"]["max_tokens"] == 96 - row["prompt_tokens"]
+    raw = out.read_text()
+    assert not any(text in raw for text in texts)
+
+
+def test_read_done_ignores_a_torn_last_line(tmp_path):
+    out = tmp_path / "labels.jsonl"
+    out.write_text(json.dumps({"prompt_id": "a", "sample": 0}) + "\n" + '{"prompt_id": "b", "sa')
+    assert read_done(out) == {("a", 0)}
+
+
+def test_greedy_labels_refuse_several_samples(tmp_path):
+    with pytest.raises(ValueError, match="num_samples > 1 needs a temperature > 0"):
+        LabelConfig(prompt_paths=(tmp_path,), out_path=tmp_path / "x", num_samples=3)
