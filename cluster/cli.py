@@ -77,7 +77,7 @@ def _label(args: argparse.Namespace) -> int:
 
     config = LabelConfig(
         prompt_paths=tuple(args.prompts), out_path=args.out, max_len=args.max_len, temperature=args.temperature,
-        top_p=args.top_p, num_samples=args.num_samples, seed=args.seed, limit=args.limit,
+        top_p=args.top_p, num_samples=args.num_samples, seed=args.seed, limit=args.limit, shuffle=args.shuffle,
         max_num_seqs=args.batch_size,
     )
     summary = run_labeling(config, args.model, args.model_cache_dir)
@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     label.add_argument("--num-samples", type=int, default=1, help="samples per prompt, needs --temperature > 0")
     label.add_argument("--seed", type=int, default=0, help="base seed of sampled labels (default: %(default)s)")
     label.add_argument("--limit", type=int, default=None, help="label only the first N prompts")
+    label.add_argument("--shuffle", action="store_true",
+                       help="take prompts in a random order seeded by --seed, so a partial run covers every set")
     label.add_argument("--batch-size", type=int, default=32, help="sequences running at once (default: %(default)s)")
     label.set_defaults(handler=_label)
 

@@ -8,6 +8,7 @@ No prompt text is written: label files can be shared without the prompts.
 """
 
 import json
+import random
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +32,9 @@ class LabelConfig:
         temperature, top_p: the service's default sampling settings.
         num_samples: samples per prompt (lengths vary when sampling).
         seed: base seed; each (prompt, sample) derives its own.
-        limit: label at most this many prompts (in file order); None for all.
+        limit: label at most this many prompts; None for all.
+        shuffle: take prompts in a seeded random order (a partial run then
+            covers every source set of a pool file, not just the first).
         max_num_seqs: engine batch.
         kv_cache_bytes: engine KV budget.
     """
@@ -44,6 +47,7 @@ class LabelConfig:
     num_samples: int = 1
     seed: int = 0
     limit: int | None = None
+    shuffle: bool = False
     max_num_seqs: int = 32
     kv_cache_bytes: int = 1024**3
 
@@ -76,6 +80,8 @@ def _sample_seed(base_seed: int, prompt_id: str, sample: int) -> int:
 def run_labeling(config: LabelConfig, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None) -> dict:
     """Label every pending (prompt, sample); return counts."""
     records = [r for path in config.prompt_paths for r in read_prompts(path)]
+    if config.shuffle:
+        random.Random(config.seed).shuffle(records)
     if config.limit is not None:
         records = records[: config.limit]
     model_dir = resolve_model_dir(model_name, model_cache_dir)
