@@ -1,1 +1,1 @@
-"""benchmarks"""
+"""Benchmarks run through `s3serve bench`: engine vs HF generate, scheduling policies; trace replay and prompt pools."""

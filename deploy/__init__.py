@@ -1,1 +1,1 @@
-"""deploy"""
+"""Rollout entry points and manifests (operations issue)."""

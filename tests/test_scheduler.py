@@ -1,4 +1,4 @@
-"""FcfsScheduler without a model: the test plays the model runner, advancing progress and appending fake tokens."""
+"""The scheduler with its default policy (on-demand paging) and without a model: the test plays the model runner, advancing progress and appending fake tokens."""
 
 import random
 
@@ -6,7 +6,7 @@ import pytest
 
 from workers.kv_cache_manager import BlockAllocator
 from workers.sampling import SamplingParams
-from workers.scheduler import FcfsScheduler, ScheduledChunk, SchedulerConfig
+from workers.scheduler import Scheduler, ScheduledChunk, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
@@ -20,8 +20,8 @@ def make_seq(seq_id: str, num_prompt_tokens: int, max_tokens: int = 8) -> Sequen
     )
 
 
-def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64) -> FcfsScheduler:
-    return FcfsScheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), BlockAllocator(num_blocks, BLOCK_SIZE))
+def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), BlockAllocator(num_blocks, BLOCK_SIZE))
 
 
 def fake_token(seq: Sequence) -> int:
@@ -29,7 +29,7 @@ def fake_token(seq: Sequence) -> int:
     return 1000 + len(seq.output_token_ids)
 
 
-def run_chunks(scheduler: FcfsScheduler, chunks: list[ScheduledChunk]) -> list[Sequence]:
+def run_chunks(scheduler: Scheduler, chunks: list[ScheduledChunk]) -> list[Sequence]:
     """Do what the engine does after a forward; return the sequences that finished."""
     finished = []
     for chunk in chunks:
@@ -46,7 +46,7 @@ def run_chunks(scheduler: FcfsScheduler, chunks: list[ScheduledChunk]) -> list[S
     return finished
 
 
-def schedule(scheduler: FcfsScheduler) -> list[ScheduledChunk]:
+def schedule(scheduler: Scheduler) -> list[ScheduledChunk]:
     """One step's chunks; the default policy recomputes, so it never swaps."""
     out = scheduler.schedule()
     assert out.swap_out == [] and out.swap_in == []
@@ -187,7 +187,7 @@ def test_the_newest_preempts_itself_rather_than_an_older_sequence():
     assert scheduler.allocator.block_table("a") == [0, 1]
 
 
-def simulate(scheduler: FcfsScheduler, arrivals: dict[int, list[Sequence]], max_steps: int = 2000) -> list[Sequence]:
+def simulate(scheduler: Scheduler, arrivals: dict[int, list[Sequence]], max_steps: int = 2000) -> list[Sequence]:
     """Drive schedule() to the end, checking the step limits and the pool after every step."""
     config, allocator = scheduler.config, scheduler.allocator
     finished: list[Sequence] = []

@@ -199,7 +199,3 @@ class Scheduler:
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.insert(0, seq)
-
-
-# The first engine shipped with first-come-first-served paging under this name.
-FcfsScheduler = Scheduler
