@@ -15,6 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.noisy_oracle import NoisyOraclePredictor
+from benchmarks.policy_plots import plot_runs
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
 from benchmarks.traces import build_requests, load_prompt_texts, read_trace
@@ -211,47 +212,6 @@ def summarize(run: PolicyRun, num_requests: int) -> dict:
 
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
-
-
-def plot_runs(runs: list[PolicyRun], summaries: dict[str, dict], plot_dir: Path) -> list[Path]:
-    """Throughput per policy, KV utilisation over time, concurrency over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    plot_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    figure, axis = plt.subplots(figsize=(6, 4))
-    names = [run.policy for run in runs]
-    axis.bar(names, [summaries[n]["tokens_per_s"] for n in names], color="#4c72b0")
-    axis.set_ylabel("output tokens / s")
-    axis.set_title("Throughput per policy")
-    paths.append(plot_dir / "throughput.png")
-    figure.tight_layout()
-    figure.savefig(paths[-1], dpi=120)
-    plt.close(figure)
-    for filename, title, column, ylabel in (
-        ("kv_utilisation.png", "KV blocks used (solid) and reserved (dashed)", None, "fraction of KV budget"),
-        ("concurrency.png", "Running sequences over time", 2, "running sequences"),
-    ):
-        figure, axis = plt.subplots(figsize=(7, 4))
-        for run in runs:
-            times = [s[0] for s in run.steps]
-            if column is None:
-                line, = axis.plot(times, [s[3] / run.num_blocks for s in run.steps], label=run.policy)
-                axis.plot(times, [s[4] / run.num_blocks for s in run.steps], linestyle="--", color=line.get_color())
-            else:
-                axis.plot(times, [s[column] for s in run.steps], label=run.policy)
-        axis.set_xlabel("seconds")
-        axis.set_ylabel(ylabel)
-        axis.set_title(title)
-        axis.legend()
-        paths.append(plot_dir / filename)
-        figure.tight_layout()
-        figure.savefig(paths[-1], dpi=120)
-        plt.close(figure)
-    return paths
 
 
 def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None,
