@@ -85,6 +85,35 @@ def _label(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_predictor(args: argparse.Namespace) -> int:
+    from benchmarks.predictor_bench import load_prompt_texts_by_id
+    from predictor_service.features import FeatureConfig
+    from predictor_service.training import build_dataset, read_labels, train_predictor
+
+    rows = read_labels(args.labels)
+    dataset = build_dataset(rows, load_prompt_texts_by_id(args.prompts))
+    if dataset.missing_prompt_ids:
+        print(f"{len(dataset.missing_prompt_ids)} of {len(rows)} label rows have no prompt in --prompts "
+              f"(e.g. {dataset.missing_prompt_ids[0]}); they are left out")
+    result = train_predictor(dataset, args.kind, max_len=args.max_len, quantile=args.quantile,
+                             feature_config=FeatureConfig(use_embedding=not args.no_embedding),
+                             held_out_fraction=args.held_out_fraction, out_dir=args.out)
+    metrics = ", ".join(f"{key}: {value:.3g}" for key, value in result.metrics.items())
+    print(f"{args.kind}: {result.num_train} train, {result.num_held_out} held out; {metrics} -> {result.artifact_dir}")
+    return 0
+
+
+def _bench_predictor(args: argparse.Namespace) -> int:
+    from benchmarks import predictor_bench
+
+    config = predictor_bench.PredictorBenchConfig(
+        label_paths=tuple(args.labels), prompt_paths=tuple(args.prompts), artifact=args.artifact,
+        max_len=args.max_len, quantile=args.quantile, use_embedding=not args.no_embedding,
+    )
+    predictor_bench.run(config, args.json)
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     print("s3serve serve: not yet; the HTTP service lands with the cluster issue. "
           "Try `s3serve bench engine --quick` to run the engine.")
@@ -126,6 +155,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="take prompts in a random order seeded by --seed, so a partial run covers every set")
     label.add_argument("--batch-size", type=int, default=32, help="sequences running at once (default: %(default)s)")
     label.set_defaults(handler=_label)
+
+    train = commands.add_parser(
+        "train-predictor",
+        help="train an output-length predictor on labels from `s3serve label` and save a versioned artifact",
+        description="Joins label rows to prompt text by prompt id, splits prompts into train and held-out by a "
+                    "hash of the id, fits the predictor, scores it on the held-out prompts and writes the next "
+                    "version under --out (OUT/vNNNN, with OUT/LATEST pointing at it).",
+    )
+    train.add_argument("--labels", type=Path, nargs="+", required=True, metavar="FILE",
+                       help="labels JSONL files written by `s3serve label`")
+    train.add_argument("--prompts", type=Path, nargs="+", required=True, metavar="FILE",
+                       help="the prompt JSONL files the labels were made from")
+    train.add_argument("--kind", choices=("lightgbm", "mean", "linear"), default="lightgbm",
+                       help="lightgbm over prompt features, or a baseline: training mean, line in prompt length "
+                            "(default: %(default)s)")
+    train.add_argument("--out", type=Path, required=True, metavar="DIR", help="artifact root to add a version to")
+    train.add_argument("--quantile", type=float, default=0.9,
+                       help="probability that the true length stays within the upper bound (default: %(default)s)")
+    train.add_argument("--max-len", type=int, default=1024,
+                       help="longest sequence; the 10 length buckets span [0, max-len] (default: %(default)s)")
+    train.add_argument("--held-out-fraction", type=float, default=0.2,
+                       help="share of prompts held out for the reported metrics (default: %(default)s)")
+    train.add_argument("--no-embedding", action="store_true",
+                       help="leave out the MiniLM sentence embedding (faster; lightgbm only)")
+    train.set_defaults(handler=_train_predictor)
 
     bench = commands.add_parser("bench", help="run a benchmark; prints a table and writes JSON")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -184,6 +238,30 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--plot", type=Path, default=None, metavar="DIR",
                           help="write throughput.png, kv_utilisation.png and concurrency.png here")
     policies.set_defaults(handler=_bench_policies)
+
+    predictor = benches.add_parser(
+        "predictor",
+        help="output-length predictors side by side: mean, prompt-length line, LightGBM (or a saved artifact)",
+        description="Splits the labelled prompts into train and held-out by a hash of the prompt id (the split "
+                    "train-predictor uses), fits the baselines and LightGBM on the train side, and reports on the "
+                    "held-out side Kendall tau, 10-bucket accuracy, MAE, under-reservation rate, mean "
+                    "over-reservation and prediction latency at batch 1 and 32.",
+    )
+    predictor.add_argument("--labels", type=Path, nargs="+", required=True, metavar="FILE",
+                           help="labels JSONL files written by `s3serve label`")
+    predictor.add_argument("--prompts", type=Path, nargs="+", required=True, metavar="FILE",
+                           help="the prompt JSONL files the labels were made from")
+    predictor.add_argument("--artifact", type=Path, default=None, metavar="DIR",
+                           help="score this train-predictor artifact (trained on the same labels and split) "
+                                "instead of training LightGBM here")
+    predictor.add_argument("--max-len", type=int, default=1024,
+                           help="longest sequence; the 10 length buckets span [0, max-len] (default: %(default)s)")
+    predictor.add_argument("--quantile", type=float, default=0.9,
+                           help="coverage target of the upper bounds (default: %(default)s)")
+    predictor.add_argument("--no-embedding", action="store_true",
+                           help="train LightGBM without the MiniLM sentence embedding (faster)")
+    predictor.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    predictor.set_defaults(handler=_bench_predictor)
     return parser
 
 

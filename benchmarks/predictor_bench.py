@@ -1,0 +1,130 @@
+"""Output-length predictors side by side on the held-out prompts of a labels file.
+
+Trains the mean and prompt-length baselines and LightGBM on the train side of the
+prompt-id hash split (or loads the learned one from an artifact) and reports, for
+each, ranking quality, bucket accuracy, error, reservation cost and latency.
+Latency is that of `predict_examples` on prompt text already looked up.
+"""
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.prompt_pool import read_prompts
+from benchmarks.report import environment, format_table, write_json
+from predictor_service.artifacts import load_predictor, read_manifest
+from predictor_service.features import FeatureConfig
+from predictor_service.length_example import FittedLengthPredictor
+from predictor_service.metrics import evaluate
+from predictor_service.training import build_dataset, make_predictor, read_labels, split_by_prompt_id
+
+METRICS = ("kendall_tau", "bucket_accuracy", "mae_tokens", "under_reservation_rate", "mean_over_reservation_tokens")
+LATENCY_BATCH_SIZES = (1, 32)
+
+
+@dataclass(frozen=True, slots=True)
+class PredictorBenchConfig:
+    """What `s3serve bench predictor` runs.
+
+    Attributes:
+        label_paths: labels JSONL files written by `s3serve label`.
+        prompt_paths: the prompt files the labels were made from.
+        artifact: a saved predictor to score instead of training LightGBM here; None trains it.
+        max_len: longest sequence; the 10 buckets span [0, max_len].
+        quantile: the upper bound's coverage target.
+        use_embedding: give the LightGBM trained here the MiniLM embedding.
+        held_out_fraction: share of prompts (by id hash) held out for scoring.
+        num_latency_batches: timed batches per batch size.
+    """
+
+    label_paths: tuple[Path, ...]
+    prompt_paths: tuple[Path, ...]
+    artifact: Path | None = None
+    max_len: int = 1024
+    quantile: float = 0.9
+    use_embedding: bool = True
+    held_out_fraction: float = 0.2
+    num_latency_batches: int = 50
+
+
+def load_prompt_texts_by_id(paths: Sequence[Path | str]) -> dict[str, str]:
+    """Prompt id -> the prompt's message contents joined, over every prompt file."""
+    return {
+        record.prompt_id: "\n\n".join(message["content"] for message in record.messages)
+        for path in paths for record in read_prompts(path)
+    }
+
+
+def _latency_ms(predictor: FittedLengthPredictor, examples: list, batch_size: int, num_batches: int) -> dict:
+    """p50 and p99 wall time of one predict_examples call on `batch_size` examples, in ms."""
+    predictor.predict_examples(examples[:batch_size])  # warm-up: lazy model loads are not latency
+    times_ms = []
+    for index in range(num_batches):
+        start = (index * batch_size) % max(1, len(examples) - batch_size + 1)
+        batch = examples[start : start + batch_size]
+        began = time.perf_counter()
+        predictor.predict_examples(batch)
+        times_ms.append((time.perf_counter() - began) * 1e3)
+    return {f"latency_p50_ms_batch{batch_size}": float(np.percentile(times_ms, 50)),
+            f"latency_p99_ms_batch{batch_size}": float(np.percentile(times_ms, 99))}
+
+
+def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
+    """Score every predictor on the held-out prompts; print the table and write JSON."""
+    rows = read_labels(config.label_paths)
+    dataset = build_dataset(rows, load_prompt_texts_by_id(config.prompt_paths))
+    train, held_out = split_by_prompt_id(dataset, config.held_out_fraction)
+    print(f"{len(rows)} label rows: {len(dataset.examples)} joined to prompts "
+          f"({len(dataset.missing_prompt_ids)} without a prompt), {len(train.examples)} train, "
+          f"{len(held_out.examples)} held out")
+
+    predictors: dict[str, FittedLengthPredictor] = {}
+    for kind in ("mean", "linear"):
+        predictors[kind] = make_predictor(kind, config.quantile, config.max_len)
+    artifact_version = None
+    if config.artifact is None:
+        predictors["lightgbm"] = make_predictor("lightgbm", config.quantile, config.max_len,
+                                                FeatureConfig(use_embedding=config.use_embedding))
+    else:
+        artifact_version = read_manifest(config.artifact)["version"]
+
+    results: dict[str, dict] = {}
+    with tqdm(total=len(predictors) + (config.artifact is not None), desc="predictors", unit="model") as progress:
+        for name, predictor in predictors.items():
+            progress.set_postfix_str(f"fit {name}")
+            predictor.fit(train.examples, train.lengths)
+            progress.update()
+        if config.artifact is not None:
+            progress.set_postfix_str("load artifact")
+            predictors["artifact"] = load_predictor(config.artifact)
+            progress.update()
+    for name, predictor in tqdm(predictors.items(), desc="scoring", unit="model"):
+        began = time.perf_counter()
+        metrics = evaluate(predictor.predict_examples(held_out.examples), held_out.lengths, config.max_len)
+        metrics["predict_all_held_out_s"] = time.perf_counter() - began
+        for batch_size in LATENCY_BATCH_SIZES:
+            metrics.update(_latency_ms(predictor, held_out.examples, batch_size, config.num_latency_batches))
+        results[name] = metrics
+
+    headers = ["predictor", "tau", "bucket_acc", "mae_tok", "under_rate", "over_res_tok",
+               "p50_ms_b1", "p99_ms_b1", "p50_ms_b32", "p99_ms_b32"]
+    table_rows = [[name, *(m[key] for key in METRICS), m["latency_p50_ms_batch1"], m["latency_p99_ms_batch1"],
+                   m["latency_p50_ms_batch32"], m["latency_p99_ms_batch32"]] for name, m in results.items()]
+    print(format_table(headers, table_rows))
+    result = {
+        "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(config).items()
+                   if key not in ("label_paths", "prompt_paths", "artifact")}
+        | {"label_paths": [str(p) for p in config.label_paths], "prompt_paths": [str(p) for p in config.prompt_paths],
+           "artifact": None if config.artifact is None else str(config.artifact), "artifact_version": artifact_version},
+        "dataset": {"num_label_rows": len(rows), "num_joined": len(dataset.examples),
+                    "num_missing_prompt": len(dataset.missing_prompt_ids), "num_train": len(train.examples),
+                    "num_held_out": len(held_out.examples)},
+        "environment": environment(),
+        "predictors": results,
+    }
+    write_json(json_path, result)
+    return result
