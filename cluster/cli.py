@@ -23,6 +23,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_label_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--labels", type=Path, nargs="+", required=True, metavar="FILE",
+                        help="labels JSONL files written by `s3serve label`")
+    parser.add_argument("--prompts", type=Path, nargs="+", required=True, metavar="FILE",
+                        help="the prompt JSONL files the labels were made from")
+
+
 def _bench_engine(args: argparse.Namespace) -> int:
     from benchmarks import engine_bench
 
@@ -163,10 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "hash of the id, fits the predictor, scores it on the held-out prompts and writes the next "
                     "version under --out (OUT/vNNNN, with OUT/LATEST pointing at it).",
     )
-    train.add_argument("--labels", type=Path, nargs="+", required=True, metavar="FILE",
-                       help="labels JSONL files written by `s3serve label`")
-    train.add_argument("--prompts", type=Path, nargs="+", required=True, metavar="FILE",
-                       help="the prompt JSONL files the labels were made from")
+    _add_label_args(train)
     train.add_argument("--kind", choices=("lightgbm", "mean", "linear"), default="lightgbm",
                        help="lightgbm over prompt features, or a baseline: training mean, line in prompt length "
                             "(default: %(default)s)")
@@ -247,10 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "held-out side Kendall tau, 10-bucket accuracy, MAE, under-reservation rate, mean "
                     "over-reservation and prediction latency at batch 1 and 32.",
     )
-    predictor.add_argument("--labels", type=Path, nargs="+", required=True, metavar="FILE",
-                           help="labels JSONL files written by `s3serve label`")
-    predictor.add_argument("--prompts", type=Path, nargs="+", required=True, metavar="FILE",
-                           help="the prompt JSONL files the labels were made from")
+    _add_label_args(predictor)
     predictor.add_argument("--artifact", type=Path, default=None, metavar="DIR",
                            help="score this train-predictor artifact (trained on the same labels and split) "
                                 "instead of training LightGBM here")
