@@ -186,3 +186,33 @@ def test_minilm_embedding_columns_are_appended(tmp_path: Path):
                                                  make_example(text="quantum chromodynamics")])
     assert matrix.shape == (3, config.num_features)
     assert abs((matrix[0, -384:] ** 2).sum() - 1.0) < 1e-4
+
+
+def test_train_predictor_and_bench_predictor_commands(prompt_texts, shared_data: Path, tmp_path: Path):
+    import subprocess
+    import sys
+
+    labels = tmp_path / "labels.jsonl"
+    labels.write_text("".join(
+        json.dumps({"prompt_id": r.prompt_id, "sample": 0, "prompt_tokens": r.num_prompt_tokens,
+                    "output_tokens": r.num_output_tokens, "finish_reason": "stop",
+                    "sampling": {"max_tokens": r.max_tokens, "temperature": 0.0}}) + "\n"
+        for r in synthetic_rows(prompt_texts)[:200]))
+    common = ["--labels", str(labels), "--prompts", str(shared_data / "prompts" / "pool.jsonl")]
+    train = subprocess.run([sys.executable, "-m", "cluster.cli", "train-predictor", *common, "--kind", "lightgbm",
+                            "--no-embedding", "--out", str(tmp_path / "art")],
+                           capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-2000:]
+    assert (tmp_path / "art" / "LATEST").is_file()
+    bench = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "predictor", *common, "--no-embedding",
+                            "--artifact", str(tmp_path / "art"), "--json", str(tmp_path / "out.json")],
+                           capture_output=True, text=True, timeout=300)
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert {"mean", "linear"} <= set(data["predictors"])
+    for metrics in data["predictors"].values():
+        for key in ("kendall_tau", "bucket_accuracy", "mae_tokens", "under_reservation_rate",
+                    "mean_over_reservation_tokens", "latency_p99_ms_batch1", "latency_p99_ms_batch32"):
+            assert key in metrics
+    learned = [name for name in data["predictors"] if name not in ("mean", "linear")]
+    assert learned and data["predictors"][learned[0]]["kendall_tau"] > data["predictors"]["mean"]["kendall_tau"]
