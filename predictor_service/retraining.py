@@ -1,0 +1,143 @@
+"""Online retraining: new versions from the service's own finished requests, promoted only when better.
+
+The decisions (`should_retrain`, `is_better`) are pure; `Retrainer` reads the
+Redis sample stream, fits a candidate on everything but the most recent window,
+scores candidate and active predictor on that window (the traffic the next
+version will face), and writes a new artifact version only if the candidate wins.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from predictor_service.artifacts import load_predictor, save_predictor
+from predictor_service.features import FeatureConfig
+from predictor_service.length_example import FittedLengthPredictor
+from predictor_service.metrics import evaluate
+from predictor_service.sample_stream import SampleStream, TrainingSample
+from predictor_service.training import make_predictor
+
+
+@dataclass(frozen=True, slots=True)
+class RetrainConfig:
+    """When and how to retrain.
+
+    Attributes:
+        min_new_samples: retrain once this many samples arrived since the last attempt...
+        max_interval_s: ...or this long passed with at least one new sample.
+        window_fraction: most recent share of samples held out to compare versions.
+        min_window: fewest held-out samples a comparison may rest on.
+        kind: predictor kind to train ("lightgbm", "linear", "mean").
+        quantile: upper-bound coverage.
+        max_len: bucket range.
+        max_under_reservation_increase: a candidate may not raise the
+            under-reservation rate by more than this, however much it lowers MAE.
+        use_embedding: include the MiniLM embedding in LightGBM features.
+    """
+
+    min_new_samples: int = 200
+    max_interval_s: float = 3600.0
+    window_fraction: float = 0.2
+    min_window: int = 20
+    kind: str = "lightgbm"
+    quantile: float = 0.9
+    max_len: int = 1024
+    max_under_reservation_increase: float = 0.02
+    use_embedding: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.window_fraction < 1.0:
+            raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
+        if self.min_new_samples < 1 or self.min_window < 1:
+            raise ValueError(f"min_new_samples and min_window must be >= 1, got {self.min_new_samples}, "
+                             f"{self.min_window}")
+
+
+def should_retrain(num_new_samples: int, seconds_since_last: float, config: RetrainConfig) -> bool:
+    """Enough new samples, or a stale model with something new to learn from."""
+    if num_new_samples >= config.min_new_samples:
+        return True
+    return num_new_samples > 0 and seconds_since_last >= config.max_interval_s
+
+
+def is_better(candidate: dict, active: dict, config: RetrainConfig) -> bool:
+    """Lower MAE without giving up more than the allowed under-reservation (which causes preemptions)."""
+    if candidate["under_reservation_rate"] > active["under_reservation_rate"] + config.max_under_reservation_increase:
+        return False
+    return candidate["mae_tokens"] < active["mae_tokens"]
+
+
+@dataclass(frozen=True, slots=True)
+class RetrainOutcome:
+    """One retraining attempt, for logs and metrics export."""
+
+    promoted: bool
+    reason: str
+    version_dir: Path | None
+    candidate_metrics: dict | None
+    active_metrics: dict | None
+    num_train: int
+    num_window: int
+
+
+class Retrainer:
+    """Retrains from the sample stream into a versioned artifact root.
+
+    Args:
+        stream: the Redis sample stream.
+        artifact_root: where versions live (LATEST is the active one).
+        config: when and how.
+        clock: seconds, monotonic; injectable for tests.
+    """
+
+    def __init__(self, stream: SampleStream, artifact_root: Path | str, config: RetrainConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream = stream
+        self.artifact_root = Path(artifact_root)
+        self.config = config
+        self.clock = clock
+        self.last_seen_id = "0-0"
+        self.last_attempt_s = clock()
+
+    def maybe_retrain(self) -> RetrainOutcome | None:
+        """Retrain if `should_retrain` says so; None when it is not time yet."""
+        new = self.stream.read(self.last_seen_id)
+        if not should_retrain(len(new), self.clock() - self.last_attempt_s, self.config):
+            return None
+        if new:
+            self.last_seen_id = new[-1][0]
+        self.last_attempt_s = self.clock()
+        return self.retrain([sample for _, sample in self.stream.read()])
+
+    def retrain(self, samples: list[TrainingSample]) -> RetrainOutcome:
+        """Fit a candidate on all but the latest window; promote it if it beats the active version there."""
+        num_window = max(self.config.min_window, int(len(samples) * self.config.window_fraction))
+        if len(samples) < num_window + self.config.min_window:
+            return RetrainOutcome(False, f"only {len(samples)} samples; need {num_window + self.config.min_window}",
+                                  None, None, None, 0, 0)
+        train, window = samples[:-num_window], samples[-num_window:]
+        window_examples = [s.example() for s in window]
+        window_lengths = [s.true_output_tokens for s in window]
+        candidate = make_predictor(self.config.kind, self.config.quantile, self.config.max_len,
+                                   FeatureConfig(use_embedding=self.config.use_embedding))
+        candidate.fit([s.example() for s in train], [s.true_output_tokens for s in train])
+        candidate_metrics = evaluate(candidate.predict_examples(window_examples), window_lengths, self.config.max_len)
+        active = self._active_or_baseline(train)
+        active_metrics = evaluate(active.predict_examples(window_examples), window_lengths, self.config.max_len)
+        if not is_better(candidate_metrics, active_metrics, self.config):
+            return RetrainOutcome(False, "candidate is not better on the recent window", None,
+                                  candidate_metrics, active_metrics, len(train), len(window))
+        calibration = {"quantile": self.config.quantile,
+                       "window_coverage": 1.0 - candidate_metrics["under_reservation_rate"],
+                       "num_window": len(window)}
+        version_dir = save_predictor(candidate, self.artifact_root, candidate_metrics, calibration)
+        return RetrainOutcome(True, "candidate beat the active version on the recent window", version_dir,
+                              candidate_metrics, active_metrics, len(train), len(window))
+
+    def _active_or_baseline(self, train: list[TrainingSample]) -> FittedLengthPredictor:
+        """The promoted version, or with none yet the prompt-length baseline fitted on the same data."""
+        if (self.artifact_root / "LATEST").is_file():
+            return load_predictor(self.artifact_root)
+        baseline = make_predictor("linear", self.config.quantile, self.config.max_len)
+        return baseline.fit([s.example() for s in train], [s.true_output_tokens for s in train])

