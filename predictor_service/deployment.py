@@ -1,0 +1,32 @@
+"""Ray Serve deployment of the length predictor: batched calls, hot reload of promoted versions."""
+
+from ray import serve
+
+from predictor_service.server import LengthPredictorServer
+
+
+@serve.deployment(name="length_predictor", ray_actor_options={"num_cpus": 0.25})
+class PredictorDeployment:
+    """Batches concurrent `predict` calls; each batch first checks whether a new version was promoted.
+
+    Args:
+        artifact_root: directory of predictor versions (LATEST), or None for the shipped baseline.
+        quantile, max_len: settings of that baseline.
+    """
+
+    def __init__(self, artifact_root: str | None = None, quantile: float = 0.9, max_len: int = 1024) -> None:
+        self.server = LengthPredictorServer(artifact_root, quantile, max_len)
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    async def predict(self, payloads: list[dict]) -> list[dict]:
+        self.server.reload_if_promoted()  # a stat and a small JSON read per batch
+        return self.server.predict(payloads)
+
+    def version(self) -> str:
+        return self.server.version
+
+
+def build_predictor_app(config: dict):
+    """Application builder: {"artifact_root", "quantile", "max_len"} -> bound deployment."""
+    return PredictorDeployment.bind(config.get("artifact_root"), config.get("quantile", 0.9),
+                                    config.get("max_len", 1024))

@@ -1,0 +1,83 @@
+"""The predictor as served: the active artifact version, hot-reloaded when a new one is promoted.
+
+Plain Python (no Ray): `predictor_service.deployment` wraps it in a Ray Serve
+deployment. With no artifact it serves the prompt-length baseline fitted on
+the label file shipped in `predictor_service/labels/` and says so.
+"""
+
+import logging
+from pathlib import Path
+
+from predictor_service.artifacts import load_predictor, read_manifest, resolve_version_dir
+from predictor_service.length_example import FittedLengthPredictor, LengthExample
+from predictor_service.training import make_predictor, read_labels
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_LABELS = Path(__file__).parent / "labels" / "smollm2-135m-instruct.pool.greedy.jsonl"
+BASELINE_VERSION = "baseline:prompt-length"
+
+
+def fit_prompt_length_baseline(labels_path: Path, quantile: float, max_len: int) -> FittedLengthPredictor:
+    """The linear prompt-length baseline, fitted on a labels file (it needs no prompt text)."""
+    rows = read_labels([labels_path])
+    examples = [LengthExample(r.prompt_id, "", r.num_prompt_tokens, r.max_tokens, r.temperature) for r in rows]
+    return make_predictor("linear", quantile, max_len).fit(examples, [r.num_output_tokens for r in rows])
+
+
+class LengthPredictorServer:
+    """Answers prediction payloads with the active predictor version.
+
+    Args:
+        artifact_root: directory of versions with a LATEST pointer, or None.
+        quantile: upper-bound coverage of the baseline used without an artifact.
+        max_len: bucket range of that baseline.
+        labels_path: labels the baseline is fitted on.
+    """
+
+    def __init__(self, artifact_root: str | Path | None, quantile: float = 0.9, max_len: int = 1024,
+                 labels_path: Path = SHIPPED_LABELS) -> None:
+        self.artifact_root = Path(artifact_root) if artifact_root is not None else None
+        self.quantile = quantile
+        self.max_len = max_len
+        self.labels_path = labels_path
+        self.version = None
+        self.predictor: FittedLengthPredictor | None = None
+        self.reload_if_promoted()
+
+    def _latest_version_dir(self) -> Path | None:
+        if self.artifact_root is None or not (self.artifact_root / "LATEST").is_file():
+            return None
+        return resolve_version_dir(self.artifact_root)
+
+    def reload_if_promoted(self) -> bool:
+        """Switch to the version LATEST names if it changed; True when it switched."""
+        version_dir = self._latest_version_dir()
+        if version_dir is None:
+            if self.predictor is None:
+                self.predictor = fit_prompt_length_baseline(self.labels_path, self.quantile, self.max_len)
+                self.version = BASELINE_VERSION
+                logger.warning("no predictor artifact under %s: serving the prompt-length baseline fitted on %s",
+                               self.artifact_root, self.labels_path)
+                return True
+            return False
+        version = read_manifest(version_dir)["version"]
+        if version == self.version:
+            return False
+        self.predictor = load_predictor(version_dir)
+        self.version = version
+        logger.info("serving predictor version %s", version)
+        return True
+
+    def predict(self, payloads: list[dict]) -> list[dict]:
+        """Payloads {"prompt_id", "prompt_text", "num_prompt_tokens", "max_tokens", "temperature"?} -> predictions."""
+        examples = [
+            LengthExample(str(p.get("prompt_id", "")), str(p.get("prompt_text", "")), int(p["num_prompt_tokens"]),
+                          int(p["max_tokens"]), float(p.get("temperature", 0.0)))
+            for p in payloads
+        ]
+        return [
+            {"point_tokens": int(pred.point_tokens), "upper_bound_tokens": int(pred.upper_bound_tokens),
+             "bucket_probs": [float(x) for x in pred.bucket_probs], "version": self.version}
+            for pred in self.predictor.predict_examples(examples)
+        ]

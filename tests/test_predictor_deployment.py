@@ -1,0 +1,61 @@
+"""The predictor over Ray Serve: answers batched calls, hot-reloads a promoted version, starts from the baseline."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from predictor_service.artifacts import save_predictor
+from predictor_service.length_example import LengthExample
+from predictor_service.server import BASELINE_VERSION, LengthPredictorServer
+from predictor_service.training import make_predictor
+
+PAYLOAD = {"prompt_id": "q", "prompt_text": "Write an essay about rivers.", "num_prompt_tokens": 30,
+           "max_tokens": 900, "temperature": 0.0}
+
+
+def fitted_mean(value: int):
+    examples = [LengthExample(f"p{i}", "x", 10, 900) for i in range(20)]
+    return make_predictor("mean", 0.9, 1024).fit(examples, [value] * 20)
+
+
+def test_server_starts_from_the_shipped_baseline_and_switches_to_a_promoted_version(tmp_path: Path):
+    server = LengthPredictorServer(tmp_path / "artifacts")
+    assert server.version == BASELINE_VERSION
+    [answer] = server.predict([PAYLOAD])
+    assert 1 <= answer["point_tokens"] <= answer["upper_bound_tokens"] <= 900
+    assert abs(sum(answer["bucket_probs"]) - 1.0) < 1e-6
+    assert not server.reload_if_promoted()
+    save_predictor(fitted_mean(77), tmp_path / "artifacts", {}, {})
+    assert server.reload_if_promoted()
+    assert server.predict([PAYLOAD])[0]["point_tokens"] == 77
+    assert re.match(r"mean-v0001-", server.version)
+
+
+def test_server_rejects_a_payload_without_lengths(tmp_path: Path):
+    server = LengthPredictorServer(None)
+    with pytest.raises(KeyError):
+        server.predict([{"prompt_text": "hi"}])
+
+
+@pytest.mark.slow
+def test_ray_serve_deployment_batches_and_hot_reloads(tmp_path: Path):
+    import ray
+    from ray import serve
+
+    from predictor_service.deployment import build_predictor_app
+
+    root = tmp_path / "artifacts"
+    save_predictor(fitted_mean(50), root, {}, {})
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        handle = serve.run(build_predictor_app({"artifact_root": str(root)}), name="predictor", route_prefix=None)
+        responses = [handle.predict.remote({**PAYLOAD, "prompt_id": f"q{i}"}) for i in range(40)]
+        answers = [r.result(timeout_s=60) for r in responses]
+        assert {a["point_tokens"] for a in answers} == {50}
+        save_predictor(fitted_mean(120), root, {}, {})
+        after = handle.predict.remote(PAYLOAD).result(timeout_s=60)
+        assert after["point_tokens"] == 120 and after["version"].startswith("mean-v0002-")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
