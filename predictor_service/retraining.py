@@ -6,6 +6,8 @@ scores candidate and active predictor on that window (the traffic the next
 version will face), and writes a new artifact version only if the candidate wins.
 """
 
+import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,9 +137,35 @@ class Retrainer:
         return RetrainOutcome(True, "candidate beat the active version on the recent window", version_dir,
                               candidate_metrics, active_metrics, len(train), len(window))
 
+    def run(self, stop: threading.Event, poll_s: float = 30.0,
+            on_outcome: Callable[[RetrainOutcome], None] | None = None) -> None:
+        """The retraining task: check every `poll_s` seconds until `stop` is set."""
+        while not stop.is_set():
+            outcome = self.maybe_retrain()
+            if outcome is not None and on_outcome is not None:
+                on_outcome(outcome)
+            stop.wait(poll_s)
+
     def _active_or_baseline(self, train: list[TrainingSample]) -> FittedLengthPredictor:
         """The promoted version, or with none yet the prompt-length baseline fitted on the same data."""
         if (self.artifact_root / "LATEST").is_file():
             return load_predictor(self.artifact_root)
         baseline = make_predictor("linear", self.config.quantile, self.config.max_len)
         return baseline.fit([s.example() for s in train], [s.true_output_tokens for s in train])
+
+
+RETRAIN_EXPORT_KEY = "s3:predictor:retrain:last"
+
+
+def export_outcome(client, outcome: RetrainOutcome, key: str = RETRAIN_EXPORT_KEY) -> None:
+    """Publish the latest attempt to Redis (hash `key`) for the service's metrics endpoint."""
+    client.hset(key, mapping={
+        "promoted": int(outcome.promoted),
+        "reason": outcome.reason,
+        "version_dir": "" if outcome.version_dir is None else str(outcome.version_dir),
+        "candidate_metrics": json.dumps(outcome.candidate_metrics),
+        "active_metrics": json.dumps(outcome.active_metrics),
+        "num_train": outcome.num_train,
+        "num_window": outcome.num_window,
+        "at_unix_s": time.time(),
+    })

