@@ -245,20 +245,22 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
         predictor = parse_predictor(spec, true_lengths, config.max_len, config.seed)
         return {q.prompt_id: p.upper_bound_tokens for q, p in zip(queries, predictor.predict(queries))}
 
-    bounds = bounds_for(config.predictor)
-    plan = [(name, config.predictor) for name in config.policies]
-    plan += [(name, f"noisy-oracle:{sigma}") for sigma in config.sweep_sigmas
+    bounds_by_spec = {config.predictor: bounds_for(config.predictor)}
+    # (policy, predictor spec, is a sweep run)
+    plan = [(name, config.predictor, False) for name in config.policies]
+    plan += [(name, f"noisy-oracle:{sigma}", True) for sigma in config.sweep_sigmas
              for name in ("s3", "s3_peak") if name in config.policies]
     runs: list[PolicyRun] = []
     sweep: list[dict] = []
     with tqdm(total=len(plan) * len(requests), desc="requests (all policies)", unit="req") as progress:
-        for name, spec in plan:
+        for name, spec, is_sweep in plan:
             progress.set_postfix_str(f"{name} {spec}" if name.startswith("s3") else name)
-            policy_bounds = bounds if spec == config.predictor else bounds_for(spec)
+            if spec not in bounds_by_spec:
+                bounds_by_spec[spec] = bounds_for(spec)
             # A fresh copy per run: each engine installs its own attention and DeepSpeed wrapper.
-            result = run_policy(copy.deepcopy(model), name, requests, policy_bounds, config, kv_cache_bytes,
+            result = run_policy(copy.deepcopy(model), name, requests, bounds_by_spec[spec], config, kv_cache_bytes,
                                 cost_model, progress)
-            if spec == config.predictor and len(runs) < len(config.policies):
+            if not is_sweep:
                 runs.append(result)
             else:
                 summary = summarize(result, len(requests))
