@@ -1,11 +1,14 @@
 """Output-length predictors side by side on the held-out prompts of a labels file.
 
-Trains the mean and prompt-length baselines and LightGBM on the train side of the
-prompt-id hash split (or loads the learned one from an artifact) and reports, for
-each, ranking quality, bucket accuracy, error, reservation cost and latency.
+Trains the mean and prompt-length baselines, LightGBM and the fine-tuned transformer
+on the train side of the prompt-id hash split (`kinds` picks which; an artifact can
+be scored as well) and reports, for each, ranking quality, bucket accuracy, error,
+reservation cost and latency. For conformally calibrated predictors it also reports
+what the raw (uncalibrated) bound would have cost: under-reservation and over-reservation.
 Latency is that of `predict_examples` on prompt text already looked up.
 """
 
+import copy
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -24,6 +27,7 @@ from predictor_service.training import build_dataset, make_predictor, read_label
 
 METRICS = ("kendall_tau", "bucket_accuracy", "mae_tokens", "under_reservation_rate", "mean_over_reservation_tokens")
 LATENCY_BATCH_SIZES = (1, 32)
+KINDS = ("mean", "linear", "lightgbm", "transformer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +37,8 @@ class PredictorBenchConfig:
     Attributes:
         label_paths: labels JSONL files written by `s3serve label`.
         prompt_paths: the prompt files the labels were made from.
-        artifact: a saved predictor to score instead of training LightGBM here; None trains it.
+        artifact: a saved predictor to score as well, reported as "artifact".
+        kinds: predictor kinds trained here; None means all of KINDS, or only the baselines with an artifact.
         max_len: longest sequence; the 10 buckets span [0, max_len].
         quantile: the upper bound's coverage target.
         use_embedding: give the LightGBM trained here the MiniLM embedding.
@@ -44,6 +49,7 @@ class PredictorBenchConfig:
     label_paths: tuple[Path, ...]
     prompt_paths: tuple[Path, ...]
     artifact: Path | None = None
+    kinds: tuple[str, ...] | None = None
     max_len: int = 1024
     quantile: float = 0.9
     use_embedding: bool = True
@@ -82,15 +88,15 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
           f"({len(dataset.missing_prompt_ids)} without a prompt), {len(train.examples)} train, "
           f"{len(held_out.examples)} held out")
 
-    predictors: dict[str, FittedLengthPredictor] = {}
-    for kind in ("mean", "linear"):
-        predictors[kind] = make_predictor(kind, config.quantile, config.max_len)
-    artifact_version = None
-    if config.artifact is None:
-        predictors["lightgbm"] = make_predictor("lightgbm", config.quantile, config.max_len,
-                                                FeatureConfig(use_embedding=config.use_embedding))
-    else:
-        artifact_version = read_manifest(config.artifact)["version"]
+    kinds = config.kinds if config.kinds is not None else (KINDS if config.artifact is None else KINDS[:2])
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:
+        raise ValueError(f"unknown predictor kinds {unknown}; choose from {', '.join(KINDS)}")
+    predictors: dict[str, FittedLengthPredictor] = {
+        kind: make_predictor(kind, config.quantile, config.max_len, FeatureConfig(use_embedding=config.use_embedding))
+        for kind in kinds
+    }
+    artifact_version = None if config.artifact is None else read_manifest(config.artifact)["version"]
 
     results: dict[str, dict] = {}
     with tqdm(total=len(predictors) + (config.artifact is not None), desc="predictors", unit="model") as progress:
@@ -106,18 +112,26 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
         began = time.perf_counter()
         metrics = evaluate(predictor.predict_examples(held_out.examples), held_out.lengths, config.max_len)
         metrics["predict_all_held_out_s"] = time.perf_counter() - began
+        metrics["calibration"] = None if predictor.calibration is None else predictor.calibration.to_dict()
+        raw = copy.copy(predictor)  # shares the fitted model; only the bound's calibration is dropped
+        raw.calibration = None
+        raw_metrics = evaluate(raw.predict_examples(held_out.examples), held_out.lengths, config.max_len)
+        metrics["raw_under_reservation_rate"] = raw_metrics["under_reservation_rate"]
+        metrics["raw_mean_over_reservation_tokens"] = raw_metrics["mean_over_reservation_tokens"]
         for batch_size in LATENCY_BATCH_SIZES:
             metrics.update(_latency_ms(predictor, held_out.examples, batch_size, config.num_latency_batches))
         results[name] = metrics
 
-    headers = ["predictor", "tau", "bucket_acc", "mae_tok", "under_rate", "over_res_tok",
+    headers = ["predictor", "tau", "bucket_acc", "mae_tok", "under_rate", "over_res_tok", "raw_under", "raw_over",
                "p50_ms_b1", "p99_ms_b1", "p50_ms_b32", "p99_ms_b32"]
-    table_rows = [[name, *(m[key] for key in METRICS), m["latency_p50_ms_batch1"], m["latency_p99_ms_batch1"],
+    table_rows = [[name, *(m[key] for key in METRICS), m["raw_under_reservation_rate"],
+                   m["raw_mean_over_reservation_tokens"], m["latency_p50_ms_batch1"], m["latency_p99_ms_batch1"],
                    m["latency_p50_ms_batch32"], m["latency_p99_ms_batch32"]] for name, m in results.items()]
     print(format_table(headers, table_rows))
     result = {
         "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(config).items()
-                   if key not in ("label_paths", "prompt_paths", "artifact")}
+                   if key not in ("label_paths", "prompt_paths", "artifact", "kinds")}
+        | {"kinds": list(kinds)}
         | {"label_paths": [str(p) for p in config.label_paths], "prompt_paths": [str(p) for p in config.prompt_paths],
            "artifact": None if config.artifact is None else str(config.artifact), "artifact_version": artifact_version},
         "dataset": {"num_label_rows": len(rows), "num_joined": len(dataset.examples),

@@ -96,6 +96,7 @@ def _train_predictor(args: argparse.Namespace) -> int:
     from benchmarks.predictor_bench import load_prompt_texts_by_id
     from predictor_service.features import FeatureConfig
     from predictor_service.training import build_dataset, read_labels, train_predictor
+    from predictor_service.transformer_predictor import TransformerConfig
 
     rows = read_labels(args.labels)
     dataset = build_dataset(rows, load_prompt_texts_by_id(args.prompts))
@@ -104,7 +105,8 @@ def _train_predictor(args: argparse.Namespace) -> int:
               f"(e.g. {dataset.missing_prompt_ids[0]}); they are left out")
     result = train_predictor(dataset, args.kind, max_len=args.max_len, quantile=args.quantile,
                              feature_config=FeatureConfig(use_embedding=not args.no_embedding),
-                             held_out_fraction=args.held_out_fraction, out_dir=args.out)
+                             held_out_fraction=args.held_out_fraction, out_dir=args.out,
+                             transformer_config=TransformerConfig(num_epochs=args.epochs))
     metrics = ", ".join(f"{key}: {value:.3g}" for key, value in result.metrics.items())
     print(f"{args.kind}: {result.num_train} train, {result.num_held_out} held out; {metrics} -> {result.artifact_dir}")
     return 0
@@ -115,6 +117,7 @@ def _bench_predictor(args: argparse.Namespace) -> int:
 
     config = predictor_bench.PredictorBenchConfig(
         label_paths=tuple(args.labels), prompt_paths=tuple(args.prompts), artifact=args.artifact,
+        kinds=None if args.kinds is None else tuple(args.kinds),
         max_len=args.max_len, quantile=args.quantile, use_embedding=not args.no_embedding,
     )
     predictor_bench.run(config, args.json)
@@ -171,9 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "version under --out (OUT/vNNNN, with OUT/LATEST pointing at it).",
     )
     _add_label_args(train)
-    train.add_argument("--kind", choices=("lightgbm", "mean", "linear"), default="lightgbm",
-                       help="lightgbm over prompt features, or a baseline: training mean, line in prompt length "
-                            "(default: %(default)s)")
+    train.add_argument("--kind", choices=("lightgbm", "transformer", "mean", "linear"), default="lightgbm",
+                       help="lightgbm over prompt features, transformer (MiniLM fine-tuned on CPU, a few minutes), "
+                            "or a baseline: training mean, line in prompt length (default: %(default)s)")
     train.add_argument("--out", type=Path, required=True, metavar="DIR", help="artifact root to add a version to")
     train.add_argument("--quantile", type=float, default=0.9,
                        help="probability that the true length stays within the upper bound (default: %(default)s)")
@@ -183,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of prompts held out for the reported metrics (default: %(default)s)")
     train.add_argument("--no-embedding", action="store_true",
                        help="leave out the MiniLM sentence embedding (faster; lightgbm only)")
+    train.add_argument("--epochs", type=int, default=4,
+                       help="fine-tuning epochs (transformer only) (default: %(default)s)")
     train.set_defaults(handler=_train_predictor)
 
     bench = commands.add_parser("bench", help="run a benchmark; prints a table and writes JSON")
@@ -245,16 +250,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     predictor = benches.add_parser(
         "predictor",
-        help="output-length predictors side by side: mean, prompt-length line, LightGBM (or a saved artifact)",
+        help="output-length predictors side by side: mean, prompt-length line, LightGBM, transformer (and an artifact)",
         description="Splits the labelled prompts into train and held-out by a hash of the prompt id (the split "
-                    "train-predictor uses), fits the baselines and LightGBM on the train side, and reports on the "
-                    "held-out side Kendall tau, 10-bucket accuracy, MAE, under-reservation rate, mean "
-                    "over-reservation and prediction latency at batch 1 and 32.",
+                    "train-predictor uses), fits the baselines, LightGBM and the transformer on the train side, "
+                    "and reports on the held-out side Kendall tau, 10-bucket accuracy, MAE, under-reservation "
+                    "rate, mean over-reservation (calibrated and raw bound) and latency at batch 1 and 32.",
     )
     _add_label_args(predictor)
     predictor.add_argument("--artifact", type=Path, default=None, metavar="DIR",
-                           help="score this train-predictor artifact (trained on the same labels and split) "
-                                "instead of training LightGBM here")
+                           help="also score this train-predictor artifact (trained on the same labels and split); "
+                                "without --kinds only the baselines are trained next to it")
+    predictor.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
+                           choices=("mean", "linear", "lightgbm", "transformer"),
+                           help="predictors to train and score (default: all four; the transformer fine-tunes "
+                                "for a few minutes, leave it out to be quick)")
     predictor.add_argument("--max-len", type=int, default=1024,
                            help="longest sequence; the 10 length buckets span [0, max-len] (default: %(default)s)")
     predictor.add_argument("--quantile", type=float, default=0.9,

@@ -7,9 +7,10 @@
         manifest.json        format, kind, version string, creation time, file list
         params.json          the predictor's fitted numbers and settings
         features.json        FeatureConfig (lightgbm only)
-        calibration.json     the quantile and the bound's measured coverage
+        calibration.json     the quantile, the bound's measured coverage and its conformal offset ("conformal")
         metrics.json         held-out metrics at training time
         *.lgb.txt            LightGBM text model files (lightgbm only)
+        transformer.safetensors  fine-tuned top layers and heads (transformer only; the rest is the wheel's)
 
 A version directory is written once and never changed; a new training run writes
 the next one and moves LATEST.
@@ -21,12 +22,14 @@ import time
 from pathlib import Path
 
 from predictor_service.baselines import MeanLengthPredictor, PromptLengthLinearPredictor
+from predictor_service.calibration import BoundCalibration
 from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor
 from predictor_service.lightgbm_predictor import LightGBMLengthPredictor
+from predictor_service.transformer_predictor import TransformerLengthPredictor
 
 FORMAT_VERSION = 1
-KINDS = ("lightgbm", "mean", "linear")
+KINDS = ("lightgbm", "transformer", "mean", "linear")
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")
 
 
@@ -55,7 +58,7 @@ def save_predictor(predictor: FittedLengthPredictor, root: Path | str, metrics: 
     """Write `predictor` as the next version under `root` and point LATEST at it.
 
     Args:
-        predictor: a fitted MeanLengthPredictor, PromptLengthLinearPredictor or LightGBMLengthPredictor.
+        predictor: a fitted mean, linear, LightGBM or transformer predictor.
         root: the artifact root (created if missing).
         metrics: held-out metrics to keep with the model.
         calibration: what is known of the upper bound's coverage.
@@ -75,6 +78,10 @@ def save_predictor(predictor: FittedLengthPredictor, root: Path | str, metrics: 
         _write_json(directory / "features.json", predictor.feature_config.to_dict())
         files.append("features.json")
         files += predictor.save_models(directory)
+    if isinstance(predictor, TransformerLengthPredictor):
+        files += predictor.save_models(directory)
+    if predictor.calibration is not None:
+        calibration = {**calibration, "conformal": predictor.calibration.to_dict()}
     _write_json(directory / "calibration.json", calibration)
     _write_json(directory / "metrics.json", metrics)
     created_at = time.strftime("%Y%m%dT%H%M%S")
@@ -124,10 +131,20 @@ def load_predictor(path: Path | str) -> FittedLengthPredictor:
     params = _read_json(directory / "params.json")
     try:
         if manifest["kind"] == "mean":
-            return MeanLengthPredictor.from_params(params)
-        if manifest["kind"] == "linear":
-            return PromptLengthLinearPredictor.from_params(params)
-        feature_config = FeatureConfig.from_dict(_read_json(directory / "features.json"))
-        return LightGBMLengthPredictor.load(params, feature_config, directory)
+            predictor = MeanLengthPredictor.from_params(params)
+        elif manifest["kind"] == "linear":
+            predictor = PromptLengthLinearPredictor.from_params(params)
+        elif manifest["kind"] == "transformer":
+            predictor = TransformerLengthPredictor.load(params, directory)
+        else:
+            feature_config = FeatureConfig.from_dict(_read_json(directory / "features.json"))
+            predictor = LightGBMLengthPredictor.load(params, feature_config, directory)
     except (KeyError, TypeError) as error:
         raise ValueError(f"{directory}/params.json does not fit a {manifest['kind']} predictor: {error!r}") from None
+    conformal = _read_json(directory / "calibration.json").get("conformal")
+    if conformal is not None:
+        try:
+            predictor.calibration = BoundCalibration.from_dict(conformal)
+        except TypeError as error:
+            raise ValueError(f"{directory}/calibration.json: bad conformal calibration ({error})") from None
+    return predictor

@@ -4,6 +4,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from predictor_service.calibration import fit_calibration, fold_of
 from predictor_service.length_example import FittedLengthPredictor, LengthExample, check_training_set, clamp_tokens
 from predictor_service.length_predictor import LengthPrediction, bucket_edges
 
@@ -85,21 +86,24 @@ class MeanLengthPredictor(FittedLengthPredictor):
 class PromptLengthLinearPredictor(FittedLengthPredictor):
     """Least squares of output length on prompt token count.
 
-    The upper bound is the prediction plus the training residuals' quantile; bucket
-    probabilities come from the prediction shifted by the residual distribution.
+    The upper bound is the prediction plus the training residuals' quantile, then
+    calibrated conformally on out-of-fold fits (calibration.py); bucket probabilities
+    come from the prediction shifted by the residual distribution.
 
     Args:
         quantile: probability that the true length stays within the upper bound.
         max_len: longest sequence; the buckets span [0, max_len].
+        num_calibration_folds: folds of the cross-conformal calibration; 0 keeps the raw bound.
     """
 
     name = "linear"
 
-    def __init__(self, quantile: float = 0.9, max_len: int = 1024) -> None:
+    def __init__(self, quantile: float = 0.9, max_len: int = 1024, num_calibration_folds: int = 5) -> None:
         super().__init__()
         check_quantile(quantile)
         self.quantile = quantile
         self.max_len = max_len
+        self.num_calibration_folds = num_calibration_folds
         self.intercept_tokens: float | None = None
         self.tokens_per_prompt_token: float | None = None
         self.residual_upper_tokens: float | None = None
@@ -118,7 +122,25 @@ class PromptLengthLinearPredictor(FittedLengthPredictor):
         self.residual_upper_tokens = float(np.quantile(residuals, self.quantile))
         levels = (np.arange(NUM_RESIDUAL_QUANTILES) + 0.5) / NUM_RESIDUAL_QUANTILES
         self.residual_quantiles = np.quantile(residuals, levels)
+        self.calibration = self._cross_conformal(examples, design, array)
         return self
+
+    def _cross_conformal(self, examples: Sequence[LengthExample], design: np.ndarray, lengths: np.ndarray):
+        """Calibration from out-of-fold line + residual-quantile bounds; None when folds are off or too small."""
+        if self.num_calibration_folds < 2:
+            return None
+        folds = np.array([fold_of(example.prompt_id, self.num_calibration_folds) for example in examples])
+        if len(set(folds.tolist())) < 2:
+            return None
+        raw_uppers = np.zeros(len(examples))
+        for fold in np.unique(folds):
+            held = folds == fold
+            coefficients, *_ = np.linalg.lstsq(design[~held], lengths[~held], rcond=None)
+            residual_upper = np.quantile(lengths[~held] - design[~held] @ coefficients, self.quantile)
+            raw_uppers[held] = design[held] @ coefficients + residual_upper
+        max_tokens = np.array([example.max_tokens for example in examples])
+        return fit_calibration(clamp_tokens(raw_uppers, max_tokens), lengths, self.quantile,
+                               f"cross-conformal-{self.num_calibration_folds}")
 
     def predict_examples(self, examples: Sequence[LengthExample]) -> list[LengthPrediction]:
         if self.intercept_tokens is None:
@@ -128,20 +150,21 @@ class PromptLengthLinearPredictor(FittedLengthPredictor):
         max_tokens = np.array([example.max_tokens for example in examples])
         raw = self._design(examples) @ np.array([self.intercept_tokens, self.tokens_per_prompt_token])  # [n]
         points = clamp_tokens(raw, max_tokens)
-        uppers = clamp_tokens(raw + self.residual_upper_tokens, max_tokens)
+        uppers = self.calibrated_upper(raw + self.residual_upper_tokens, max_tokens)
         samples = np.clip(raw[:, None] + self.residual_quantiles[None, :], 0, max_tokens[:, None])  # [n, q]
         probs = bucket_histogram(samples, self.max_len)  # [n, 10]
         return [_prediction(p, u, row) for p, u, row in zip(points, uppers, probs)]
 
     def to_params(self) -> dict:
-        return {"quantile": self.quantile, "max_len": self.max_len, "intercept_tokens": self.intercept_tokens,
+        return {"quantile": self.quantile, "max_len": self.max_len, "num_calibration_folds": self.num_calibration_folds,
+                "intercept_tokens": self.intercept_tokens,
                 "tokens_per_prompt_token": self.tokens_per_prompt_token,
                 "residual_upper_tokens": self.residual_upper_tokens,
                 "residual_quantiles": self.residual_quantiles.tolist()}
 
     @classmethod
     def from_params(cls, params: dict) -> "PromptLengthLinearPredictor":
-        predictor = cls(params["quantile"], params["max_len"])
+        predictor = cls(params["quantile"], params["max_len"], params.get("num_calibration_folds", 0))
         predictor.intercept_tokens = float(params["intercept_tokens"])
         predictor.tokens_per_prompt_token = float(params["tokens_per_prompt_token"])
         predictor.residual_upper_tokens = float(params["residual_upper_tokens"])

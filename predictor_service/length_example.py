@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from predictor_service.calibration import BoundCalibration
 from predictor_service.length_predictor import LengthPrediction, LengthPredictor, LengthQuery
 
 TextOf = Callable[[LengthQuery], str]
@@ -46,13 +47,22 @@ class FittedLengthPredictor(LengthPredictor):
 
     Subclasses implement `fit` and `predict_examples`; `predict` turns queries into
     examples with `text_of` (set it on the instance; predictors that ignore the text
-    work without it).
+    work without it). Predictors whose upper bound is conformally calibrated set
+    `calibration` in `fit` (artifacts save and restore it).
     """
 
     needs_text: bool = False
 
     def __init__(self) -> None:
         self.text_of: TextOf | None = None
+        self.calibration: BoundCalibration | None = None
+
+    def calibrated_upper(self, raw_upper_tokens, max_tokens) -> np.ndarray:
+        """Raw bounds clamped to [1, max_tokens], widened (or tightened) by the calibration when there is one."""
+        raw = clamp_tokens(raw_upper_tokens, max_tokens)
+        if self.calibration is None:
+            return raw
+        return clamp_tokens(self.calibration.apply(raw), max_tokens)
 
     @abc.abstractmethod
     def fit(self, examples: Sequence[LengthExample], lengths: Sequence[int]) -> "FittedLengthPredictor":

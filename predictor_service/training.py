@@ -15,6 +15,7 @@ from predictor_service.baselines import MeanLengthPredictor, PromptLengthLinearP
 from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor, LengthExample
 from predictor_service.lightgbm_predictor import LightGBMLengthPredictor
+from predictor_service.transformer_predictor import TransformerConfig, TransformerLengthPredictor
 from predictor_service.metrics import evaluate
 
 
@@ -110,8 +111,11 @@ def split_by_prompt_id(dataset: LengthDataset, held_out_fraction: float = 0.2) -
 
 
 def make_predictor(kind: str, quantile: float = 0.9, max_len: int = 1024,
-                   feature_config: FeatureConfig | None = None) -> FittedLengthPredictor:
-    """An unfitted predictor of `kind` ("lightgbm", "mean" or "linear")."""
+                   feature_config: FeatureConfig | None = None,
+                   transformer_config: TransformerConfig | None = None) -> FittedLengthPredictor:
+    """An unfitted predictor of `kind` ("lightgbm", "transformer", "mean" or "linear")."""
+    if kind == "transformer":
+        return TransformerLengthPredictor(quantile, max_len, transformer_config)
     if kind == "mean":
         return MeanLengthPredictor(quantile, max_len)
     if kind == "linear":
@@ -142,9 +146,10 @@ class TrainResult:
 
 def train_predictor(dataset: LengthDataset, kind: str, max_len: int = 1024, quantile: float = 0.9,
                     feature_config: FeatureConfig | None = None, held_out_fraction: float = 0.2,
-                    out_dir: Path | str | None = None) -> TrainResult:
+                    out_dir: Path | str | None = None,
+                    transformer_config: TransformerConfig | None = None) -> TrainResult:
     """Split, fit `kind` on the train side, score it on the held-out side, and save it under `out_dir`."""
-    predictor = make_predictor(kind, quantile, max_len, feature_config)
+    predictor = make_predictor(kind, quantile, max_len, feature_config, transformer_config)
     train, held_out = split_by_prompt_id(dataset, held_out_fraction)
     predictor.fit(train.examples, train.lengths)
     metrics = evaluate(predictor.predict_examples(held_out.examples), held_out.lengths, max_len)

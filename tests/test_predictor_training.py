@@ -83,8 +83,8 @@ def test_unfitted_predictors_and_bad_settings_raise_clear_errors():
         MeanLengthPredictor().predict_examples([make_example()])
     with pytest.raises(ValueError, match="quantile must be in"):
         PromptLengthLinearPredictor(quantile=1.5)
-    with pytest.raises(ValueError, match="unknown predictor kind 'transformer'"):
-        make_predictor("transformer")
+    with pytest.raises(ValueError, match="unknown predictor kind 'oracle'"):
+        make_predictor("oracle")
     with pytest.raises(ValueError, match="2 examples for 1 lengths"):
         MeanLengthPredictor().fit([make_example(), make_example()], [3])
 
