@@ -106,7 +106,7 @@ def _train_predictor(args: argparse.Namespace) -> int:
     result = train_predictor(dataset, args.kind, max_len=args.max_len, quantile=args.quantile,
                              feature_config=FeatureConfig(use_embedding=not args.no_embedding),
                              held_out_fraction=args.held_out_fraction, out_dir=args.out,
-                             transformer_config=TransformerConfig(num_epochs=args.epochs))
+                             transformer_config=TransformerConfig(num_epochs=args.epochs), fit_all=args.fit_all)
     metrics = ", ".join(f"{key}: {value:.3g}" for key, value in result.metrics.items())
     print(f"{args.kind}: {result.num_train} train, {result.num_held_out} held out; {metrics} -> {result.artifact_dir}")
     return 0
@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="leave out the MiniLM sentence embedding (faster; lightgbm only)")
     train.add_argument("--epochs", type=int, default=4,
                        help="fine-tuning epochs (transformer only) (default: %(default)s)")
+    train.add_argument("--fit-all", action="store_true",
+                       help="after scoring on the held-out split, refit on every label and save that model")
     train.set_defaults(handler=_train_predictor)
 
     bench = commands.add_parser("bench", help="run a benchmark; prints a table and writes JSON")

@@ -10,7 +10,8 @@ class PredictorDeployment:
     """Batches concurrent `predict` calls; each batch first checks whether a new version was promoted.
 
     Args:
-        artifact_root: directory of predictor versions (LATEST), or None for the shipped baseline.
+        artifact_root: directory of predictor versions (LATEST), or None. Until it holds a version
+            the shipped default artifact is served (the prompt-length baseline if that fails to load).
         quantile, max_len: settings of that baseline.
     """
 

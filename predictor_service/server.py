@@ -1,8 +1,10 @@
 """The predictor as served: the active artifact version, hot-reloaded when a new one is promoted.
 
 Plain Python (no Ray): `predictor_service.deployment` wraps it in a Ray Serve
-deployment. With no artifact it serves the prompt-length baseline fitted on
-the label file shipped in `predictor_service/labels/` and says so.
+deployment. Until a version exists under the artifact root (or with no root), it
+serves the default artifact shipped in `predictor_service/default_artifact/`
+(LightGBM over hashed n-grams, fitted on the shipped labels); if that cannot be
+loaded, the prompt-length baseline fitted on those labels. It logs which.
 """
 
 import logging
@@ -15,7 +17,9 @@ from predictor_service.training import make_predictor, read_labels
 logger = logging.getLogger(__name__)
 
 SHIPPED_LABELS = Path(__file__).parent / "labels" / "smollm2-135m-instruct.pool.greedy.jsonl"
+DEFAULT_ARTIFACT_ROOT = Path(__file__).parent / "default_artifact"
 BASELINE_VERSION = "baseline:prompt-length"
+DEFAULT_VERSION_PREFIX = "default:"
 
 
 def fit_prompt_length_baseline(labels_path: Path, quantile: float, max_len: int) -> FittedLengthPredictor:
@@ -28,19 +32,24 @@ def fit_prompt_length_baseline(labels_path: Path, quantile: float, max_len: int)
 class LengthPredictorServer:
     """Answers prediction payloads with the active predictor version.
 
+    `version` names what is served: an artifact's version, "default:<version>" for the
+    shipped default artifact, or BASELINE_VERSION.
+
     Args:
         artifact_root: directory of versions with a LATEST pointer, or None.
-        quantile: upper-bound coverage of the baseline used without an artifact.
+        quantile: upper-bound coverage of the baseline used without any artifact.
         max_len: bucket range of that baseline.
         labels_path: labels the baseline is fitted on.
+        default_root: artifact served until `artifact_root` has a version; None skips it.
     """
 
     def __init__(self, artifact_root: str | Path | None, quantile: float = 0.9, max_len: int = 1024,
-                 labels_path: Path = SHIPPED_LABELS) -> None:
+                 labels_path: Path = SHIPPED_LABELS, default_root: Path | None = DEFAULT_ARTIFACT_ROOT) -> None:
         self.artifact_root = Path(artifact_root) if artifact_root is not None else None
         self.quantile = quantile
         self.max_len = max_len
         self.labels_path = labels_path
+        self.default_root = default_root
         self.version = None
         self.predictor: FittedLengthPredictor | None = None
         self.reload_if_promoted()
@@ -55,10 +64,7 @@ class LengthPredictorServer:
         version_dir = self._latest_version_dir()
         if version_dir is None:
             if self.predictor is None:
-                self.predictor = fit_prompt_length_baseline(self.labels_path, self.quantile, self.max_len)
-                self.version = BASELINE_VERSION
-                logger.warning("no predictor artifact under %s: serving the prompt-length baseline fitted on %s",
-                               self.artifact_root, self.labels_path)
+                self._start_without_artifact()
                 return True
             return False
         version = read_manifest(version_dir)["version"]
@@ -68,6 +74,22 @@ class LengthPredictorServer:
         self.version = version
         logger.info("serving predictor version %s", version)
         return True
+
+    def _start_without_artifact(self) -> None:
+        """The shipped default artifact, else the prompt-length baseline; logged either way."""
+        if self.default_root is not None:
+            try:
+                self.predictor = load_predictor(self.default_root)
+                self.version = DEFAULT_VERSION_PREFIX + read_manifest(self.default_root)["version"]
+                logger.warning("no predictor artifact under %s: serving the shipped default artifact %s (%s)",
+                               self.artifact_root, self.default_root, self.version)
+                return
+            except (ValueError, FileNotFoundError, ImportError) as error:
+                logger.warning("the shipped default artifact %s does not load (%s)", self.default_root, error)
+        self.predictor = fit_prompt_length_baseline(self.labels_path, self.quantile, self.max_len)
+        self.version = BASELINE_VERSION
+        logger.warning("no predictor artifact under %s: serving the prompt-length baseline fitted on %s",
+                       self.artifact_root, self.labels_path)
 
     def predict(self, payloads: list[dict]) -> list[dict]:
         """Payloads {"prompt_id", "prompt_text", "num_prompt_tokens", "max_tokens", "temperature"?} -> predictions."""

@@ -147,15 +147,23 @@ class TrainResult:
 def train_predictor(dataset: LengthDataset, kind: str, max_len: int = 1024, quantile: float = 0.9,
                     feature_config: FeatureConfig | None = None, held_out_fraction: float = 0.2,
                     out_dir: Path | str | None = None,
-                    transformer_config: TransformerConfig | None = None) -> TrainResult:
-    """Split, fit `kind` on the train side, score it on the held-out side, and save it under `out_dir`."""
+                    transformer_config: TransformerConfig | None = None, fit_all: bool = False) -> TrainResult:
+    """Split, fit `kind` on the train side, score it on the held-out side, and save it under `out_dir`.
+
+    With `fit_all`, the saved predictor is then refitted on every example (the shipped
+    default artifact is made so); its metrics are those of the train-side fit on unseen prompts.
+    """
     predictor = make_predictor(kind, quantile, max_len, feature_config, transformer_config)
     train, held_out = split_by_prompt_id(dataset, held_out_fraction)
     predictor.fit(train.examples, train.lengths)
     metrics = evaluate(predictor.predict_examples(held_out.examples), held_out.lengths, max_len)
+    if fit_all:
+        predictor = make_predictor(kind, quantile, max_len, feature_config, transformer_config)
+        predictor.fit(dataset.examples, dataset.lengths)
     artifact_dir = None
     if out_dir is not None:
         calibration = {"quantile": quantile, "held_out_coverage": 1.0 - metrics["under_reservation_rate"],
-                       "num_held_out": len(held_out.examples)}
+                       "num_held_out": len(held_out.examples),
+                       "fitted_on": "all labels" if fit_all else "train split"}
         artifact_dir = save_predictor(predictor, out_dir, metrics, calibration)
     return TrainResult(predictor, metrics, artifact_dir, len(train.examples), len(held_out.examples))

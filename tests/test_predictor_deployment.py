@@ -1,5 +1,6 @@
 """The predictor over Ray Serve: answers batched calls, hot-reloads a promoted version, starts from the baseline."""
 
+import json
 import re
 from pathlib import Path
 
@@ -7,7 +8,8 @@ import pytest
 
 from predictor_service.artifacts import save_predictor
 from predictor_service.length_example import LengthExample
-from predictor_service.server import BASELINE_VERSION, LengthPredictorServer
+from predictor_service.artifacts import load_predictor, read_manifest
+from predictor_service.server import BASELINE_VERSION, DEFAULT_ARTIFACT_ROOT, LengthPredictorServer
 from predictor_service.training import make_predictor
 
 PAYLOAD = {"prompt_id": "q", "prompt_text": "Write an essay about rivers.", "num_prompt_tokens": 30,
@@ -19,9 +21,9 @@ def fitted_mean(value: int):
     return make_predictor("mean", 0.9, 1024).fit(examples, [value] * 20)
 
 
-def test_server_starts_from_the_shipped_baseline_and_switches_to_a_promoted_version(tmp_path: Path):
+def test_server_starts_from_the_shipped_default_artifact_and_switches_to_a_promoted_version(tmp_path: Path):
     server = LengthPredictorServer(tmp_path / "artifacts")
-    assert server.version == BASELINE_VERSION
+    assert server.version.startswith("default:lightgbm-v0001-")
     [answer] = server.predict([PAYLOAD])
     assert 1 <= answer["point_tokens"] <= answer["upper_bound_tokens"] <= 900
     assert abs(sum(answer["bucket_probs"]) - 1.0) < 1e-6
@@ -30,6 +32,27 @@ def test_server_starts_from_the_shipped_baseline_and_switches_to_a_promoted_vers
     assert server.reload_if_promoted()
     assert server.predict([PAYLOAD])[0]["point_tokens"] == 77
     assert re.match(r"mean-v0001-", server.version)
+
+
+def test_without_the_default_artifact_the_server_fits_the_prompt_length_baseline():
+    server = LengthPredictorServer(None, default_root=None)
+    assert server.version == BASELINE_VERSION
+    [answer] = server.predict([PAYLOAD])
+    assert 1 <= answer["point_tokens"] <= answer["upper_bound_tokens"] <= 900
+
+
+def test_shipped_default_artifact_is_calibrated_lightgbm_without_torch_features():
+    manifest = read_manifest(DEFAULT_ARTIFACT_ROOT)
+    assert manifest["kind"] == "lightgbm"
+    assert json.loads((DEFAULT_ARTIFACT_ROOT / "v0001" / "features.json").read_text())["use_embedding"] is False
+    assert sum(f.stat().st_size for f in (DEFAULT_ARTIFACT_ROOT / "v0001").iterdir()) < 5_000_000
+    predictor = load_predictor(DEFAULT_ARTIFACT_ROOT)
+    assert predictor.calibration is not None and predictor.calibration.num_calibration == 712
+    short, long = predictor.predict_examples([
+        LengthExample("a", "Answer with one word: what is the capital of France?", 40, 980),
+        LengthExample("b", "Write a long, detailed story about a dragon who learns to code.", 40, 980),
+    ])
+    assert short.point_tokens < long.point_tokens
 
 
 def test_server_rejects_a_payload_without_lengths(tmp_path: Path):
