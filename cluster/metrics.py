@@ -1,0 +1,218 @@
+"""Prometheus metrics of the service, served by the router at `GET /metrics`.
+
+Two sources:
+- the router observes each request it answers (status, TTFT, TPOT, latency, prediction
+  error, its own overhead) into counters and histograms it owns;
+- the controller owns the cluster's state and its cumulative counts (overruns,
+  preemptions, migrations, requeues, kept in Redis so they survive restarts). The router
+  hands its latest `ClusterSnapshot` to `set_cluster`, and a custom collector renders it:
+  gauges per worker, and counters that mirror the controller's totals (a counter we
+  incremented ourselves would double count across router replicas and restarts).
+
+`s3_requests_total{status}` labels, one per outcome:
+  "ok"         answered in full (2xx, streamed or not)
+  "cancelled"  the client went away before the end (its blocks were freed)
+  "error"      failed after the response had started (e.g. a stream cut by a bug)
+  "400".."599" refused with that HTTP status (400 bad input, 429 queue full, ...)
+Exact codes rather than "4xx" because 429 (overload) and 400 (client bug) call for
+different reactions; the set of codes the router answers is small, so is the cardinality.
+"""
+
+from collections import Counter as Tally
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_OUTCOMES = frozenset({"ok", "cancelled", "error"})
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_OVERHEAD_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# predicted - true, in tokens: negative = under-prediction (overrun risk), positive =
+# over-reservation. Edges mirror each other around 0. prometheus_client drops `_sum` from
+# a histogram with negative buckets (OpenMetrics: a sum that can fall is no counter), so
+# read the bias from the buckets.
+_ERROR_MAGNITUDES = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_PREDICTION_ERROR_BUCKETS = tuple(-m for m in reversed(_ERROR_MAGNITUDES)) + (0,) + _ERROR_MAGNITUDES
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGauge:
+    """One worker's state as the controller last saw it.
+
+    Attributes:
+        worker_id: stable id, the `worker` label.
+        state: lifecycle state ("starting", "ready", "draining", "dead", ...).
+        num_total_blocks: KV blocks of its pool.
+        num_used_blocks: blocks holding KV now.
+        num_reserved_blocks: blocks promised to admitted requests (used or not yet).
+        num_running: sequences in its running batch.
+        num_waiting: sequences queued on it.
+    """
+
+    worker_id: str
+    state: str
+    num_total_blocks: int
+    num_used_blocks: int
+    num_reserved_blocks: int
+    num_running: int
+    num_waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    """The cluster's state and the controller's cumulative counts at one moment.
+
+    Attributes:
+        workers: one gauge per known worker.
+        num_queued: requests admitted by the router and not yet placed on a worker.
+        num_overruns: sequences that outgrew their reservation, since the service began.
+        num_preemptions: sequences preempted, since the service began.
+        num_migrations: sequences moved to another worker, since the service began.
+        num_requeues: requests re-placed after their worker died, since the service began.
+    """
+
+    workers: tuple[WorkerGauge, ...] = ()
+    num_queued: int = 0
+    num_overruns: int = 0
+    num_preemptions: int = 0
+    num_migrations: int = 0
+    num_requeues: int = 0
+
+    def __post_init__(self):
+        for name in ("num_queued", "num_overruns", "num_preemptions", "num_migrations", "num_requeues"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        worker_ids = [str(worker.worker_id) for worker in self.workers]
+        if len(set(worker_ids)) != len(worker_ids):
+            raise ValueError(f"worker ids repeat: {worker_ids}")
+
+
+class _ClusterCollector(Collector):
+    """Renders the latest ClusterSnapshot; workers that left it leave the output too."""
+
+    def __init__(self):
+        self.snapshot = ClusterSnapshot()
+
+    def collect(self):
+        snapshot = self.snapshot  # one read: set_cluster may replace it meanwhile
+        per_worker = {
+            "s3_kv_blocks_used": ("KV blocks holding KV, per worker.", "num_used_blocks"),
+            "s3_kv_blocks_reserved": ("KV blocks reserved for admitted requests, per worker.", "num_reserved_blocks"),
+            "s3_kv_blocks_total": ("KV blocks in the pool, per worker.", "num_total_blocks"),
+            "s3_worker_running": ("Sequences in the running batch, per worker.", "num_running"),
+            "s3_worker_waiting": ("Sequences queued on the worker, per worker.", "num_waiting"),
+        }
+        for name, (documentation, attribute) in per_worker.items():
+            family = GaugeMetricFamily(name, documentation, labels=["worker"])
+            for worker in snapshot.workers:
+                family.add_metric([str(worker.worker_id)], getattr(worker, attribute))
+            yield family
+        yield GaugeMetricFamily("s3_queue_depth", "Requests waiting for placement.", value=snapshot.num_queued)
+        by_state = GaugeMetricFamily("s3_workers", "Workers, by lifecycle state.", labels=["state"])
+        for state, count in sorted(Tally(worker.state for worker in snapshot.workers).items()):
+            by_state.add_metric([state], count)
+        yield by_state
+        totals = {
+            "s3_overruns": ("Sequences that outgrew their reservation.", snapshot.num_overruns),
+            "s3_preemptions": ("Sequences preempted.", snapshot.num_preemptions),
+            "s3_migrations": ("Sequences moved to another worker.", snapshot.num_migrations),
+            "s3_requeues": ("Requests re-placed after their worker died.", snapshot.num_requeues),
+        }
+        for name, (documentation, total) in totals.items():
+            yield CounterMetricFamily(name, documentation, value=total)
+
+
+class ServiceMetrics:
+    """The service's Prometheus metrics in a registry of their own (no global state).
+
+    Args:
+        registry: where to register; a fresh one by default, so that several instances
+            (tests, several apps in one process) never clash.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._requests = Counter(
+            "s3_requests", "Requests answered, by outcome (see cluster/metrics.py).", ["status"],
+            registry=self.registry,
+        )
+        self._ttft_s = Histogram(
+            "s3_ttft_seconds", "Time to first token.", buckets=_TTFT_BUCKETS_S, registry=self.registry
+        )
+        self._tpot_s = Histogram(
+            "s3_tpot_seconds", "Time per output token after the first.", buckets=_TPOT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._latency_s = Histogram(
+            "s3_request_latency_seconds", "Arrival to last token.", buckets=_LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self._prediction_error_tokens = Histogram(
+            "s3_prediction_error_tokens", "Predicted output length (point) minus the true one, in tokens.",
+            buckets=_PREDICTION_ERROR_BUCKETS, registry=self.registry,
+        )
+        self._overhead_s = Histogram(
+            "s3_router_overhead_seconds", "Router + predictor + placement time of a request.",
+            buckets=_OVERHEAD_BUCKETS_S, registry=self.registry,
+        )
+        self._cluster = _ClusterCollector()
+        self.registry.register(self._cluster)
+
+    def observe_status(self, status: str | int) -> None:
+        """Counts one answered request: "ok", "cancelled", "error", or an HTTP status code.
+
+        A 2xx code counts as "ok"; any other code must be an error status (400-599).
+        """
+        if isinstance(status, int) and not isinstance(status, bool):
+            if 200 <= status < 300:
+                label = "ok"
+            elif 400 <= status < 600:
+                label = str(status)
+            else:
+                raise ValueError(f"status code must be 2xx, 4xx or 5xx, got {status}")
+        elif status in _OUTCOMES or isinstance(status, str) and status.isdigit() and 400 <= int(status) < 600:
+            label = status
+        else:
+            raise ValueError(f"status must be one of {sorted(_OUTCOMES)} or an HTTP error code, got {status!r}")
+        self._requests.labels(status=label).inc()
+
+    def observe_finished(
+        self,
+        ttft_s: float,
+        tpot_s: float | None,
+        latency_s: float,
+        predicted_tokens: int | None,
+        true_tokens: int,
+    ) -> None:
+        """Records one finished request's timings and, when it had one, its prediction error.
+
+        It does not count the request: call observe_status too.
+
+        Args:
+            ttft_s: arrival to first token.
+            tpot_s: mean time per output token after the first; None with a single token.
+            latency_s: arrival to last token.
+            predicted_tokens: the predictor's point estimate; None when the policy used none.
+            true_tokens: tokens actually generated.
+        """
+        self._ttft_s.observe(ttft_s)
+        if tpot_s is not None:
+            self._tpot_s.observe(tpot_s)
+        self._latency_s.observe(latency_s)
+        if predicted_tokens is not None:
+            self._prediction_error_tokens.observe(predicted_tokens - true_tokens)
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Records the router + predictor + placement time of one request."""
+        self._overhead_s.observe(seconds)
+
+    def set_cluster(self, snapshot: ClusterSnapshot) -> None:
+        """Replaces the cluster state rendered from now on."""
+        self._cluster.snapshot = snapshot
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of the Prometheus text exposition."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,294 @@
+"""OpenAI-compatible request bodies of the router, and its one import for the wire format.
+
+Requests are pydantic models (the HTTP edge): strict types, so `"max_tokens": "10"` or
+`true` is a 400 rather than a silent coercion; unknown fields are ignored because the
+official clients send some we do not use; parameters we do not implement (echo,
+logprobs, penalties, tools, ...) are rejected when set to anything but their default,
+never silently dropped. The response builders live in `cluster/openai_responses.py`
+and are re-exported here, so the router imports the whole protocol from one place.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo
+from pydantic import field_validator, model_validator
+
+from cluster.openai_responses import (
+    SSE_DONE,
+    chat_chunk,
+    chat_response,
+    chat_usage_chunk,
+    completion_chunk,
+    completion_response,
+    completion_usage_chunk,
+    models_response,
+    new_request_id,
+    sse_event,
+    usage,
+)
+
+__all__ = [
+    "MAX_STOP_SEQUENCES",
+    "SSE_DONE",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "StreamOptions",
+    "chat_chunk",
+    "chat_messages",
+    "chat_response",
+    "chat_usage_chunk",
+    "completion_chunk",
+    "completion_response",
+    "completion_usage_chunk",
+    "models_response",
+    "new_request_id",
+    "prompt_text",
+    "requested_max_tokens",
+    "sse_event",
+    "usage",
+]
+
+# OpenAI accepts at most 4 stop sequences; more would only slow down stop matching.
+MAX_STOP_SEQUENCES = 4
+# torch.Generator.manual_seed takes 64-bit seeds; anything wider would fail deep in a worker.
+_SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}
+
+# Parameters we accept only at their default: field -> values that mean "not used".
+_COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "echo": (None, False),
+    "logprobs": (None,),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+}
+_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+MaxTokens = Annotated[StrictInt, Field(ge=1)]
+Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
+TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
+Seed = Annotated[StrictInt, Field(**_SEED_BOUNDS)]
+
+
+def _reject_non_default(value: Any, info: ValidationInfo, table: dict[str, tuple[Any, ...]]) -> Any:
+    # `in` on a tuple compares with ==, and True == 1, so compare types too.
+    if not any(value == allowed and type(value) is type(allowed) for allowed in table[info.field_name]):
+        raise ValueError(f"'{info.field_name}' is not supported by this server; leave it unset")
+    return value
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None or isinstance(value, str) and value:
+        return value
+    if (
+        isinstance(value, list)
+        and len(value) <= MAX_STOP_SEQUENCES
+        and all(isinstance(item, str) and item for item in value)
+    ):
+        return value
+    raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings")
+
+
+class StreamOptions(BaseModel):
+    """Options of a streamed response.
+
+    Attributes:
+        include_usage: send a last chunk with empty `choices` and the request's `usage`.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by both endpoints; see the subclasses for their meaning."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    model: StrictStr
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: Seed | None = None
+    user: StrictStr | None = None
+    ignore_eos: StrictBool = False
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"n must be 1 (one choice per request is served), got {value}")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _valid_stop(cls, value: Any) -> Any:
+        return _check_stop(value)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        """The stop strings as a tuple (empty when none)."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    """Body of `POST /v1/completions`.
+
+    Attributes:
+        model: id of a served model (an unknown id is a 404, decided by the router).
+        prompt: the prompt, or a list holding exactly one prompt (we serve n=1).
+        max_tokens: most tokens to generate; None means the service default.
+        temperature: sampling temperature in [0, 2]; 0 is greedy.
+        top_p: nucleus mass in (0, 1].
+        n: number of choices; only 1.
+        stream: answer with server-sent events.
+        stream_options: streaming options (only with stream).
+        stop: up to 4 stop strings; the output ends before the first match.
+        seed: sampling seed, for reproducible samples.
+        ignore_eos: extension: generate exactly max_tokens tokens (benchmarks).
+        user: end-user id, recorded only.
+    """
+
+    prompt: StrictStr | list[StrictStr]
+    max_tokens: MaxTokens | None = None
+    echo: Any = None
+    logprobs: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_non_empty_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str) and value:
+            return value
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0]:
+            return value
+        raise ValueError("prompt must be a non-empty string, or a list holding exactly one non-empty string")
+
+    @field_validator(*_COMPLETION_UNSUPPORTED, mode="before")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _reject_non_default(value, info, _COMPLETION_UNSUPPORTED)
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat.
+
+    Attributes:
+        role: "system", "user" or "assistant" ("developer" is read as "system").
+        content: the text; the list-of-parts form `[{"type": "text", "text": ...}]` is
+            accepted and its text parts joined with newlines.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _developer_is_system(cls, value: Any) -> Any:
+        # Newer OpenAI clients send "developer" where older ones sent "system".
+        return "system" if value == "developer" else value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError('content parts must be {"type": "text", "text": <string>}; only text is supported')
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """Body of `POST /v1/chat/completions`.
+
+    Attributes:
+        messages: the conversation, at least one message.
+        max_tokens: most tokens to generate (older name); None means the service default.
+        max_completion_tokens: same as max_tokens (newer name); set one, or both equal.
+        The remaining fields mean what they mean in `CompletionRequest`.
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+
+    @field_validator(*_CHAT_UNSUPPORTED, mode="before")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _reject_non_default(value, info, _CHAT_UNSUPPORTED)
+
+    @model_validator(mode="after")
+    def _one_max_tokens(self):
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) "
+                "differ; set only one"
+            )
+        return self
+
+
+def prompt_text(req: CompletionRequest) -> str:
+    """The single prompt of a completion request."""
+    return req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The conversation as role/content dicts, the form chat templates take."""
+    return [{"role": message.role, "content": message.content} for message in req.messages]
+
+
+def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """The request's output token limit, None when it leaves it to the service."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens

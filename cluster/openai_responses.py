@@ -1,0 +1,164 @@
+"""OpenAI-compatible response payloads of the router, as plain dicts.
+
+Shaped exactly as `openai.types` (`Completion`, `ChatCompletion`, `ChatCompletionChunk`,
+`Model`) parse them. Ids are `cmpl-<request id>` / `chatcmpl-<request id>`.
+
+Streaming follows OpenAI: one `data: {json}` event per chunk, then `data: [DONE]`; with
+`stream_options.include_usage` a last chunk with empty `choices` carries `usage`:
+
+    data: {"object": "chat.completion.chunk", "choices": [{"delta": {"role": "assistant", "content": ""}, ...}]}
+    data: {... "choices": [{"delta": {"content": "Hel"}, "finish_reason": null, ...}]}
+    data: {... "choices": [{"delta": {}, "finish_reason": "stop", ...}]}
+    data: {... "choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}}
+    data: [DONE]
+"""
+
+import json
+import uuid
+
+SSE_DONE = b"data: [DONE]\n\n"
+OWNED_BY = "s3serve"
+
+
+def new_request_id() -> str:
+    """A fresh request id (32 hex digits); responses prefix it with cmpl-/chatcmpl-."""
+    return uuid.uuid4().hex
+
+
+def _response_id(prefix: str, request_id: str) -> str:
+    return request_id if request_id.startswith(prefix) else prefix + request_id
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+    """The `usage` object of a response."""
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def completion_response(
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str,
+    num_prompt_tokens: int,
+    num_completion_tokens: int,
+    created_s: int,
+) -> dict:
+    """A non-streamed `text_completion` (id `cmpl-<request_id>`); finish_reason "stop" or "length"."""
+    return {
+        "id": _response_id("cmpl-", request_id),
+        "object": "text_completion",
+        "created": created_s,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage(num_prompt_tokens, num_completion_tokens),
+    }
+
+
+def completion_chunk(
+    request_id: str,
+    model: str,
+    text: str | None,
+    finish_reason: str | None,
+    created_s: int,
+    usage: dict | None = None,
+) -> dict:
+    """One streamed `text_completion` chunk.
+
+    With `usage` and no text or finish_reason, this is OpenAI's last usage chunk (empty
+    `choices`); with `usage` and a choice, the usage rides along on that chunk.
+    """
+    chunk = {"id": _response_id("cmpl-", request_id), "object": "text_completion", "created": created_s, "model": model}
+    if usage is not None and not text and finish_reason is None:
+        chunk["choices"] = []
+    else:
+        chunk["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def completion_usage_chunk(request_id: str, model: str, created_s: int, usage: dict) -> dict:
+    """The last chunk of a streamed completion under `include_usage`: no choices, the usage."""
+    return completion_chunk(request_id, model, None, None, created_s, usage=usage)
+
+
+def chat_response(
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str,
+    num_prompt_tokens: int,
+    num_completion_tokens: int,
+    created_s: int,
+) -> dict:
+    """A non-streamed `chat.completion` (id `chatcmpl-<request_id>`) with one assistant message."""
+    return {
+        "id": _response_id("chatcmpl-", request_id),
+        "object": "chat.completion",
+        "created": created_s,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": usage(num_prompt_tokens, num_completion_tokens),
+    }
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    delta_text: str | None,
+    finish_reason: str | None,
+    created_s: int,
+    role: str | None = None,
+    usage: dict | None = None,
+) -> dict:
+    """One `chat.completion.chunk`.
+
+    The first chunk of a stream carries `role="assistant"` (and usually `delta_text=""`),
+    the last one a finish_reason with an empty delta. With `usage` and no delta, role or
+    finish_reason, this is OpenAI's last usage chunk (empty `choices`).
+    """
+    chunk = {
+        "id": _response_id("chatcmpl-", request_id),
+        "object": "chat.completion.chunk",
+        "created": created_s,
+        "model": model,
+    }
+    if usage is not None and not delta_text and role is None and finish_reason is None:
+        chunk["choices"] = []
+    else:
+        delta = {}
+        if role is not None:
+            delta["role"] = role
+        if delta_text is not None:
+            delta["content"] = delta_text
+        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def chat_usage_chunk(request_id: str, model: str, created_s: int, usage: dict) -> dict:
+    """The last chunk of a streamed chat completion under `include_usage`."""
+    return chat_chunk(request_id, model, None, None, created_s, usage=usage)
+
+
+def sse_event(payload: dict) -> bytes:
+    """One server-sent event: `data: <compact json>` and a blank line."""
+    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def models_response(model_ids: list[str], created_s: int) -> dict:
+    """The body of `GET /v1/models`."""
+    data = [{"id": model_id, "object": "model", "created": created_s, "owned_by": OWNED_BY} for model_id in model_ids]
+    return {"object": "list", "data": data}
