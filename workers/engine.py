@@ -15,6 +15,7 @@ import torch
 
 from kv_kernels import KVKernelBackend, backend_for_device
 from workers.kv_cache_manager import BlockAllocator
+from workers.kv_transfer import ExportedKV
 from workers.model_runner import ModelRunner, pool_shape_for
 from workers.sampling import Sampler, SamplingParams
 from workers.policies import SchedulingPolicy
@@ -157,6 +158,8 @@ class Engine:
         seq_id: str | None = None,
         predicted_output_tokens: int | None = None,
         arrival_s: float | None = None,
+        resumed_output_token_ids: list[int] | None = None,
+        kv: ExportedKV | None = None,
     ) -> str:
         """Queue a request; raise ValueError (changing nothing) if it can never be served.
 
@@ -164,6 +167,12 @@ class Engine:
         length-aware policies; the worker never predicts by itself.
         `arrival_s` (time.monotonic() seconds) defaults to now; replay passes
         the scheduled arrival so queueing before this call counts in TTFT.
+        `resumed_output_token_ids` are outputs generated elsewhere (a moved or
+        re-placed request): they count as output tokens (max_tokens, forced
+        lengths, stop strings) and generation continues after them. `kv` holds
+        the KV of the first prompt + resumed tokens, exported by another engine;
+        the sequence enters as if swapped out here, so admission copies it in
+        instead of recomputing it.
         """
         seq_id = seq_id if seq_id is not None else f"seq-{next(self._ids)}"
         if seq_id in self._sequences:
@@ -191,6 +200,14 @@ class Engine:
             )
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need an engine built with a tokenizer")
+        resumed = list(resumed_output_token_ids or ())
+        if any(not 0 <= token < self.vocab_size for token in resumed):
+            raise ValueError(f"resumed output token ids must lie in [0, {self.vocab_size})")
+        limit = params.max_tokens if params.forced_output_tokens is None else params.forced_output_tokens
+        if len(resumed) >= limit:
+            raise ValueError(f"{len(resumed)} resumed output tokens leave nothing to generate (limit {limit})")
+        if kv is not None:
+            kv.check_fits(self.runner.pool_shape)
         if predicted_output_tokens is not None and (
             isinstance(predicted_output_tokens, bool)
             or not isinstance(predicted_output_tokens, int)
@@ -203,10 +220,19 @@ class Engine:
             params=params,
             arrival_s=time.monotonic() if arrival_s is None else arrival_s,
             predicted_output_tokens=predicted_output_tokens,
+            output_token_ids=resumed,
         )
         # The policy's own needs (e.g. oracle wants the true length): fail here,
         # not inside a later step where it would stall every request.
         self.scheduler.policy.reservation_tokens(seq)
+        if kv is not None:
+            # At least the last known token must be computed here so that a step samples the next one;
+            # KV of a token depends only on the tokens before it, so a prefix of the KV stays valid.
+            kv = kv.truncated(min(kv.num_computed_tokens, seq.num_tokens - 1))
+            if kv.num_computed_tokens > 0:
+                self.runner.import_swapped(seq_id, list(kv.layers))
+                seq.num_computed_tokens = kv.num_computed_tokens
+                seq.is_swapped = True
         self._sequences[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -220,6 +246,30 @@ class Engine:
         self.sampler.forget(seq_id)
         self.runner.drop_swapped(seq_id)
         return True
+
+    def export_sequence(self, seq_id: str) -> ExportedKV:
+        """Host copy of a live sequence's computed KV (its swap copy if it is swapped out); changes nothing.
+
+        A sequence whose KV was dropped (waiting to recompute) exports zero tokens.
+        """
+        seq = self._sequences.get(seq_id)
+        if seq is None:
+            raise ValueError(f"request id {seq_id!r} is unknown or already finished")
+        block_size = self.config.block_size
+        if seq.is_swapped:
+            layers = self.runner.swapped_copy(seq_id)
+        elif seq.num_computed_tokens > 0 and self.allocator.has(seq_id):
+            num_blocks = self.allocator.blocks_for(seq.num_computed_tokens)
+            layers = self.runner.copy_to_host(self.allocator.block_table(seq_id)[:num_blocks])
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)  # the copies into pinned memory are asynchronous
+        else:
+            return ExportedKV((), 0, block_size)
+        return ExportedKV(tuple(layers), seq.num_computed_tokens, block_size)
+
+    def sequence(self, seq_id: str) -> Sequence | None:
+        """The live sequence of a request (read only), or None once it finished or was aborted."""
+        return self._sequences.get(seq_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -67,6 +67,11 @@ class ModelRunner:
 
     def swap_out(self, seq_id: str, block_ids: list[int]) -> int:
         """Copy a preempted sequence's blocks to host memory; returns the bytes moved."""
+        self._swapped[seq_id] = self.copy_to_host(block_ids)
+        return len(block_ids) * self.pool_shape.bytes_per_block
+
+    def copy_to_host(self, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k_blocks, v_blocks) host copies of `block_ids`, each [n, block_size, kv_heads, head_dim]."""
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         host_shape = (len(block_ids), *self.pool_shape.layer_shape()[1:])
         pin = self.device.type == "cuda"
@@ -77,8 +82,15 @@ class ModelRunner:
             self.backend.swap_out(k_cache, ids, k_host)
             self.backend.swap_out(v_cache, ids, v_host)
             saved.append((k_host, v_host))
-        self._swapped[seq_id] = saved
-        return len(block_ids) * self.pool_shape.bytes_per_block
+        return saved
+
+    def swapped_copy(self, seq_id: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The host blocks of a swapped-out sequence (not a copy), or None."""
+        return self._swapped.get(seq_id)
+
+    def import_swapped(self, seq_id: str, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Take host blocks from elsewhere (another worker) as `seq_id`'s swap copy; swap-in copies them in."""
+        self._swapped[seq_id] = list(layers)
 
     def swap_in(self, seq_id: str, block_ids: list[int]) -> int:
         """Copy a sequence's host blocks into its newly allocated blocks; returns the bytes moved."""

@@ -1,0 +1,156 @@
+"""WorkerActor on a real local Ray, tiny model: streaming, bad input, abort, moves through the object store, death."""
+
+import asyncio
+import random
+
+import pytest
+import ray
+import torch
+
+from workers.engine_loop import WorkEvent, WorkRequest
+from workers.sampling import SamplingParams
+from workers.worker_actor import WorkerActor, WorkerSettings, build_engine
+
+BLOCK_SIZE = 4
+BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
+SETTINGS = WorkerSettings(
+    tiny_model_seed=0,
+    tiny_model_init_std=0.2,  # tokens depend on the whole context, so wrong KV would show
+    policy="paged_greedy",
+    kv_cache_bytes=128 * BYTES_PER_BLOCK,
+    block_size=BLOCK_SIZE,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    max_model_len=512,
+    num_torch_threads=1,
+)
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local_engine():
+    """The same engine in this process, for the expected greedy tokens."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield build_engine(SETTINGS)
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def start_worker(ray_cluster):
+    handles = []
+
+    def start(worker_id: str):
+        handle = ray.remote(WorkerActor).options(num_cpus=0.5, max_restarts=0).remote(worker_id, SETTINGS)
+        ray.get(handle.ready.remote(), timeout=TIMEOUT_S)
+        handles.append(handle)
+        return handle
+
+    yield start
+    for handle in handles:
+        ray.kill(handle)
+
+
+def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int, seed: int, **kwargs) -> WorkRequest:
+    rng = random.Random(seed)
+    prompt = tuple(rng.randrange(256) for _ in range(num_prompt_tokens))
+    return WorkRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), **kwargs)
+
+
+def expected_tokens(engine, request: WorkRequest) -> list[int]:
+    return engine.generate([list(request.prompt_token_ids)], request.params)[0]
+
+
+def tokens_of(events: list[WorkEvent]) -> list[int]:
+    return [token for event in events for token in event.token_ids]
+
+
+async def collect(handle, request: WorkRequest) -> list[WorkEvent]:
+    return [await ref async for ref in handle.generate.remote(request)]
+
+
+def test_concurrent_streams_and_stats(start_worker, local_engine):
+    worker = start_worker("w0")
+    requests = [make_request(f"r{i}", 4 + 5 * i, 8 + 4 * i, seed=i) for i in range(3)]
+
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(*(collect(worker, r) for r in requests)), TIMEOUT_S)
+
+    results = asyncio.run(main())
+    for request, events in zip(requests, results):
+        assert tokens_of(events) == expected_tokens(local_engine, request)
+        assert events[-1].finish_reason == "length" and events[-1].num_output_tokens == request.params.max_tokens
+        assert events[-1].metrics.num_generated_tokens == request.params.max_tokens
+    stats = ray.get(worker.stats.remote(), timeout=TIMEOUT_S)
+    assert stats.worker_id == "w0" and stats.request_ids == ()
+    assert stats.num_free_blocks == stats.num_total_blocks == 128
+    assert stats.num_generated_tokens == sum(r.params.max_tokens for r in requests)
+
+
+def test_a_refused_request_raises_value_error_at_the_caller(start_worker, local_engine):
+    worker = start_worker("w0")
+    stream = worker.generate.remote(make_request("too-long", 500, 100, seed=10))
+    with pytest.raises(ValueError, match="exceeds the context of 512 tokens"):
+        ray.get(next(stream), timeout=TIMEOUT_S)
+    good = make_request("good", 5, 6, seed=11)
+    events = [ray.get(ref, timeout=TIMEOUT_S) for ref in worker.generate.remote(good)]
+    assert tokens_of(events) == expected_tokens(local_engine, good)
+
+
+def test_abort_ends_the_stream_and_frees_blocks(start_worker):
+    worker = start_worker("w0")
+    stream = worker.generate.remote(make_request("a", 7, 400, seed=20))
+    first = ray.get(next(stream), timeout=TIMEOUT_S)
+    assert first.finish_reason is None
+    assert ray.get(worker.abort.remote("a"), timeout=TIMEOUT_S)
+    rest = [ray.get(ref, timeout=TIMEOUT_S) for ref in stream]
+    assert rest[-1].finish_reason == "abort" and rest[-1].num_output_tokens < 400
+    stats = ray.get(worker.stats.remote(), timeout=TIMEOUT_S)
+    assert stats.request_ids == () and stats.num_free_blocks == stats.num_total_blocks
+    assert not ray.get(worker.abort.remote("a"), timeout=TIMEOUT_S)
+
+
+def test_a_sequence_moved_with_its_kv_continues_with_the_same_greedy_tokens(start_worker, local_engine):
+    source, target = start_worker("wa"), start_worker("wb")
+    request = make_request("m", 9, 40, seed=30)
+    stream = source.generate.remote(request)
+    before = [ray.get(next(stream), timeout=TIMEOUT_S), ray.get(next(stream), timeout=TIMEOUT_S)]
+    assert ray.get(source.move_out.remote("m", "wb", True), timeout=TIMEOUT_S)
+    before += [ray.get(ref, timeout=TIMEOUT_S) for ref in stream]
+    moved = before[-1]
+    sent = tokens_of(before)
+    assert (moved.finish_reason, moved.moved_to) == ("moved", "wb") and len(sent) < 40
+    assert moved.kv.num_computed_tokens == 9 + len(sent) - 1
+    resumed = WorkRequest("m", request.prompt_token_ids, request.params, resumed_output_token_ids=tuple(sent),
+                          kv=moved.kv)
+    after = [ray.get(ref, timeout=TIMEOUT_S) for ref in target.generate.remote(resumed)]
+    assert sent + tokens_of(after) == expected_tokens(local_engine, request)
+    source_stats, target_stats = ray.get([source.stats.remote(), target.stats.remote()], timeout=TIMEOUT_S)
+    assert source_stats.num_migrated_out == 1 and target_stats.num_migrated_in == 1
+    assert source_stats.num_free_blocks == source_stats.num_total_blocks
+
+
+def test_killing_the_actor_mid_stream_raises_actor_died_at_the_consumer(start_worker):
+    worker = start_worker("w0")
+    request = make_request("k", 5, 500, seed=40)
+
+    async def main():
+        events = []
+        with pytest.raises(ray.exceptions.RayActorError):
+            async for ref in worker.generate.remote(request):
+                events.append(await ref)
+                if len(events) == 1:
+                    ray.kill(worker)
+        return events
+
+    events = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+    assert events and all(event.finish_reason is None for event in events)

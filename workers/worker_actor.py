@@ -1,0 +1,148 @@
+"""The worker as a Ray actor: a thin async shell around one `EngineLoop`.
+
+No `@ray.remote` here: callers choose the actor options, e.g.
+
+    handle = ray.remote(WorkerActor).options(
+        name="s3-worker-w1", lifetime="detached", num_cpus=1, max_restarts=0,
+    ).remote("w1", WorkerSettings(kv_cache_bytes=256 * 1024**2))
+    await handle.ready.remote()
+    async for ref in handle.generate.remote(request):   # a Ray streaming generator
+        event = await ref                                # WorkEvent; the last has finish_reason set
+
+A request the engine refuses makes the first `await ref` raise the engine's
+ValueError (wrapped by Ray, still an instance of ValueError). If the actor
+dies, the next `await ref` raises `ray.exceptions.RayActorError`.
+"""
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workers.engine import Engine, EngineConfig
+from workers.engine_loop import EngineLoop, WorkEvent, WorkerStats, WorkRequest
+from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, make_tiny_model, resolve_model_dir
+from workers.policies import make_policy
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """Everything needed to build a worker's engine inside the actor's process.
+
+    Attributes:
+        model: DEFAULT_MODEL (the bundled SmolLM2, converted once) or a local Hugging Face folder.
+        model_cache_dir: where the converted default model is kept; None takes the user cache.
+        tiny_model_seed: when set, a tiny random Llama (`make_tiny_model(seed)`) instead of `model`: fast tests.
+        tiny_model_init_std: when set with tiny_model_seed, the tiny model's matrices are redrawn at this
+            std, so that its tokens depend on the whole context (at its default init it echoes the last token).
+        policy: scheduling policy name (max_reserve, paged_greedy, s3, s3_peak, oracle).
+        bucket_tokens: s3/s3_peak length-bucket width; None keeps the policy's default.
+        kv_cache_bytes: KV-cache budget; sets the number of blocks.
+        block_size: tokens per KV block.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: most tokens per forward.
+        max_model_len: longest sequence; None takes the model's max_position_embeddings.
+        num_torch_threads: torch intra-op threads in the actor; None leaves torch's default.
+        dtype: weights and KV element type: float32, bfloat16 or float16.
+    """
+
+    model: str = DEFAULT_MODEL
+    model_cache_dir: str | None = None
+    tiny_model_seed: int | None = None
+    policy: str = "s3"
+    kv_cache_bytes: int = 256 * 1024**2
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = 2048
+    num_torch_threads: int | None = None
+    tiny_model_init_std: float | None = None
+    bucket_tokens: int | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.num_torch_threads is not None and self.num_torch_threads < 1:
+            raise ValueError(f"num_torch_threads must be >= 1 or None, got {self.num_torch_threads}")
+        if self.tiny_model_init_std is not None and self.tiny_model_init_std <= 0:
+            raise ValueError(f"tiny_model_init_std must be > 0 or None, got {self.tiny_model_init_std}")
+        if self.bucket_tokens is not None and self.policy not in ("s3", "s3_peak"):
+            raise ValueError(f"bucket_tokens applies to the s3 and s3_peak policies, not {self.policy!r}")
+        # Fail in the caller's process, not later inside the actor.
+        make_policy(self.policy, **self._policy_kwargs())
+        EngineConfig(self.kv_cache_bytes, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
+                     self.max_model_len)
+
+    def _policy_kwargs(self) -> dict:
+        return {} if self.bucket_tokens is None else {"bucket_tokens": self.bucket_tokens}
+
+
+def build_engine(settings: WorkerSettings) -> Engine:
+    """Load the model (or build the tiny one) and wrap it in an engine with the settings' policy."""
+    dtype = DTYPES[settings.dtype]
+    tokenizer = None
+    if settings.tiny_model_seed is not None:
+        model = make_tiny_model(settings.tiny_model_seed).to(dtype)
+        if settings.tiny_model_init_std is not None:
+            generator = torch.Generator().manual_seed(settings.tiny_model_seed)
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.dim() >= 2:
+                        param.copy_(torch.randn(param.shape, generator=generator) * settings.tiny_model_init_std)
+    else:
+        cache_dir = None if settings.model_cache_dir is None else Path(settings.model_cache_dir)
+        model_dir = resolve_model_dir(settings.model, cache_dir)
+        model = load_model(model_dir, dtype=dtype)
+        tokenizer = load_tokenizer(model_dir)
+    config = EngineConfig(
+        kv_cache_bytes=settings.kv_cache_bytes,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+    )
+    return Engine(model, config, tokenizer=tokenizer, policy=make_policy(settings.policy, **settings._policy_kwargs()))
+
+
+class WorkerActor:
+    """One engine behind a Ray actor; every method is async so streams, aborts and stats interleave.
+
+    Args:
+        worker_id: this worker's id (stats and moves name it).
+        settings: how to build the engine.
+    """
+
+    def __init__(self, worker_id: str, settings: WorkerSettings) -> None:
+        if settings.num_torch_threads is not None:
+            torch.set_num_threads(settings.num_torch_threads)
+        self.worker_id = worker_id
+        self._loop = EngineLoop(build_engine(settings), worker_id)
+
+    async def ready(self) -> WorkerStats:
+        """Answers once the engine is built (the constructor loads the model)."""
+        return self._loop.stats()
+
+    async def generate(self, request: WorkRequest) -> AsyncIterator[WorkEvent]:
+        """Stream the request's events (a Ray streaming generator); ValueError for a refused request."""
+        # aclosing: when Ray closes this generator, the loop's generator closes now and aborts the request.
+        async with contextlib.aclosing(self._loop.generate(request)) as events:
+            async for event in events:
+                yield event
+
+    async def abort(self, request_id: str) -> bool:
+        return self._loop.abort(request_id)
+
+    async def move_out(self, request_id: str, target_worker_id: str, with_kv: bool = True) -> bool:
+        return self._loop.move_out(request_id, target_worker_id, with_kv)
+
+    async def stats(self) -> WorkerStats:
+        return self._loop.stats()
+
+    async def close(self) -> None:
+        """End every stream with "abort" and stop the step thread (before killing the actor on purpose)."""
+        await self._loop.close()
