@@ -1,0 +1,19 @@
+"""The Serve application builder: `cluster.app:build_app` starts the whole service from a config dict.
+
+`s3serve serve`, `deploy/serve_config.yaml` (`import_path: cluster.app:build_app`) and a
+KubeRay RayService all go through here. The router creates the controller on first use,
+and the controller starts the workers; so one `serve.run` brings up everything.
+"""
+
+from cluster.config import ServiceConfig
+from cluster.redis_host import ensure_redis
+from cluster.router import build_router
+from predictor_service.deployment import PredictorDeployment
+
+
+def build_app(args: dict):
+    """Serve application for `args` (ServiceConfig fields); Redis from the config, $S3_REDIS_URL or embedded."""
+    config = ServiceConfig(**(args or {}))
+    redis_url = config.redis_url_resolved or ensure_redis(config.data_dir)
+    predictor = PredictorDeployment.bind(config.predictor_artifact, config.quantile, 1024)
+    return build_router(config, redis_url, predictor)

@@ -1,0 +1,118 @@
+"""Service configuration: one pydantic model, filled from a YAML file and then from flags.
+
+Every field is documented here; `s3serve serve --help` and `deploy/serve_config.yaml`
+point at this module. Validation happens once, in this model, with errors that show
+the offending values.
+"""
+
+import os
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workers.models import DEFAULT_MODEL
+
+REDIS_URL_ENV = "S3_REDIS_URL"
+RAY_NAMESPACE = "s3serve"
+CONTROLLER_NAME = "s3serve-controller"
+
+
+def worker_actor_name(worker_id: str) -> str:
+    """Workers are named detached actors, so a restarted controller finds them again."""
+    return f"s3serve-worker-{worker_id}"
+
+
+class ServiceConfig(BaseModel):
+    """Settings of the whole service (router, predictor, controller, workers)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="address the HTTP server binds; 0.0.0.0 exposes it beyond this machine")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    model: str = Field(DEFAULT_MODEL, description="'smollm2-135m-instruct' or a local Hugging Face causal-LM folder")
+    served_model_name: str | None = Field(
+        None, description="model id clients send and /v1/models lists (default: the model's name)")
+    model_cache_dir: str | None = Field(
+        None, description="where the converted default model is kept (default: ~/.cache/s3serve/models)")
+    num_workers: int = Field(1, ge=1, description="worker actors started with the service (one engine each)")
+    min_workers: int | None = Field(None, ge=1, description="autoscaling floor (default: num_workers)")
+    max_workers: int | None = Field(None, ge=1, description="autoscaling ceiling (default: num_workers)")
+    policy: str = Field("s3", description="scheduling policy: s3, s3_peak, max_reserve or paged_greedy")
+    kv_cache_bytes: int = Field(256 * 1024**2, gt=0, description="KV-cache budget of each worker, in bytes")
+    block_size: int = Field(16, ge=1, description="tokens per KV block")
+    max_model_len: int = Field(2048, ge=2, description="longest sequence (prompt + output) in tokens")
+    max_num_seqs: int = Field(32, ge=1, description="most sequences a worker runs at once")
+    max_num_batched_tokens: int = Field(512, ge=1, description="most tokens per forward (prefill chunk budget)")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request does not set it")
+    quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
+    predictor_artifact: str | None = Field(
+        None, description="predictor versions directory (LATEST); default: the shipped artifact or baseline")
+    redis_url: str | None = Field(
+        None, description=f"Redis for controller state (default: ${REDIS_URL_ENV}, else an embedded redis-server)")
+    data_dir: str = Field(".s3serve", description="where the embedded Redis keeps its data")
+    api_keys: tuple[str, ...] = Field((), description="accepted Bearer keys; empty means no authentication")
+    max_concurrent_requests: int = Field(
+        256, ge=1, description="requests a router replica holds at once; beyond it clients get 429")
+    max_pending_placements: int = Field(
+        128, ge=1, description="requests waiting for KV room on any worker; beyond it clients get 429")
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest accepted HTTP body")
+    placement_timeout_s: float = Field(300.0, gt=0, description="how long a request may wait for KV room")
+    num_cpus: int | None = Field(None, ge=1, description="logical CPUs of the local Ray cluster (default: 2 x cores)")
+    worker_num_cpus: float = Field(0.5, gt=0, description="Ray CPUs each worker actor asks for")
+    num_torch_threads: int | None = Field(
+        None, ge=1, description="torch threads per worker (default: cores / workers)")
+    stats_interval_s: float = Field(0.5, gt=0, description="how often the controller polls worker stats")
+    migrate_kv_min_tokens: int = Field(
+        32, ge=0, description="move a sequence's KV with it when it holds at least this many tokens, else recompute")
+    scale_up_queue_depth: int = Field(4, ge=1, description="pending requests per worker before adding one")
+    scale_down_idle_s: float = Field(60.0, gt=0, description="idle time before removing a worker")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServiceConfig":
+        if self.policy not in {"s3", "s3_peak", "max_reserve", "paged_greedy"}:
+            raise ValueError(f"policy must be s3, s3_peak, max_reserve or paged_greedy, got {self.policy!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not self.min_workers_resolved <= self.num_workers <= self.max_workers_resolved:
+            raise ValueError(
+                f"need min_workers <= num_workers <= max_workers, got {self.min_workers_resolved} <= "
+                f"{self.num_workers} <= {self.max_workers_resolved}")
+        if self.default_max_tokens >= self.max_model_len:
+            raise ValueError(
+                f"default_max_tokens {self.default_max_tokens} must be below max_model_len {self.max_model_len}")
+        return self
+
+    @property
+    def min_workers_resolved(self) -> int:
+        return self.min_workers if self.min_workers is not None else self.num_workers
+
+    @property
+    def max_workers_resolved(self) -> int:
+        return self.max_workers if self.max_workers is not None else self.num_workers
+
+    @property
+    def model_id(self) -> str:
+        """What clients put in `model`."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).name if os.sep in self.model else self.model
+
+    @property
+    def redis_url_resolved(self) -> str | None:
+        return self.redis_url or os.environ.get(REDIS_URL_ENV) or None
+
+
+def load_config(path: Path | str | None = None, overrides: dict | None = None) -> ServiceConfig:
+    """A YAML file's fields, then `overrides` (flags set on the command line), validated together."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping of fields, got {type(loaded).__name__}")
+        values.update(loaded)
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return ServiceConfig(**values)

@@ -1,0 +1,134 @@
+"""One request's trip through the cluster: predict, place, stream, survive moves and dead workers.
+
+    predict (Serve handle) -> controller.place -> worker.generate (Ray streaming generator)
+        event "moved"      -> continue on event.moved_to with the tokens so far (and their KV)
+        worker died        -> controller.place(exclude=dead worker) -> continue with the tokens so far
+        client went away   -> worker.abort, controller.finish
+    the tokens already sent are never generated again: a continuation starts after them.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+
+from cluster.config import RAY_NAMESPACE
+from cluster.controller import RequestOutcome
+from workers.engine_loop import WorkEvent, WorkRequest
+from workers.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 8  # moves and failovers of one request before giving up
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationJob:
+    request_id: str
+    prompt_text: str  # for the training sample
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    predicted_output_tokens: int | None
+    point_output_tokens: int | None
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    output_token_ids: list[int]
+    finish_reason: str | None = None
+    placed_s: float | None = None
+    queued_s: float = 0.0  # of the first placement: waiting for KV room
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    num_moves: int = 0
+    num_failovers: int = 0
+
+
+class WorkerHandles:
+    """Actor handles by worker id, looked up by name once."""
+
+    def __init__(self) -> None:
+        self._handles: dict[str, ray.actor.ActorHandle] = {}
+
+    def get(self, worker_id: str, actor_name: str):
+        handle = self._handles.get(worker_id)
+        if handle is None:
+            handle = ray.get_actor(actor_name, namespace=RAY_NAMESPACE)
+            self._handles[worker_id] = handle
+        return handle
+
+    def forget(self, worker_id: str) -> None:
+        self._handles.pop(worker_id, None)
+
+
+async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result: GenerationResult,
+                  worker_name_of) -> AsyncIterator[list[int]]:
+    """Yield new output token ids as they come; fill `result`; always release the reservation.
+
+    `worker_name_of(worker_id)` gives a worker's actor name (moves carry only the id).
+    """
+    placement = await controller.place.remote(job.request_id, len(job.prompt_token_ids), job.params.max_tokens,
+                                              job.predicted_output_tokens)
+    result.placed_s = time.monotonic()
+    result.queued_s = placement.queued_s
+    worker_id, actor_name = placement.worker_id, placement.actor_name
+    kv = None
+    outcome_reason = None
+    try:
+        for _ in range(MAX_ATTEMPTS):
+            request = WorkRequest(job.request_id, job.prompt_token_ids, job.params, job.predicted_output_tokens,
+                                  tuple(result.output_token_ids), kv)
+            kv = None
+            try:
+                handle = workers.get(worker_id, actor_name)
+                async for ref in handle.generate.remote(request):
+                    event: WorkEvent = await ref
+                    if event.token_ids:
+                        if result.first_token_s is None:
+                            result.first_token_s = time.monotonic()
+                        result.output_token_ids.extend(event.token_ids)
+                        yield list(event.token_ids)
+                    if event.finish_reason == "moved":
+                        result.num_moves += 1
+                        worker_id, actor_name, kv = event.moved_to, worker_name_of(event.moved_to), event.kv
+                        break
+                    if event.finish_reason == "error":
+                        raise RuntimeError(f"worker {worker_id} failed the request: {event.error}")
+                    if event.finish_reason is not None:
+                        result.finish_reason = outcome_reason = event.finish_reason
+                        result.finish_s = time.monotonic()
+                        return
+                else:
+                    raise RuntimeError(f"worker {worker_id} ended the stream without a finish reason")
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ValueError) as error:
+                if isinstance(error, ValueError) and "Failed to look up actor" not in str(error):
+                    raise
+                logger.warning("request %s lost worker %s (%s); re-placing it", job.request_id, worker_id,
+                               type(error).__name__)
+                result.num_failovers += 1
+                workers.forget(worker_id)
+                placement = await controller.place.remote(
+                    job.request_id, len(job.prompt_token_ids), job.params.max_tokens, job.predicted_output_tokens,
+                    len(result.output_token_ids), worker_id)
+                worker_id, actor_name = placement.worker_id, placement.actor_name
+        raise RuntimeError(f"request {job.request_id} was moved or failed over {MAX_ATTEMPTS} times")
+    finally:
+        if outcome_reason is None:  # cancelled or failed: stop the work wherever it is
+            try:
+                workers.get(worker_id, actor_name).abort.remote(job.request_id)
+            except Exception:  # noqa: BLE001 - the worker may be gone; nothing left to stop then
+                pass
+        outcome = RequestOutcome(job.prompt_text, len(job.prompt_token_ids), job.params.max_tokens,
+                                 job.params.temperature, len(result.output_token_ids), job.predicted_output_tokens,
+                                 outcome_reason or "cancelled")
+        asyncio.get_running_loop().create_task(_finish(controller, job.request_id, outcome))
+
+
+async def _finish(controller, request_id: str, outcome: RequestOutcome) -> None:
+    try:
+        await controller.finish.remote(request_id, outcome)
+    except Exception:  # noqa: BLE001 - a lost release is repaired when the controller polls the workers
+        logger.exception("could not release request %s", request_id)

@@ -1,0 +1,322 @@
+"""The router: Ray Serve ingress with an OpenAI-compatible HTTP API.
+
+Validates, applies the chat template, asks the predictor for a length bound, asks the
+controller for a worker with room, and streams the worker's tokens back (SSE or one JSON
+body). Bad input is a 4xx with OpenAI's error shape, never a 500.
+
+The FastAPI app is module-level because `serve.ingress` binds routes to a class at
+import time; every replica builds its own state in `Router.__init__`.
+"""
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from cluster import openai_protocol as protocol
+from cluster.config import ServiceConfig, worker_actor_name
+from cluster.controller import PlacementTimeoutError, QueueFullError, get_or_create_controller
+from cluster.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
+                            not_found_model, prompt_too_long, queue_full, unavailable)
+from cluster.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
+from cluster.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
+from cluster.text_stream import TextStream
+from workers.models import load_tokenizer, resolve_model_dir
+from workers.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+OVERHEAD_HEADER = "x-s3-overhead-ms"
+
+app = FastAPI(title="S3 Serve", docs_url=None, redoc_url=None)
+install_error_handlers(app)
+
+
+def _openai_reason(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def cluster_snapshot(status):
+    """The controller's status as the metrics module's snapshot."""
+    stats_by_id = {s.worker_id: s for s in status.stats}
+    gauges = []
+    for record in status.workers:
+        stats = stats_by_id.get(record.worker_id)
+        gauges.append(WorkerGauge(
+            worker_id=record.worker_id, state=record.state, num_total_blocks=record.num_total_blocks,
+            num_used_blocks=stats.num_used_blocks if stats else 0,
+            num_reserved_blocks=max(status.reserved_blocks.get(record.worker_id, 0),
+                                    stats.num_reserved_blocks if stats else 0),
+            num_running=stats.num_running if stats else 0, num_waiting=stats.num_waiting if stats else 0))
+    counters = status.counters
+    return ClusterSnapshot(
+        workers=tuple(gauges), num_queued=status.num_pending,
+        num_overruns=counters.get("overruns", 0), num_preemptions=counters.get("preemptions", 0),
+        num_migrations=counters.get("migrations", 0), num_requeues=counters.get("requeues", 0))
+
+
+
+@serve.deployment(name="router", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1000)
+@serve.ingress(app)
+class Router:
+    """HTTP ingress of the service.
+
+    Args:
+        config: `ServiceConfig.model_dump()`.
+        redis_url: where the controller keeps its state.
+        predictor: handle of the predictor deployment.
+    """
+
+    def __init__(self, config: dict, redis_url: str, predictor) -> None:
+        self.config = ServiceConfig(**config)
+        self.predictor = predictor
+        model_dir = resolve_model_dir(self.config.model, self.config.model_cache_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.controller = get_or_create_controller(self.config, redis_url)
+        self.workers = WorkerHandles()
+        self.metrics = ServiceMetrics()
+        self.api_keys = frozenset(self.config.api_keys)
+        self.num_in_flight = 0
+        self.started_s = int(time.time())
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _check_key(self, request: Request) -> None:
+        check_api_key(request.headers.get("authorization"), self.api_keys)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused with 413 before it grows past max_body_bytes."""
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise body_too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _parse(self, request: Request, model_cls):
+        body = await self._read_body(request)
+        try:
+            payload = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise bad_request(f"request body is not valid JSON: {error}") from None
+        if not isinstance(payload, dict):
+            raise bad_request("request body must be a JSON object")
+        try:
+            return model_cls.model_validate(payload)
+        except ValidationError as error:
+            first = error.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ())) or None
+            raise bad_request(f"{param}: {first.get('msg')}" if param else first.get("msg"), param) from None
+
+    def _encode_prompt(self, req, is_chat: bool) -> tuple[str, list[int]]:
+        if is_chat:
+            messages = protocol.chat_messages(req)
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            text = "\n".join(m["content"] for m in messages)
+        else:
+            text = protocol.prompt_text(req)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = list(ids)
+        if not ids:
+            raise bad_request("the prompt is empty after tokenization", "prompt" if not is_chat else "messages")
+        return text, ids
+
+    def _sampling(self, req, num_prompt_tokens: int, is_chat: bool) -> SamplingParams:
+        limit = self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise prompt_too_long(num_prompt_tokens, limit)
+        max_tokens = protocol.requested_max_tokens(req)
+        if max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, limit - num_prompt_tokens)
+        if num_prompt_tokens + max_tokens > limit:
+            raise bad_request(
+                f"max_tokens {max_tokens} + prompt of {num_prompt_tokens} tokens exceeds the context of {limit} "
+                f"tokens; lower max_tokens to at most {limit - num_prompt_tokens}", "max_tokens")
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                              stop=req.stop_sequences, ignore_eos=req.ignore_eos)
+
+    async def _predict(self, request_id: str, text: str, num_prompt_tokens: int, params: SamplingParams):
+        payload = {"prompt_id": request_id, "prompt_text": text, "num_prompt_tokens": num_prompt_tokens,
+                   "max_tokens": params.max_tokens, "temperature": params.temperature}
+        prediction = await self.predictor.predict.remote(payload)
+        return prediction["upper_bound_tokens"], prediction["point_tokens"]
+
+    # -- generation ----------------------------------------------------------------
+
+    async def _generate(self, request: Request, is_chat: bool):
+        self._check_key(request)
+        req = await self._parse(request, protocol.ChatCompletionRequest if is_chat else protocol.CompletionRequest)
+        if req.model != self.config.model_id:
+            raise not_found_model(req.model)
+        start_s = time.monotonic()
+        text, prompt_ids = self._encode_prompt(req, is_chat)
+        params = self._sampling(req, len(prompt_ids), is_chat)
+        if self.num_in_flight >= self.config.max_concurrent_requests:
+            raise queue_full(retry_after_s=1)
+        request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            bound, point = await self._predict(request_id, text, len(prompt_ids), params)
+        except Exception as error:  # noqa: BLE001 - any predictor failure is an outage, not bad input
+            logger.exception("predictor failed")
+            raise unavailable(f"length predictor ({type(error).__name__})") from None
+        job = GenerationJob(request_id, text, tuple(prompt_ids), params, min(bound, params.max_tokens), point)
+        result = GenerationResult([])
+        stream = run_job(job, self.controller, self.workers, result, worker_actor_name)
+        self.num_in_flight += 1
+        try:
+            first = await self._first_chunk(stream)
+        except BaseException:
+            self.num_in_flight -= 1
+            await stream.aclose()
+            raise
+        overhead_s = (result.placed_s or time.monotonic()) - start_s - result.queued_s
+        self.metrics.observe_overhead(overhead_s)
+        # Router + predictor + placement time, for load generators measuring the service's own cost.
+        headers = {OVERHEAD_HEADER: f"{overhead_s * 1000:.3f}"}
+        if req.stream:
+            return StreamingResponse(self._sse(req, is_chat, job, stream, first, result, start_s),
+                                     media_type="text/event-stream", headers=headers)
+        return JSONResponse(await self._collect(is_chat, job, stream, first, result, start_s), headers=headers)
+
+    async def _first_chunk(self, stream) -> list[int] | None:
+        """Wait for placement and the first tokens, so admission errors are HTTP errors, not broken streams."""
+        try:
+            return await stream.__anext__()
+        except StopAsyncIteration:
+            return None
+        except QueueFullError:
+            raise queue_full(retry_after_s=2) from None
+        except PlacementTimeoutError as error:
+            raise unavailable(str(error)) from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ConnectionError) as error:
+            raise unavailable(f"controller ({type(error).__name__})") from None
+
+    def _observe(self, job: GenerationJob, result: GenerationResult, start_s: float) -> None:
+        num_out = len(result.output_token_ids)
+        finish_s = result.finish_s or time.monotonic()
+        first_s = result.first_token_s or finish_s
+        tpot = (finish_s - first_s) / (num_out - 1) if num_out > 1 else None
+        self.metrics.observe_finished(first_s - start_s, tpot, finish_s - start_s, job.point_output_tokens, num_out)
+        self.metrics.observe_status("ok")
+
+    async def _collect(self, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,
+                       start_s: float) -> dict:
+        texts = TextStream(self.tokenizer, job.params.stop)
+        try:
+            if first is not None:
+                texts.push(first)
+            async for token_ids in stream:
+                texts.push(token_ids)
+        finally:
+            self.num_in_flight -= 1
+        texts.finish(result.finish_reason == "stop")
+        text = texts.text
+        self._observe(job, result, start_s)
+        build = protocol.chat_response if is_chat else protocol.completion_response
+        return build(job.request_id, self.config.model_id, text, _openai_reason(result.finish_reason),
+                     len(job.prompt_token_ids), len(result.output_token_ids), self.started_s)
+
+    async def _sse(self, req, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,
+                   start_s: float):
+        texts = TextStream(self.tokenizer, job.params.stop)
+        model_id, created_s = self.config.model_id, self.started_s
+        include_usage = req.include_usage
+
+        def chunk(delta: str | None, reason: str | None, role: str | None = None) -> bytes:
+            if is_chat:
+                return protocol.sse_event(protocol.chat_chunk(job.request_id, model_id, delta, reason, created_s,
+                                                              role=role))
+            return protocol.sse_event(protocol.completion_chunk(job.request_id, model_id, delta or "", reason,
+                                                                created_s))
+
+        completed = False
+        try:
+            if is_chat:
+                yield chunk(None, None, role="assistant")
+            if first is not None:
+                delta = texts.push(first)
+                if delta:
+                    yield chunk(delta, None)
+            async for token_ids in stream:
+                delta = texts.push(token_ids)
+                if delta:
+                    yield chunk(delta, None)
+            tail = texts.finish(result.finish_reason == "stop")
+            if tail:
+                yield chunk(tail, None)
+            yield chunk(None if is_chat else "", _openai_reason(result.finish_reason))
+            if include_usage:
+                usage = protocol.usage(len(job.prompt_token_ids), len(result.output_token_ids))
+                builder = protocol.chat_usage_chunk if is_chat else protocol.completion_usage_chunk
+                yield protocol.sse_event(builder(job.request_id, model_id, created_s, usage))
+            yield protocol.SSE_DONE
+            completed = True
+            self._observe(job, result, start_s)
+        except Exception as error:  # noqa: BLE001 - headers are sent: report in-band, OpenAI style
+            logger.exception("stream of %s failed", job.request_id)
+            self.metrics.observe_status("error")
+            yield protocol.sse_event(APIError(503, f"generation failed ({type(error).__name__}); retry the request",
+                                              "server_error").body())
+        finally:
+            self.num_in_flight -= 1
+            if not completed:
+                await stream.aclose()
+
+    # -- routes --------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._generate(request, is_chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, is_chat=True)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request):
+        self._check_key(request)
+        return protocol.models_response([self.config.model_id], self.started_s)
+
+    @app.get("/health")
+    async def health(self):
+        try:
+            status = await asyncio.wait_for(self.controller.status.remote(), timeout=5.0)
+        except Exception as error:  # noqa: BLE001 - unreachable controller is exactly what /health reports
+            return JSONResponse({"status": "unavailable", "reason": f"controller: {type(error).__name__}"}, 503)
+        num_ready = len(status.stats)
+        body = {"status": "ok", "workers_ready": num_ready, "redis": status.is_redis_ok,
+                "pending": status.num_pending}
+        if not status.is_redis_ok or num_ready == 0:
+            body["status"] = "unavailable"
+            return JSONResponse(body, 503)
+        return body
+
+    @app.get("/metrics")
+    async def metrics(self):
+        try:
+            status = await asyncio.wait_for(self.controller.status.remote(), timeout=5.0)
+            self.metrics.set_cluster(cluster_snapshot(status))
+        except Exception as error:  # noqa: BLE001 - serve the router's own metrics even when the controller is away
+            logger.warning("metrics without cluster gauges: %s: %s", type(error).__name__, error)
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+
+def build_router(config: ServiceConfig, redis_url: str, predictor_app):
+    """The router bound to its predictor; `serve.run` it as the ingress."""
+    return Router.options(max_ongoing_requests=config.max_concurrent_requests + 64).bind(
+        config.model_dump(), redis_url, predictor_app)

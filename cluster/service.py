@@ -1,0 +1,139 @@
+"""`s3serve serve`: a local Ray cluster, Redis, the Serve app; ready message; clean stop on Ctrl-C.
+
+    ray.init (num_cpus) -> Redis ($S3_REDIS_URL or embedded, persistent in data_dir)
+    -> serve.start(host, port) -> serve.run(build_app) -> poll /health -> print URL + curl
+    -> wait for SIGINT/SIGTERM -> controller.shutdown (kills workers) -> serve.shutdown -> Redis stop
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
+
+APP_NAME = "s3serve"
+
+
+def wait_until_healthy(base_url: str, timeout_s: float, api_key: str | None = None, progress=print) -> dict:
+    """Poll /health until it answers 200; raise TimeoutError with its last answer otherwise."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    announced = set()
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            last = error.read().decode(errors="replace")
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
+            last = str(error)
+        note = "loading the model on the workers" if "workers_ready" in last else "starting the HTTP server"
+        if note not in announced:
+            progress(f"  ... {note}")
+            announced.add(note)
+        time.sleep(1.0)
+    raise TimeoutError(f"the service did not become healthy within {timeout_s:.0f} s; last /health: {last}")
+
+
+def curl_example(base_url: str, model_id: str, api_key: str | None) -> str:
+    auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
+    body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Name three primary colors."}],
+                       "max_tokens": 64})
+    return f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+@dataclass
+class RunningService:
+    """What `start_service` brought up; `stop_service` takes it down."""
+
+    config: ServiceConfig
+    base_url: str
+    redis_url: str
+    redis: "EmbeddedRedis | None"
+    health: dict
+
+
+def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progress=print) -> RunningService:
+    """Ray (local, unless already initialised), Redis, the Serve app; returns once /health answers 200."""
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.redis_server import EmbeddedRedis
+
+    data_dir = Path(config.data_dir).expanduser().resolve()
+    config = config.model_copy(update={"data_dir": str(data_dir)})
+    if not ray.is_initialized():
+        num_cpus = config.num_cpus or 2 * (os.cpu_count() or 1)
+        progress(f"s3serve: starting a local Ray cluster ({num_cpus} logical CPUs)")
+        ray.init(num_cpus=num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING")
+    redis = None
+    try:
+        redis_url = config.redis_url_resolved
+        if redis_url is None:
+            redis = EmbeddedRedis(data_dir / "redis")
+            redis_url = redis.start()
+            progress(f"s3serve: embedded Redis at {redis_url} (data in {data_dir / 'redis'})")
+        config = config.model_copy(update={"redis_url": redis_url})
+        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
+        base_url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '::') else config.host}:{config.port}"
+        progress(f"s3serve: waiting for {config.num_workers} worker(s) to load {config.model}")
+        health = wait_until_healthy(base_url, ready_timeout_s, progress=progress)
+    except BaseException:
+        stop_service(RunningService(config, "", "", redis, {}))
+        raise
+    return RunningService(config, base_url, redis_url, redis, health)
+
+
+def stop_service(service: RunningService) -> None:
+    """Kill the workers (detached, so nothing else would), the Serve app, Ray, then the embedded Redis."""
+    import ray
+    from ray import serve
+
+    try:
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE)
+        ray.get(controller.shutdown.remote(), timeout=30)
+        ray.kill(controller, no_restart=True)
+    except Exception as error:  # noqa: BLE001 - stopping must go on whatever is already gone
+        print(f"s3serve: controller already gone ({type(error).__name__})", file=sys.stderr)
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        if service.redis is not None:
+            service.redis.stop()
+
+
+def run_service(config: ServiceConfig, ready_timeout_s: float = 900.0) -> int:
+    """`s3serve serve`: run until Ctrl-C or SIGTERM; returns the exit code."""
+    service = start_service(config, ready_timeout_s)
+    try:
+        config = service.config
+        key = config.api_keys[0] if config.api_keys else None
+        print(f"\nS3 Serve is ready at {service.base_url}  ({service.health['workers_ready']} worker(s), "
+              f"policy {config.policy})")
+        print(f"  OpenAI API: {service.base_url}/v1   metrics: {service.base_url}/metrics   "
+              f"health: {service.base_url}/health")
+        print("  try:\n    " + curl_example(service.base_url, config.model_id, key))
+        print("Press Ctrl-C to stop.", flush=True)
+        _wait_for_signal()
+        print("\ns3serve: stopping", flush=True)
+        return 0
+    finally:
+        stop_service(service)
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass

@@ -1,0 +1,41 @@
+"""Service configuration from YAML and flags."""
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import ServiceConfig, load_config
+
+
+def test_defaults_bind_only_this_machine():
+    config = ServiceConfig()
+    assert config.host == "127.0.0.1"
+    assert config.min_workers_resolved == config.max_workers_resolved == config.num_workers == 1
+    assert config.model_id == "smollm2-135m-instruct"
+
+
+def test_yaml_then_flags(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("port: 9001\nnum_workers: 2\nmax_workers: 3\npolicy: max_reserve\n")
+    config = load_config(path, {"port": 9002, "policy": None})
+    assert (config.port, config.num_workers, config.max_workers_resolved, config.policy) == (9002, 2, 3, "max_reserve")
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"policy": "fastest"}, "policy"),
+    ({"num_workers": 3, "max_workers": 2}, "min_workers <= num_workers <= max_workers"),
+    ({"block_size": 12}, "power of two"),
+    ({"port": 0}, "port"),
+    ({"typo_field": 1}, "typo_field"),
+])
+def test_bad_settings_name_the_field(fields, match):
+    with pytest.raises(ValidationError, match=match):
+        ServiceConfig(**fields)
+
+
+def test_missing_or_malformed_yaml_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config(bad)

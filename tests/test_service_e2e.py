@@ -1,0 +1,241 @@
+"""The whole service on a real local Ray cluster with real Redis and the real SmolLM2, over HTTP.
+
+One service for the module (two workers, API keys on); the chaos tests run last because
+they kill parts of it. Clients are the official `openai` package and plain httpx.
+"""
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+
+from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
+from cluster.service import start_service, stop_service
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-123"
+MODEL = "smollm2-135m-instruct"
+MAX_MODEL_LEN = 512
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, model_cache_dir):
+    config = ServiceConfig(
+        port=_free_port(), num_workers=2, model_cache_dir=str(model_cache_dir), max_model_len=MAX_MODEL_LEN,
+        kv_cache_bytes=64 * 1024**2, default_max_tokens=32, api_keys=(API_KEY,), max_concurrent_requests=6,
+        data_dir=str(tmp_path_factory.mktemp("s3serve-data")), num_cpus=8, num_torch_threads=1,
+        stats_interval_s=0.25, max_body_bytes=64 * 1024)
+    running = start_service(config, ready_timeout_s=600, progress=lambda _msg: None)
+    yield running
+    stop_service(running)
+
+
+@pytest.fixture(scope="module")
+def client(service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{service.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+
+def _post(service, path: str, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {API_KEY}", **kwargs.pop("headers", {})}
+    return httpx.post(f"{service.base_url}{path}", headers=headers, timeout=120, **kwargs)
+
+
+def _status(service):
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE)
+    return ray.get(controller.status.remote(), timeout=60)
+
+
+def _assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+# -- the API -------------------------------------------------------------------------
+
+
+def test_completion_fills_usage(client):
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert out.object == "text_completion" and out.model == MODEL
+    assert out.choices[0].text
+    assert out.usage.completion_tokens == 8 or out.choices[0].finish_reason == "stop"
+    assert out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_chat_streaming_matches_non_streaming_under_greedy(client):
+    messages = [{"role": "user", "content": "List three fruits."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content
+    assert whole.choices[0].message.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+
+def test_completion_streaming_and_forced_length(client):
+    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True},
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 20
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def test_models_and_health(client, service):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{service.base_url}/health").json()
+    assert health["status"] == "ok" and health["workers_ready"] == 2
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": ""}, 400, None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "word " * (MAX_MODEL_LEN + 10)}, 413, None),
+    ({"model": "gpt-9", "prompt": "hi"}, 404, None),
+    ({"model": MODEL, "prompt": "x" * (70 * 1024)}, 413, None),
+])
+def test_bad_input_is_a_shaped_4xx(service, body, status, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    error = _assert_openai_error(_post(service, "/v1/completions", **kwargs), status)
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_chat_with_no_messages_is_a_400(service):
+    _assert_openai_error(_post(service, "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
+def test_missing_or_wrong_key_is_a_401(service, headers):
+    response = httpx.post(f"{service.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"},
+                          headers=headers)
+    _assert_openai_error(response, 401)
+
+
+def test_still_healthy_after_bad_input(client):
+    assert client.completions.create(model=MODEL, prompt="2 + 2 =", max_tokens=4, temperature=0).choices
+
+
+def test_metrics_are_prometheus_text(service, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    text = httpx.get(f"{service.base_url}/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert {"s3_ttft_seconds", "s3_request_latency_seconds", "s3_kv_blocks_total", "s3_queue_depth"} <= set(families)
+    workers = {s.labels["worker"] for s in families["s3_kv_blocks_total"].samples}
+    assert len(workers) >= 2
+
+
+def test_overload_gets_429_with_retry_after(service):
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+            body = {"model": MODEL, "prompt": "Count:", "max_tokens": 48, "ignore_eos": True}
+            return await asyncio.gather(*(http.post(f"{service.base_url}/v1/completions", json=body)
+                                          for _ in range(14)))
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert 429 in codes and 200 in codes, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["Retry-After"]) >= 1
+            _assert_openai_error(r, 429)
+
+
+def test_client_disconnect_cancels_and_frees_blocks(service):
+    with httpx.stream("POST", f"{service.base_url}/v1/completions", timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
+                            "ignore_eos": True, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # leave after the first event
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status = _status(service)
+        if all(s.num_running == 0 and s.num_waiting == 0 for s in status.stats) and not any(status.reserved_blocks.values()):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the abandoned request still holds resources: {status}")
+
+
+# -- chaos (last: they kill parts of the service) ------------------------------------------
+
+
+def test_worker_killed_mid_stream_still_completes(service, client):
+    n = 96
+    received: list[str] = []
+    errors: list[BaseException] = []
+
+    def consume():
+        try:
+            stream = client.completions.create(model=MODEL, prompt="Write a poem about the sea.", max_tokens=n,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                               stream_options={"include_usage": True})
+            for chunk in stream:
+                if chunk.choices:
+                    received.append(chunk.choices[0].text)
+                if chunk.usage is not None:
+                    received.append(("usage", chunk.usage.completion_tokens))
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(received) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    busy = [s.worker_id for s in _status(service).stats if s.num_running]
+    assert busy, "the request should be running on a worker"
+    ray.kill(ray.get_actor(f"s3serve-worker-{busy[0]}", namespace=RAY_NAMESPACE), no_restart=True)
+    thread.join(timeout=300)
+    assert not errors, errors
+    assert received[-1] == ("usage", n)  # every token arrived, none twice
+    deadline = time.monotonic() + 300  # the controller replaces the dead worker
+    while time.monotonic() < deadline:
+        status = _status(service)
+        if len(status.stats) == 2 and busy[0] not in {s.worker_id for s in status.stats}:
+            break
+        time.sleep(1.0)
+    assert status.counters.get("requeues", 0) >= 1
+
+
+def test_redis_restart_and_service_recovers(service, client):
+    before = _status(service).counters
+    service.redis.restart()
+    out = client.completions.create(model=MODEL, prompt="After the restart,", max_tokens=6, temperature=0)
+    assert out.choices[0].text
+    after = _status(service)
+    assert after.is_redis_ok
+    assert after.counters.get("worker_ids") == before.get("worker_ids")  # persisted state survived
+
+
+def test_controller_killed_is_restarted_with_its_state(service, client):
+    before = _status(service)
+    ray.kill(ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE), no_restart=False)
+    out = client.completions.create(model=MODEL, prompt="Again:", max_tokens=6, temperature=0)
+    assert out.choices[0].text
+    after = _status(service)
+    assert {w.worker_id for w in after.workers if w.state == "ready"} == \
+        {w.worker_id for w in before.workers if w.state == "ready"}  # found its workers, started none
+    assert after.counters.get("requeues", 0) == before.counters.get("requeues", 0)
