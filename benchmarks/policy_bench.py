@@ -19,6 +19,8 @@ from benchmarks.policy_plots import plot_runs
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
 from benchmarks.traces import build_requests, load_prompt_texts, read_trace
+from predictor_service.artifacts import load_predictor
+from predictor_service.length_example import TextOf
 from predictor_service.length_predictor import LengthPredictor, LengthQuery
 from workers.engine import Engine, EngineConfig
 from workers.model_runner import pool_shape_for
@@ -103,17 +105,24 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed: int) -> LengthPredictor:
-    """`noisy-oracle:SIGMA`, or an artifact directory (needs the predictor issue)."""
+def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed: int,
+                    text_of: TextOf | None = None) -> LengthPredictor:
+    """`noisy-oracle:SIGMA`, or a trained predictor artifact directory (a version or a root with LATEST).
+
+    A trained predictor reads the prompt's text through `text_of(query)`; the
+    replayed prompts are real text cut to length, so decoding their tokens gives it.
+    """
     if spec.startswith("noisy-oracle:"):
         try:
             sigma = float(spec.split(":", 1)[1])
         except ValueError:
             raise ValueError(f"--predictor {spec!r}: SIGMA must be a number, e.g. noisy-oracle:0.3") from None
         return NoisyOraclePredictor(true_lengths, sigma=sigma, max_len=max_len, seed=seed)
-    raise ValueError(
-        f"--predictor {spec!r}: only noisy-oracle:SIGMA is available until trained predictor artifacts land"
-    )
+    if not Path(spec).is_dir():
+        raise ValueError(f"--predictor {spec!r} is neither noisy-oracle:SIGMA nor a predictor artifact directory")
+    predictor = load_predictor(spec)
+    predictor.text_of = text_of
+    return predictor
 
 
 def run_policy(model, name: str, requests, bounds: dict[str, int], config: PolicyBenchConfig,
@@ -241,8 +250,11 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     queries = [LengthQuery(r.request_id, r.prompt_token_ids, config.max_len - len(r.prompt_token_ids))
                for r in requests]
 
+    def text_of(query: LengthQuery) -> str:
+        return tokenizer.decode(list(query.prompt_token_ids), skip_special_tokens=True)
+
     def bounds_for(spec: str) -> dict[str, int]:
-        predictor = parse_predictor(spec, true_lengths, config.max_len, config.seed)
+        predictor = parse_predictor(spec, true_lengths, config.max_len, config.seed, text_of)
         return {q.prompt_id: p.upper_bound_tokens for q, p in zip(queries, predictor.predict(queries))}
 
     bounds_by_spec = {config.predictor: bounds_for(config.predictor)}

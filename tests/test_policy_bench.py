@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +50,40 @@ def test_bench_policies_rejects_an_unknown_predictor_in_one_line(tmp_path, model
     )
     assert result.returncode == 2
     assert "noisy-oracle:abc" in result.stderr and "SIGMA must be a number" in result.stderr
+
+
+def test_bench_policies_runs_with_a_trained_predictor_artifact(tmp_path, model_cache_dir, shared_data):
+    from benchmarks.predictor_bench import load_prompt_texts_by_id
+    from predictor_service.features import FeatureConfig
+    from predictor_service.training import build_dataset, read_labels, train_predictor
+
+    shipped = Path(__file__).parent.parent / "predictor_service" / "labels" / "smollm2-135m-instruct.pool.greedy.jsonl"
+    labels = read_labels([shipped])[:120]
+    dataset = build_dataset(labels, load_prompt_texts_by_id([shared_data / "prompts" / "pool.jsonl"]))
+    train_predictor(dataset, "lightgbm", feature_config=FeatureConfig(num_hash_dims=32), out_dir=tmp_path / "art")
+    out_json = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "bench", "policies",
+         "--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
+         "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
+         "--num-requests", "4", "--max-len", "256", "--max-prompt-tokens", "32", "--policies", "s3", "oracle",
+         "--predictor", str(tmp_path / "art"), "--model-cache-dir", str(model_cache_dir), "--json", str(out_json)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out_json.read_text())
+    assert data["predictor"] == str(tmp_path / "art")
+    assert set(data["policies"]) == {"s3", "oracle"}
+    assert data["policies"]["s3"]["all_outputs_exact_length"]
+    assert data["ratios"]["s3_vs_oracle"] > 0
+
+
+def test_bench_policies_rejects_a_predictor_that_is_no_artifact(tmp_path, model_cache_dir, shared_data):
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "bench", "policies", "--num-requests", "2",
+         "--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
+         "--predictor", str(tmp_path / "missing"), "--model-cache-dir", str(model_cache_dir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    assert "neither noisy-oracle:SIGMA nor a predictor artifact directory" in result.stderr
