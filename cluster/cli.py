@@ -125,9 +125,51 @@ def _bench_predictor(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    print("s3serve serve: not yet; the HTTP service lands with the cluster issue. "
-          "Try `s3serve bench engine --quick` to run the engine.")
-    return 0
+    from cluster.config import load_config
+    from cluster.service import run_service
+
+    overrides = {
+        "host": args.host, "port": args.port, "model": args.model, "model_cache_dir": args.model_cache_dir,
+        "num_workers": args.num_workers, "min_workers": args.min_workers, "max_workers": args.max_workers,
+        "policy": args.policy, "kv_cache_bytes": args.kv_cache_bytes, "max_model_len": args.max_model_len,
+        "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
+        "api_keys": tuple(args.api_key) if args.api_key else None,
+    }
+    overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
+    try:
+        config = load_config(args.config, overrides)
+    except Exception as error:  # pydantic's ValidationError lists every bad field
+        raise ValueError(f"bad service config: {error}") from None
+    return run_service(config)
+
+
+def _add_serve_args(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--config", type=Path, default=None, metavar="YAML",
+                       help="YAML file of service settings (fields of cluster.config.ServiceConfig); "
+                            "flags below override it")
+    serve.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
+    serve.add_argument("--model", default=None,
+                       help="'smollm2-135m-instruct' (default) or a local Hugging Face causal-LM folder")
+    serve.add_argument("--model-cache-dir", type=Path, default=None,
+                       help="where the converted default model is kept (default: ~/.cache/s3serve/models)")
+    serve.add_argument("--num-workers", type=int, default=None, help="worker actors, one engine each (default 1)")
+    serve.add_argument("--min-workers", type=int, default=None, help="autoscaling floor (default: --num-workers)")
+    serve.add_argument("--max-workers", type=int, default=None, help="autoscaling ceiling (default: --num-workers)")
+    serve.add_argument("--policy", default=None, choices=["s3", "s3_peak", "max_reserve", "paged_greedy"],
+                       help="KV reservation policy of placement and workers (default s3)")
+    serve.add_argument("--kv-cache-bytes", type=int, default=None,
+                       help="KV-cache budget of each worker in bytes (default 268435456)")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default 2048)")
+    serve.add_argument("--predictor-artifact", type=Path, default=None, metavar="DIR",
+                       help="length-predictor versions directory (default: the shipped artifact)")
+    serve.add_argument("--data-dir", type=Path, default=None,
+                       help="where the embedded Redis keeps its data (default ./.s3serve); "
+                            "set S3_REDIS_URL to use your own Redis instead")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="accept this Bearer key (repeat for several); without it, no authentication")
+    serve.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray cluster")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the HTTP service (lands with the cluster issue)")
+    serve = commands.add_parser(
+        "serve", help="run the HTTP service (OpenAI-compatible API on 127.0.0.1:8000)",
+        description="Start a local Ray cluster, Redis, the length predictor, the controller, the workers and the "
+                    "HTTP router; print the URL and a curl example once it answers; stop cleanly on Ctrl-C.")
+    _add_serve_args(serve)
     serve.set_defaults(handler=_serve)
 
     label = commands.add_parser(
