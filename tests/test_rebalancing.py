@@ -1,0 +1,139 @@
+"""Cluster-level rebalancing and scaling with the real controller, real workers (SmolLM2), real Redis.
+
+No HTTP here: requests go through `cluster.generation.run_job`, the path the router uses, with
+predicted bounds chosen by the test so that placement is deterministic.
+"""
+
+import asyncio
+import time
+
+import pytest
+import ray
+
+from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig, worker_actor_name
+from cluster.controller import get_or_create_controller
+from cluster.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
+from cluster.redis_server import EmbeddedRedis
+from workers.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 16
+BYTES_PER_BLOCK = 30 * 2 * 3 * 64 * 4 * BLOCK_SIZE  # SmolLM2-135M: 30 layers, K and V, 3 KV heads, head_dim 64, fp32
+NUM_BLOCKS = 16  # per worker: 256 tokens
+
+
+def _config(model_cache_dir, **fields) -> ServiceConfig:
+    base = dict(model_cache_dir=str(model_cache_dir), kv_cache_bytes=NUM_BLOCKS * BYTES_PER_BLOCK,
+                block_size=BLOCK_SIZE, max_model_len=256, default_max_tokens=64, num_torch_threads=1,
+                stats_interval_s=0.2, migrate_kv_min_tokens=0)
+    base.update(fields)
+    return ServiceConfig(**base)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    ray.init(num_cpus=8, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING")
+    redis = EmbeddedRedis(tmp_path / "redis")
+    url = redis.start()
+    yield url
+    try:
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE)
+        ray.get(controller.shutdown.remote(), timeout=30)
+    finally:
+        ray.shutdown()
+        redis.stop()
+
+
+def _prompt(tokenizer, text: str) -> tuple[int, ...]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return tuple(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+async def _run(controller, job: GenerationJob) -> GenerationResult:
+    result = GenerationResult([])
+    async for _ in run_job(job, controller, WorkerHandles(), result, worker_actor_name):
+        pass
+    return result
+
+
+def _job(request_id: str, prompt, num_output_tokens: int, predicted: int) -> GenerationJob:
+    params = SamplingParams(max_tokens=num_output_tokens, temperature=0.0, ignore_eos=True)
+    return GenerationJob(request_id, "", prompt, params, predicted, predicted)
+
+
+def _wait_ready(controller, num_workers: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if len(ray.get(controller.status.remote()).stats) >= num_workers:
+            return
+        time.sleep(0.5)
+    pytest.fail(f"{num_workers} workers did not become ready")
+
+
+def test_overrun_moves_to_the_worker_with_room_and_output_is_unchanged(cluster, model_cache_dir, smollm2_tokenizer):
+    controller = get_or_create_controller(_config(model_cache_dir, num_workers=2), cluster)
+    _wait_ready(controller, 2)
+    prompt = _prompt(smollm2_tokenizer, "Write a long story about a lighthouse keeper.")
+    # Bounds chosen so reservations are exact block counts: 13 + 3 blocks fill a worker.
+    big_bound = 13 * BLOCK_SIZE - len(prompt)
+    under_bound = 3 * BLOCK_SIZE - len(prompt)
+    assert big_bound >= 160 and under_bound >= 1, f"the scenario needs a short prompt, got {len(prompt)} tokens"
+
+    async def scenario():
+        # w1: `big` reserves 13 of 16 blocks and runs long; w2: `blocker` reserves 13 too.
+        # `under` takes the last 3 blocks of w1 (tie broken by id) but runs 150 tokens: it outruns
+        # on a full w1. Once it waits there, the blocker's client leaves and w2 has room.
+        big = asyncio.ensure_future(_run(controller, _job("big", prompt, 160, big_bound)))
+        await asyncio.sleep(0.5)
+        blocker = asyncio.ensure_future(_run(controller, _job("blocker", prompt, 160, big_bound)))
+        await asyncio.sleep(0.5)
+        under = asyncio.ensure_future(_run(controller, _job("under", prompt, 150, under_bound)))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            status = await controller.status.remote()
+            if any(r.request_id == "under" for s in status.stats for r in s.overruns):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"`under` never waited after an overrun: {status}")
+        blocker.cancel()
+        return await under, await big
+
+    under, big = asyncio.run(scenario())
+    assert len(under.output_token_ids) == 150 and under.finish_reason == "length"
+    assert under.num_moves >= 1
+    assert len(big.output_token_ids) == 160
+    status = ray.get(controller.status.remote())
+    assert status.counters.get("migrations", 0) >= 1
+    assert status.counters.get("overruns", 0) >= 1
+
+    alone = asyncio.run(_run(controller, _job("alone", prompt, 150, big_bound)))
+    assert alone.num_moves == 0
+    assert under.output_token_ids == alone.output_token_ids  # the KV moved intact
+
+
+def test_queue_grows_the_pool_and_idleness_shrinks_it(cluster, model_cache_dir, smollm2_tokenizer):
+    config = _config(model_cache_dir, num_workers=1, min_workers=1, max_workers=2, scale_up_queue_depth=1,
+                     scale_down_idle_s=2.0)
+    controller = get_or_create_controller(config, cluster)
+    _wait_ready(controller, 1)
+    prompt = _prompt(smollm2_tokenizer, "Tell me about the moon.")
+
+    async def burst():
+        # Each reserves 13 of a worker's 16 blocks: one at a time per worker.
+        bound = 13 * BLOCK_SIZE - len(prompt)
+        return await asyncio.gather(*(_run(controller, _job(f"r{i}", prompt, 40, bound)) for i in range(4)))
+
+    results = asyncio.run(burst())
+    assert [len(r.output_token_ids) for r in results] == [40] * 4
+    status = ray.get(controller.status.remote())
+    assert {w.worker_id for w in status.workers} >= {"w1", "w2"}  # a second worker was started for the queue
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready = [w for w in ray.get(controller.status.remote()).workers if w.state == "ready"]
+        if len(ready) == 1:
+            return
+        time.sleep(0.5)
+    pytest.fail("the idle pool did not shrink back to min_workers")
