@@ -79,6 +79,25 @@ def _bench_policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_cluster(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from benchmarks import cluster_bench
+
+    base = cluster_bench.quick_config() if args.quick else cluster_bench.ClusterBenchConfig()
+    overrides = {"trace_path": args.trace, "prompts_path": args.prompts, "max_len": args.max_len,
+                 "concurrency": args.concurrency}
+    for field, value in (("num_workers", args.workers), ("num_requests", args.num_requests),
+                         ("time_scale", args.time_scale), ("kv_cache_bytes", args.kv_cache_bytes),
+                         ("max_prompt_tokens", args.max_prompt_tokens)):
+        if value is not None:
+            overrides[field] = value
+    if args.policy is not None:
+        overrides["policies"] = tuple(args.policy)
+    cluster_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json)
+    return 0
+
+
 def _label(args: argparse.Namespace) -> int:
     from cluster.labeling import LabelConfig, run_labeling
 
@@ -295,6 +314,47 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--plot", type=Path, default=None, metavar="DIR",
                           help="write throughput.png, kv_utilisation.png and concurrency.png here")
     policies.set_defaults(handler=_bench_policies)
+
+    cluster = benches.add_parser(
+        "cluster",
+        help="the whole service over HTTP, s3 vs max_reserve (vs paged_greedy): throughput, latency, balance",
+        description="For each policy in turn: starts the service (local Ray, embedded Redis, N workers, the same "
+                    "per-worker KV budget), replays the trace over HTTP from a separate client process (streamed "
+                    "completions at the trace's arrival times, real prompt text cut to the trace's context length, "
+                    "output length forced to the trace's, max_tokens = max-len minus the prompt) and stops it. "
+                    "Reports completed/failed requests, tokens/s, req/s, TTFT and latency p50/p99 (client side), "
+                    "per-worker balance (min/max generated tokens), migrations, requeues, preemptions, overruns, "
+                    "router+predictor+placement overhead p50/p99 and s3's throughput ratios.",
+    )
+    _add_model_args(cluster)
+    cluster.add_argument("--workers", type=int, default=None, help="worker actors per service (default 2)")
+    cluster.add_argument("--policy", nargs="+", default=None, metavar="POLICY",
+                         help="policies to run, in order: s3 s3_peak max_reserve paged_greedy "
+                              "(default: s3 max_reserve)")
+    cluster.add_argument("--trace", type=Path, default=Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv"),
+                         help="Azure CSV or Mooncake JSONL trace (default: %(default)s)")
+    cluster.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                         help="prompt texts the replayed prompts are cut from (default: %(default)s)")
+    cluster.add_argument("--num-requests", type=int, default=None,
+                         help="first N trace rows (default 64; 32 with --quick)")
+    cluster.add_argument("--time-scale", type=float, default=None,
+                         help="multiply the trace's arrival times by this (<1 compresses); 0 sends every request "
+                              "at t=0 (offline) (default 1; 0 with --quick)")
+    cluster.add_argument("--max-len", type=int, default=1024,
+                         help="the service's context; each request's max_tokens is max-len minus its prompt "
+                              "(default: %(default)s)")
+    cluster.add_argument("--max-prompt-tokens", type=int, default=None,
+                         help="cap on replayed prompt length, reported (default 256; 128 with --quick)")
+    cluster.add_argument("--kv-cache-bytes", type=int, default=None,
+                         help="KV budget of each worker in bytes (default 188743680: 256 SmolLM2 blocks, room for 4 "
+                              "worst-case 1024-token sequences, so memory binds)")
+    cluster.add_argument("--concurrency", type=int, default=64,
+                         help="most requests the client keeps in flight (default: %(default)s)")
+    cluster.add_argument("--quick", action="store_true",
+                         help="32 requests at t=0, prompts capped at 128 tokens; 2 workers, s3 and max_reserve "
+                              "unless set (about 10 min here)")
+    cluster.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    cluster.set_defaults(handler=_bench_cluster)
 
     predictor = benches.add_parser(
         "predictor",

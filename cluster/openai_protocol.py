@@ -129,6 +129,7 @@ class _SamplingRequest(BaseModel):
     seed: Seed | None = None
     user: StrictStr | None = None
     ignore_eos: StrictBool = False
+    forced_output_tokens: MaxTokens | None = None
 
     @field_validator("n")
     @classmethod
@@ -176,6 +177,8 @@ class CompletionRequest(_SamplingRequest):
         stop: up to 4 stop strings; the output ends before the first match.
         seed: sampling seed, for reproducible samples.
         ignore_eos: extension: generate exactly max_tokens tokens (benchmarks).
+        forced_output_tokens: extension: finish after exactly this many tokens (<= max_tokens), so
+            a benchmark fixes the work while max_tokens (what max_reserve reserves) stays large.
         user: end-user id, recorded only.
     """
 

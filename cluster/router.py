@@ -146,8 +146,11 @@ class Router:
             raise bad_request(
                 f"max_tokens {max_tokens} + prompt of {num_prompt_tokens} tokens exceeds the context of {limit} "
                 f"tokens; lower max_tokens to at most {limit - num_prompt_tokens}", "max_tokens")
+        forced = req.forced_output_tokens
+        if forced is not None and forced > max_tokens:
+            raise bad_request(f"forced_output_tokens {forced} exceeds max_tokens {max_tokens}", "forced_output_tokens")
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                              stop=req.stop_sequences, ignore_eos=req.ignore_eos)
+                              stop=req.stop_sequences, ignore_eos=req.ignore_eos, forced_output_tokens=forced)
 
     async def _predict(self, request_id: str, text: str, num_prompt_tokens: int, params: SamplingParams):
         payload = {"prompt_id": request_id, "prompt_text": text, "num_prompt_tokens": num_prompt_tokens,

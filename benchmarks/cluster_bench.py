@@ -1,0 +1,286 @@
+"""`s3serve bench cluster`: the whole service over HTTP, one scheduling policy after another.
+
+    per policy: start_service(policy, same per-worker KV budget, fresh data dir, free port)
+        -> write the load plan -> `python -m benchmarks.http_load` (a separate process)
+        -> controller status (per-worker generated tokens, migrations, ...) -> stop_service
+
+Every policy gets the same trace replay: real prompt text cut to the trace's context
+length, and the trace's output length forced through the service's
+`forced_output_tokens` extension, while `max_tokens` is what the context leaves
+(max_len - prompt), as a real client would send. max_reserve then reserves what it
+would in production (prompt + max_tokens); forcing the length with `max_tokens`
+alone would hand it each request's true length, making it an oracle.
+"""
+
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_results, write_plan
+from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from benchmarks.report import environment, format_table, write_json
+from benchmarks.traces import ReplayRequest, build_requests, load_prompt_texts, read_trace
+
+POLICIES = ("s3", "s3_peak", "max_reserve", "paged_greedy")
+DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
+# 256 blocks of 16 tokens of SmolLM2-135M (720 KiB each): 4 worst-case 1024-token sequences, as in bench policies.
+DEFAULT_KV_CACHE_BYTES = 188_743_680
+STATS_SETTLE_S = 1.5
+TABLE_KEYS = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s",
+              "worker_balance_min_max", "migrations", "requeues", "preemptions", "overruns", "overhead_p50_ms",
+              "overhead_p99_ms")  # the controller polls worker stats every 0.5 s; let the last poll land
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterBenchConfig:
+    """What `bench cluster` runs.
+
+    Attributes:
+        trace_path: Azure CSV or Mooncake JSONL trace.
+        prompts_path: prompt texts the replayed prompts are cut from.
+        policies: run in this order, one service each.
+        num_workers: worker actors of each service.
+        num_requests: first N trace rows.
+        time_scale: arrival times are multiplied by this; 0 sends everything at t=0 (offline).
+        max_len: the service's context; max_tokens of a request is max_len - its prompt.
+        max_prompt_tokens: prompts are capped to this (reported).
+        kv_cache_bytes: KV budget of each worker.
+        concurrency: most requests the client keeps in flight.
+        max_num_seqs: a worker's cap on running sequences (high: memory should bind).
+        num_cpus: logical CPUs of the local Ray cluster.
+        num_torch_threads: torch threads per worker.
+        ready_timeout_s: how long a service may take to load its workers.
+    """
+
+    trace_path: Path = DEFAULT_TRACE
+    prompts_path: Path = DEFAULT_PROMPTS
+    policies: tuple[str, ...] = ("s3", "max_reserve")
+    num_workers: int = 2
+    num_requests: int = 64
+    time_scale: float = 1.0
+    max_len: int = 1024
+    max_prompt_tokens: int = 256
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    concurrency: int = 64
+    max_num_seqs: int = 128
+    num_cpus: int = 8
+    num_torch_threads: int = 1
+    ready_timeout_s: float = 900.0
+
+    def check(self) -> None:
+        """ValueError/FileNotFoundError showing the bad value, before anything starts."""
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown or not self.policies:
+            raise ValueError(f"--policy {list(self.policies)}: choose one or more of {', '.join(POLICIES)}")
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"--policy {list(self.policies)} names a policy twice")
+        for name, path in (("--trace", self.trace_path), ("--prompts", self.prompts_path)):
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"{name} {path} does not exist")
+        for name, value in (("--workers", self.num_workers), ("--num-requests", self.num_requests),
+                            ("--concurrency", self.concurrency), ("--kv-cache-bytes", self.kv_cache_bytes)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not (self.time_scale >= 0 and math.isfinite(self.time_scale)):
+            raise ValueError(f"--time-scale must be a finite number >= 0, got {self.time_scale}")
+        if not 1 <= self.max_prompt_tokens < self.max_len:
+            raise ValueError(
+                f"--max-prompt-tokens must be in [1, --max-len={self.max_len}), got {self.max_prompt_tokens}")
+
+
+def quick_config(**overrides) -> ClusterBenchConfig:
+    return ClusterBenchConfig(**{"num_requests": 32, "max_prompt_tokens": 128, "time_scale": 0.0, **overrides})
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (no interpolation, as bench policies); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def build_load_requests(requests: list[ReplayRequest], tokenizer, max_len: int) -> tuple[list[LoadRequest], int]:
+    """Prompt text and limits per replayed request, and how many prompts changed length through text.
+
+    The router tokenizes the text it receives; decoding a cut of tokens and encoding
+    it again can merge or split a few, so the sent prompt's length is counted again
+    and the output length clipped to what the context leaves.
+    """
+    out = []
+    num_retokenized = 0
+    for request in requests:
+        text = tokenizer.decode(list(request.prompt_token_ids))
+        num_prompt = len(tokenizer.encode(text, add_special_tokens=False))
+        if not text or num_prompt < 1 or num_prompt >= max_len:
+            raise ValueError(f"{request.request_id}: its prompt does not survive decoding ({num_prompt} tokens)")
+        num_retokenized += num_prompt != len(request.prompt_token_ids)
+        max_tokens = max_len - num_prompt
+        out.append(LoadRequest(request.request_id, request.arrival_s, text, num_prompt, max_tokens,
+                               min(request.output_tokens, max_tokens)))
+    return out, num_retokenized
+
+
+def summarize_results(results: list[RequestResult], plan: list[LoadRequest]) -> dict:
+    """Client-side numbers of one policy's run: throughput over first send to last finish, percentiles."""
+    forced = {r.request_id: r.forced_output_tokens for r in plan}
+    ok = [r for r in results if r.is_ok]
+    wall_s = (max(r.finished_s for r in results) - min(r.sent_s for r in results)) if results else 0.0
+    output_tokens = sum(r.num_completion_tokens or 0 for r in ok)
+    ttft = [r.first_token_s - r.sent_s for r in ok if r.first_token_s is not None]
+    latency = [r.finished_s - r.sent_s for r in ok]
+    overhead = [r.overhead_ms for r in results if r.overhead_ms is not None]
+    errors = sorted({f"{r.status_code}: {r.error}" for r in results if not r.is_ok})
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "all_outputs_exact_length": len(ok) == len(plan)
+        and all(r.num_completion_tokens == forced[r.request_id] for r in ok),
+        "output_tokens": output_tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": output_tokens / wall_s if wall_s else None,
+        "requests_per_s": len(ok) / wall_s if wall_s else None,
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "latency_p50_s": percentile(latency, 0.5),
+        "latency_p99_s": percentile(latency, 0.99),
+        "overhead_p50_ms": percentile(overhead, 0.5),
+        "overhead_p99_ms": percentile(overhead, 0.99),
+        "errors": errors[:10],
+    }
+
+
+def summarize_cluster(generated_tokens_by_worker: dict[str, int], counters: dict[str, int]) -> dict:
+    """Per-worker balance (min/max generated tokens; 1.0 is even) and the controller's event counters."""
+    tokens = list(generated_tokens_by_worker.values())
+    return {
+        "generated_tokens_by_worker": dict(generated_tokens_by_worker),
+        "worker_balance_min_max": min(tokens) / max(tokens) if tokens and max(tokens) else None,
+        **{name: int(counters.get(name, 0)) for name in ("migrations", "requeues", "preemptions", "overruns")},
+    }
+
+
+def ratios_of(summaries: dict[str, dict]) -> dict[str, float | None]:
+    """s3 (and s3_peak) tokens/s over each baseline that ran."""
+    ratios = {}
+    for ours in ("s3", "s3_peak"):
+        for other in ("max_reserve", "paged_greedy"):
+            if ours in summaries and other in summaries:
+                mine, theirs = summaries[ours]["tokens_per_s"], summaries[other]["tokens_per_s"]
+                ratios[f"{ours}_vs_{other}_tokens_per_s"] = mine / theirs if mine is not None and theirs else None
+    return ratios
+
+
+def _cell(value):
+    return "n/a" if value is None else value
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, model_cache_dir: Path | None,
+                    data_dir: str):
+    from cluster.config import ServiceConfig
+
+    return ServiceConfig(
+        port=_free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
+        num_workers=config.num_workers, policy=policy, kv_cache_bytes=config.kv_cache_bytes,
+        max_model_len=config.max_len, max_num_seqs=config.max_num_seqs,
+        default_max_tokens=min(256, config.max_len - 1), data_dir=data_dir, num_cpus=config.num_cpus,
+        num_torch_threads=config.num_torch_threads,
+        # The bench measures throughput under a backlog: nothing may be refused or time out waiting for room.
+        max_concurrent_requests=max(256, config.concurrency), max_pending_placements=max(128, config.concurrency),
+        placement_timeout_s=24 * 3600.0)
+
+
+def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest], model_name: str,
+               model_cache_dir: Path | None, work_dir: Path) -> dict:
+    """One service with `policy`, the load from a separate process, the controller's counters; then stop."""
+    import ray
+
+    from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
+    from cluster.service import start_service, stop_service
+
+    data_dir = work_dir / f"data-{policy}"
+    service_config = _service_config(config, policy, model_name, model_cache_dir, str(data_dir))
+    print(f"{policy}: starting the service ({config.num_workers} workers, {config.kv_cache_bytes} KV bytes each)",
+          flush=True)
+    # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
+    ray.init(num_cpus=config.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False)
+    running = start_service(service_config, config.ready_timeout_s, progress=lambda _msg: None)
+    try:
+        plan_path, results_path = work_dir / f"plan-{policy}.json", work_dir / f"results-{policy}.json"
+        write_plan(plan_path, LoadPlan(running.base_url, service_config.model_id, config.concurrency, tuple(plan)))
+        load = subprocess.run([sys.executable, "-m", "benchmarks.http_load", "--plan", str(plan_path),
+                               "--out", str(results_path), "--desc", f"{policy} requests"])
+        if load.returncode != 0:
+            raise RuntimeError(f"the load generator exited with {load.returncode} (its error is printed above)")
+        time.sleep(STATS_SETTLE_S)
+        status = ray.get(ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE).status.remote(), timeout=60)
+    finally:
+        stop_service(running)
+    summary = summarize_results(read_results(results_path), plan)
+    summary.update(summarize_cluster({s.worker_id: s.num_generated_tokens for s in status.stats}, status.counters))
+    return summary
+
+
+def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", model_cache_dir: Path | None = None,
+        json_path: Path | None = None) -> dict:
+    """Every policy in turn on the same replay; print the table and ratios; write JSON."""
+    from workers.models import load_tokenizer, resolve_model_dir
+
+    config.check()
+    rows = read_trace(config.trace_path, config.num_requests)
+    tokenizer = load_tokenizer(resolve_model_dir(model_name, model_cache_dir))
+    mode = "offline" if config.time_scale == 0 else "online"
+    requests, capping = build_requests(
+        rows, tokenizer, load_prompt_texts(config.prompts_path), max_len=config.max_len,
+        max_prompt_tokens=config.max_prompt_tokens, mode=mode, time_scale=config.time_scale or 1.0)
+    plan, num_retokenized = build_load_requests(requests, tokenizer, config.max_len)
+    print(f"trace {config.trace_path}: {capping.describe()}; {num_retokenized} prompts changed length "
+          f"through text ({mode}, time scale {config.time_scale})")
+    summaries = {}
+    with tempfile.TemporaryDirectory(prefix="s3serve-bench-") as work_dir:
+        for policy in config.policies:
+            summaries[policy] = run_policy(config, policy, plan, model_name, model_cache_dir, Path(work_dir))
+    ratios = ratios_of(summaries)
+    headers = ["policy", "done", "failed", "tok/s", "req/s", "ttft_p50", "ttft_p99", "lat_p50", "lat_p99",
+               "balance", "migr", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms"]
+    table_rows = [[name, s["completed"], s["failed"], *(_cell(s[key]) for key in TABLE_KEYS)]
+                  for name, s in summaries.items()]
+    print(format_table(headers, table_rows))
+    if ratios:
+        print(format_table(["ratio", "value"], [[k, _cell(v)] for k, v in ratios.items()]))
+    for name, s in summaries.items():
+        if s["failed"] or not s["all_outputs_exact_length"]:
+            print(f"{name}: {s['failed']} failed, exact lengths: {s['all_outputs_exact_length']}; {s['errors'][:3]}")
+    result = {
+        "benchmark": "cluster",
+        "model": model_name,
+        "trace": str(config.trace_path),
+        "mode": mode,
+        "time_scale": config.time_scale,
+        "num_requests": len(plan),
+        "num_workers": config.num_workers,
+        "max_len": config.max_len,
+        "kv_cache_bytes_per_worker": config.kv_cache_bytes,
+        "concurrency": config.concurrency,
+        "capping": {"description": capping.describe(), "num_prompt_capped": capping.num_prompt_capped,
+                    "num_output_capped": capping.num_output_capped, "mean_prompt_tokens": capping.mean_prompt_tokens,
+                    "mean_output_tokens": capping.mean_output_tokens, "num_prompts_retokenized": num_retokenized},
+        "policies": summaries,
+        "ratios": ratios,
+        "environment": environment(),
+    }
+    write_json(json_path, result)
+    return result

@@ -1,0 +1,225 @@
+"""`bench cluster`: its pure parts without Ray, the load generator against a small real HTTP server,
+and one real run of the bench (slow).
+"""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from benchmarks import cluster_bench, http_load
+from benchmarks.cluster_bench import (ClusterBenchConfig, build_load_requests, percentile, ratios_of,
+                                      summarize_cluster, summarize_results)
+from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_plan, write_plan
+from benchmarks.traces import build_requests, load_prompt_texts, read_trace
+
+
+def make_result(request_id: str, sent_s: float = 0.0, first_s: float | None = 0.5, finished_s: float = 2.0,
+                tokens: int | None = 10, is_ok: bool = True, overhead_ms: float | None = 3.0) -> RequestResult:
+    return RequestResult(request_id, is_ok, 200 if is_ok else 429, None if is_ok else "queue full", sent_s,
+                         first_s if is_ok else None, finished_s, tokens if is_ok else None, 5 if is_ok else None,
+                         overhead_ms)
+
+
+def make_plan(forced: dict[str, int]) -> list[LoadRequest]:
+    return [LoadRequest(rid, 0.0, "some text", 5, 100, n) for rid, n in forced.items()]
+
+
+# -- pure parts ----------------------------------------------------------------------------
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 0.5) == 51.0  # round(0.5 * 99) = 50 -> the 51st value
+    assert percentile(values, 0.99) == 99.0
+    assert percentile(list(reversed(values)), 0.0) == 1.0
+    assert percentile([7.0], 0.99) == 7.0
+    assert percentile([], 0.5) is None
+
+
+def test_summarize_results_counts_throughput_over_first_send_to_last_finish():
+    plan = make_plan({"a": 10, "b": 10, "c": 30})
+    results = [make_result("a", sent_s=1.0, first_s=1.5, finished_s=3.0),
+               make_result("b", sent_s=2.0, first_s=2.2, finished_s=5.0, overhead_ms=9.0),
+               make_result("c", sent_s=2.5, is_ok=False, finished_s=2.6)]
+    summary = summarize_results(results, plan)
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert summary["wall_s"] == pytest.approx(4.0)  # 1.0 -> 5.0
+    assert summary["tokens_per_s"] == pytest.approx(20 / 4.0)
+    assert summary["requests_per_s"] == pytest.approx(2 / 4.0)
+    assert summary["ttft_p50_s"] == pytest.approx(0.2) and summary["ttft_p99_s"] == pytest.approx(0.5)
+    assert summary["latency_p99_s"] == pytest.approx(3.0)
+    assert summary["overhead_p50_ms"] == 3.0 and summary["overhead_p99_ms"] == 9.0
+    assert summary["all_outputs_exact_length"] is False  # one failed
+    assert summary["errors"] == ["429: queue full"]
+
+
+def test_summarize_results_checks_every_forced_length():
+    plan = make_plan({"a": 10, "b": 12})
+    exact = summarize_results([make_result("a", tokens=10), make_result("b", tokens=12)], plan)
+    short = summarize_results([make_result("a", tokens=10), make_result("b", tokens=11)], plan)
+    assert exact["all_outputs_exact_length"] is True and short["all_outputs_exact_length"] is False
+    empty = summarize_results([], [])
+    assert empty["tokens_per_s"] is None and empty["ttft_p50_s"] is None
+
+
+def test_summarize_cluster_balance_and_counters():
+    summary = summarize_cluster({"w1": 300, "w2": 100}, {"migrations": 2, "overruns": 5, "worker_ids": 2})
+    assert summary["worker_balance_min_max"] == pytest.approx(1 / 3)
+    assert (summary["migrations"], summary["overruns"], summary["requeues"], summary["preemptions"]) == (2, 5, 0, 0)
+    assert summarize_cluster({}, {})["worker_balance_min_max"] is None
+    assert summarize_cluster({"w1": 0, "w2": 0}, {})["worker_balance_min_max"] is None
+
+
+def test_ratios_compare_s3_with_each_baseline_that_ran():
+    summaries = {"s3": {"tokens_per_s": 30.0}, "max_reserve": {"tokens_per_s": 10.0},
+                 "paged_greedy": {"tokens_per_s": None}}
+    assert ratios_of(summaries) == {"s3_vs_max_reserve_tokens_per_s": 3.0, "s3_vs_paged_greedy_tokens_per_s": None}
+    assert ratios_of({"max_reserve": {"tokens_per_s": 10.0}}) == {}
+
+
+def test_load_requests_are_real_text_whose_length_the_router_will_count(shared_data, smollm2_tokenizer):
+    rows = read_trace(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv", 12)
+    requests, _ = build_requests(rows, smollm2_tokenizer, load_prompt_texts(shared_data / "prompts" / "pool.jsonl"),
+                                 max_len=256, max_prompt_tokens=64, mode="online", time_scale=0.5)
+    plan, _ = build_load_requests(requests, smollm2_tokenizer, max_len=256)
+    assert [p.request_id for p in plan] == [r.request_id for r in requests]
+    for load, replay in zip(plan, requests):
+        assert load.arrival_s == replay.arrival_s
+        assert load.num_prompt_tokens == len(smollm2_tokenizer.encode(load.prompt, add_special_tokens=False))
+        assert abs(load.num_prompt_tokens - len(replay.prompt_token_ids)) <= 4
+        assert load.max_tokens == 256 - load.num_prompt_tokens  # what a client leaves itself: the context
+        assert load.forced_output_tokens == min(replay.output_tokens, load.max_tokens)
+    assert plan[1].arrival_s == pytest.approx(rows[1].arrival_s * 0.5)
+
+
+def test_plan_file_round_trips_and_a_bad_one_is_a_clear_error(tmp_path):
+    plan = LoadPlan("http://127.0.0.1:1", "m", 3, tuple(make_plan({"a": 4, "b": 6})))
+    write_plan(tmp_path / "plan.json", plan)
+    assert read_plan(tmp_path / "plan.json") == plan
+    (tmp_path / "bad.json").write_text('{"base_url": "x"}')
+    with pytest.raises(ValueError, match="bad.json is not a load plan"):
+        read_plan(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"policies": ("s3", "fifo")}, "choose one or more"),
+    ({"policies": ("s3", "s3")}, "twice"),
+    ({"num_requests": 0}, "--num-requests"),
+    ({"time_scale": -1.0}, "--time-scale"),
+    ({"max_len": 128, "max_prompt_tokens": 128}, "--max-prompt-tokens"),
+])
+def test_config_check_names_the_bad_option(overrides, message, shared_data):
+    config = ClusterBenchConfig(trace_path=shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv",
+                                prompts_path=shared_data / "prompts" / "pool.jsonl", **overrides)
+    with pytest.raises(ValueError, match=message):
+        config.check()
+
+
+def test_missing_trace_is_a_one_line_error(tmp_path, capsys):
+    from cluster.cli import main
+
+    assert main(["bench", "cluster", "--trace", str(tmp_path / "none.csv"), "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert f"--trace {tmp_path / 'none.csv'} does not exist" in err.splitlines()[0]
+
+
+# -- the load generator against a small real HTTP server ----------------------------------
+
+
+def _sse_app(seen: list[dict]) -> Starlette:
+    """Answers like the router: a 429 for prompt "full", else streamed chunks and a usage chunk."""
+
+    async def completions(request):
+        body = await request.json()
+        seen.append({"body": body, "at_s": time.monotonic()})
+        if body["prompt"] == "full":
+            return JSONResponse({"error": {"message": "queue full"}}, status_code=429)
+
+        async def events():
+            for piece in ["one", " two"] + [""] * (body["forced_output_tokens"] - 2):
+                await asyncio.sleep(0.01)
+                yield f"data: {json.dumps({'choices': [{'text': piece, 'finish_reason': None}]})}\n\n"
+            usage = {"prompt_tokens": 2, "completion_tokens": body["forced_output_tokens"]}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"x-s3-overhead-ms": "1.250"})
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+@pytest.fixture()
+def sse_server():
+    seen: list[dict] = []
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_sse_app(seen), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", seen
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_drive_sends_at_arrival_times_streams_and_records_failures(sse_server):
+    base_url, seen = sse_server
+    requests = (LoadRequest("a", 0.0, "hello", 1, 50, 4), LoadRequest("b", 0.3, "hello again", 2, 50, 3),
+                LoadRequest("c", 0.0, "full", 1, 50, 2))
+    results = asyncio.run(http_load.drive(LoadPlan(base_url, "m", 2, requests)))
+    by_id = {r.request_id: r for r in results}
+    assert by_id["a"].is_ok and by_id["a"].num_completion_tokens == 4 and by_id["a"].overhead_ms == 1.25
+    assert by_id["a"].sent_s < by_id["a"].first_token_s < by_id["a"].finished_s
+    assert by_id["b"].sent_s >= 0.3 and by_id["b"].num_completion_tokens == 3
+    assert not by_id["c"].is_ok and by_id["c"].status_code == 429 and "queue full" in by_id["c"].error
+    body = next(s["body"] for s in seen if s["body"]["prompt"] == "hello")
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert (body["max_tokens"], body["forced_output_tokens"], body["ignore_eos"]) == (50, 4, True)
+
+
+def test_load_generator_runs_as_its_own_process(sse_server, tmp_path):
+    import subprocess
+    import sys
+
+    base_url, _ = sse_server
+    write_plan(tmp_path / "plan.json", LoadPlan(base_url, "m", 4, (LoadRequest("a", 0.0, "hi", 1, 9, 5),)))
+    done = subprocess.run([sys.executable, "-m", "benchmarks.http_load", "--plan", str(tmp_path / "plan.json"),
+                           "--out", str(tmp_path / "out.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [result] = http_load.read_results(tmp_path / "out.json")
+    assert result.is_ok and result.num_completion_tokens == 5
+
+
+# -- the real thing ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_bench_runs_the_service_and_every_request_gets_its_forced_length(shared_data, model_cache_dir, tmp_path):
+    config = ClusterBenchConfig(
+        trace_path=shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv",
+        prompts_path=shared_data / "prompts" / "pool.jsonl", policies=("s3",), num_workers=2, num_requests=4,
+        time_scale=0.0, max_len=256, max_prompt_tokens=24, concurrency=4)
+    result = cluster_bench.run(config, model_cache_dir=model_cache_dir, json_path=tmp_path / "cluster.json")
+    written = json.loads(Path(tmp_path / "cluster.json").read_text())
+    assert written["policies"].keys() == {"s3"} and set(written) >= {"ratios", "environment", "capping"}
+    s3 = written["policies"]["s3"]
+    assert (s3["completed"], s3["failed"]) == (4, 0)
+    assert s3["all_outputs_exact_length"] is True
+    # the first four Azure conv rows fit under max_len whole, so their lengths are the trace's
+    assert s3["output_tokens"] == sum(row.generated_tokens for row in read_trace(config.trace_path, 4))
+    assert s3["tokens_per_s"] > 0 and s3["ttft_p50_s"] > 0 and s3["overhead_p50_ms"] is not None
+    assert sum(s3["generated_tokens_by_worker"].values()) >= s3["output_tokens"]
+    assert len(s3["generated_tokens_by_worker"]) == 2
+    assert result["policies"]["s3"]["completed"] == 4
