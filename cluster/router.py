@@ -15,6 +15,7 @@ import time
 import uuid
 
 import ray
+import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -170,21 +171,24 @@ class Router:
         params = self._sampling(req, len(prompt_ids), is_chat)
         if self.num_in_flight >= self.config.max_concurrent_requests:
             raise queue_full(retry_after_s=1)
-        request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
-        try:
-            bound, point = await self._predict(request_id, text, len(prompt_ids), params)
-        except Exception as error:  # noqa: BLE001 - any predictor failure is an outage, not bad input
-            logger.exception("predictor failed")
-            raise unavailable(f"length predictor ({type(error).__name__})") from None
-        job = GenerationJob(request_id, text, tuple(prompt_ids), params, min(bound, params.max_tokens), point)
-        result = GenerationResult([])
-        stream = run_job(job, self.controller, self.workers, result, worker_actor_name)
+        # The slot is taken before any await, so a burst cannot slip past the limit.
         self.num_in_flight += 1
+        request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = None
         try:
+            try:
+                bound, point = await self._predict(request_id, text, len(prompt_ids), params)
+            except Exception as error:  # noqa: BLE001 - any predictor failure is an outage, not bad input
+                logger.exception("predictor failed")
+                raise unavailable(f"length predictor ({type(error).__name__})") from None
+            job = GenerationJob(request_id, text, tuple(prompt_ids), params, min(bound, params.max_tokens), point)
+            result = GenerationResult([])
+            stream = run_job(job, self.controller, self.workers, result, worker_actor_name)
             first = await self._first_chunk(stream)
         except BaseException:
             self.num_in_flight -= 1
-            await stream.aclose()
+            if stream is not None:
+                await stream.aclose()
             raise
         overhead_s = (result.placed_s or time.monotonic()) - start_s - result.queued_s
         self.metrics.observe_overhead(overhead_s)
@@ -207,6 +211,8 @@ class Router:
             raise unavailable(str(error)) from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ConnectionError) as error:
             raise unavailable(f"controller ({type(error).__name__})") from None
+        except redis.exceptions.RedisError as error:  # the controller's state store is down
+            raise unavailable(f"controller state store ({type(error).__name__})") from None
 
     def _observe(self, job: GenerationJob, result: GenerationResult, start_s: float) -> None:
         num_out = len(result.output_token_ids)
@@ -283,11 +289,22 @@ class Router:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._generate(request, is_chat=False)
+        return await self._counted(self._generate(request, is_chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._generate(request, is_chat=True)
+        return await self._counted(self._generate(request, is_chat=True))
+
+    async def _counted(self, handling):
+        """Count refused requests by status code (finished ones are counted where they finish)."""
+        try:
+            return await handling
+        except APIError as error:
+            self.metrics.observe_status(str(error.status_code))
+            raise
+        except asyncio.CancelledError:
+            self.metrics.observe_status("cancelled")
+            raise
 
     @app.get("/v1/models")
     async def models(self, request: Request):

@@ -220,9 +220,15 @@ def test_worker_killed_mid_stream_still_completes(service, client):
     assert status.counters.get("requeues", 0) >= 1
 
 
-def test_redis_restart_and_service_recovers(service, client):
+def test_redis_down_is_a_503_and_a_restart_recovers(service, client):
     before = _status(service).counters
-    service.redis.restart()
+    service.redis.stop()
+    try:
+        assert httpx.get(f"{service.base_url}/health", timeout=30).status_code == 503
+        response = _post(service, "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
+        _assert_openai_error(response, 503)
+    finally:
+        service.redis.start()
     out = client.completions.create(model=MODEL, prompt="After the restart,", max_tokens=6, temperature=0)
     assert out.choices[0].text
     after = _status(service)
