@@ -81,7 +81,7 @@ class ClusterStatus:
 class _Waiting:
     request: PendingRequest
     future: asyncio.Future
-    exclude_worker_id: str | None = None
+    record: RequestRecord
 
 
 class Controller:
@@ -110,6 +110,9 @@ class Controller:
         self._idle_since_s = time.monotonic()
         self._placed_s: dict[str, float] = {}  # request id -> when this controller placed it
         self._last_reconcile_s = time.monotonic()
+        # worker id -> blocks reserved by placed requests: a mirror of the Redis ledger kept in memory
+        # so placement needs no scan of it; rebuilt from Redis on start and at every reconcile.
+        self.reserved: dict[str, int] = {}
         self._recover()
 
     # -- recovery and workers ------------------------------------------------
@@ -122,6 +125,7 @@ class Controller:
                 self.handles[record.worker_id] = ray.get_actor(record.actor_name, namespace=RAY_NAMESPACE)
             except ValueError:
                 self._mark_dead(record.worker_id)
+        self.reserved = self.store.reserved_blocks_by_worker()
         if self.handles:
             logger.info("controller recovered %d workers from Redis", len(self.handles))
 
@@ -143,7 +147,8 @@ class Controller:
         name = worker_actor_name(worker_id)
         handle = ray.remote(WorkerActor).options(
             name=name, namespace=RAY_NAMESPACE, lifetime="detached", num_cpus=self.config.worker_num_cpus,
-            max_restarts=0, max_concurrency=1000).remote(worker_id, self._worker_settings())
+            num_gpus=self.config.worker_num_gpus, max_restarts=0,
+            max_concurrency=1000).remote(worker_id, self._worker_settings())
         self.store.put_worker(WorkerRecord(worker_id, name, 0, self.config.block_size, "starting", time.time()))
         self.handles[worker_id] = handle
         self._starting.add(worker_id)
@@ -180,6 +185,7 @@ class Controller:
             if request.state == "placed":
                 self.store.put_request(_with(request, worker_id=None, state="pending"))
                 requeued += 1
+        self.reserved.pop(worker_id, None)
         if requeued:
             self.store.incr("requeues", requeued)
         logger.warning("worker %s is gone; %d in-flight requests requeued", worker_id, requeued)
@@ -187,12 +193,15 @@ class Controller:
     def _ready_worker_ids(self) -> list[str]:
         return [wid for wid in self.handles if wid not in self._starting and wid in self.latest]
 
+    def _reserve(self, worker_id: str | None, num_blocks: int) -> None:
+        if worker_id is not None:
+            self.reserved[worker_id] = max(0, self.reserved.get(worker_id, 0) + num_blocks)
+
     def _budgets(self) -> list[WorkerBudget]:
-        reserved = self.store.reserved_blocks_by_worker()
         budgets = []
         for wid in self._ready_worker_ids():
             stats = self.latest[wid]
-            held = max(reserved.get(wid, 0), stats.num_reserved_blocks)
+            held = max(self.reserved.get(wid, 0), stats.num_reserved_blocks)
             budgets.append(WorkerBudget(wid, stats.num_total_blocks, held, True))
         return budgets
 
@@ -208,6 +217,8 @@ class Controller:
                 and existing.worker_id != exclude_worker_id):
             return Placement(request_id, existing.worker_id, worker_actor_name(existing.worker_id),
                              existing.num_reserved_blocks)
+        if existing is not None and existing.state == "placed":  # re-placed: its old room is free again
+            self._reserve(existing.worker_id, -existing.num_reserved_blocks)
         if exclude_worker_id is not None:
             await self.report_failure(exclude_worker_id)
         if request_id not in self.waiting and len(self.waiting) >= self.config.max_pending_placements:
@@ -218,13 +229,17 @@ class Controller:
         largest = max((s.num_total_blocks for s in self.latest.values()), default=num_blocks)
         num_blocks = min(num_blocks, largest)  # the worker's own policy copes with the rest
         attempts = existing.num_attempts + 1 if existing is not None else 1
-        self.store.put_request(RequestRecord(request_id, None, num_prompt_tokens, max_tokens,
-                                             predicted_output_tokens or 0, num_blocks, "pending", attempts,
-                                             time.time()))
+        record = RequestRecord(request_id, None, num_prompt_tokens, max_tokens, predicted_output_tokens or 0,
+                               num_blocks, "pending", attempts, time.time())
+        pending = PendingRequest(request_id, num_blocks, time.monotonic())
+        if not self.waiting:  # fast path: nobody queued ahead, one write if it fits now
+            chosen = first_fit_decreasing([pending], self._budgets(), now_s=pending.arrival_s)
+            if request_id in chosen:
+                return self._commit_placement(record, chosen[request_id], queued_s=0.0)
+        self.store.put_request(record)
         waiting = self.waiting.get(request_id)
         if waiting is None:
-            future = asyncio.get_running_loop().create_future()
-            waiting = _Waiting(PendingRequest(request_id, num_blocks, time.monotonic()), future, exclude_worker_id)
+            waiting = _Waiting(pending, asyncio.get_running_loop().create_future(), record)
             self.waiting[request_id] = waiting
         self._place_waiting()
         try:
@@ -243,20 +258,25 @@ class Controller:
         chosen = first_fit_decreasing(pending, budgets, now_s=time.monotonic())
         for request_id, worker_id in chosen.items():
             waiting = self.waiting.pop(request_id)
-            record = self.store.get_request(request_id)
-            if record is None:  # finished or cancelled meanwhile
-                continue
-            self.store.put_request(_with(record, worker_id=worker_id, state="placed"))
-            self._placed_s[request_id] = time.monotonic()
-            waiting.future.set_result(Placement(request_id, worker_id, worker_actor_name(worker_id),
-                                                record.num_reserved_blocks,
-                                                time.monotonic() - waiting.request.arrival_s))
+            placement = self._commit_placement(waiting.record, worker_id,
+                                               time.monotonic() - waiting.request.arrival_s)
+            waiting.future.set_result(placement)
+
+    def _commit_placement(self, record: RequestRecord, worker_id: str, queued_s: float) -> Placement:
+        self.store.put_request(_with(record, worker_id=worker_id, state="placed"))
+        self._reserve(worker_id, record.num_reserved_blocks)
+        self._placed_s[record.request_id] = time.monotonic()
+        return Placement(record.request_id, worker_id, worker_actor_name(worker_id), record.num_reserved_blocks,
+                         queued_s)
 
     async def finish(self, request_id: str, outcome: RequestOutcome | None = None) -> None:
         """Release a request's reservation; a completed one becomes a training sample."""
         waiting = self.waiting.pop(request_id, None)
         if waiting is not None and not waiting.future.done():
             waiting.future.cancel()
+        record = self.store.get_request(request_id)
+        if record is not None and record.state == "placed":
+            self._reserve(record.worker_id, -record.num_reserved_blocks)
         self.store.delete_request(request_id)
         self.moving.discard(request_id)
         self._placed_s.pop(request_id, None)
@@ -329,6 +349,7 @@ class Controller:
                 self.store.delete_request(record.request_id)
                 self._placed_s.pop(record.request_id, None)
                 self.store.incr("reconciled")
+        self.reserved = self.store.reserved_blocks_by_worker()
 
     def _count_worker_events(self, before: WorkerStats | None, now: WorkerStats) -> None:
         """Workers count since they started; the cluster's totals must survive a worker's death."""
@@ -355,6 +376,8 @@ class Controller:
                 self.moving.add(report.request_id)
                 if record is not None:  # reserve on the target before the router resumes there
                     self.store.put_request(_with(record, worker_id=target, num_reserved_blocks=report.num_blocks_needed))
+                    self._reserve(record.worker_id, -record.num_reserved_blocks)
+                    self._reserve(target, report.num_blocks_needed)
                 moved = await self.handles[wid].move_out.remote(report.request_id, target, with_kv)
                 if moved:
                     self.store.incr("migrations")
@@ -362,6 +385,8 @@ class Controller:
                                 "with KV" if with_kv else "recompute")
                 elif record is not None:
                     self.store.put_request(record)
+                    self._reserve(target, -report.num_blocks_needed)
+                    self._reserve(record.worker_id, record.num_reserved_blocks)
                     self.moving.discard(report.request_id)
 
     def _scale(self) -> None:

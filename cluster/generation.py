@@ -41,6 +41,7 @@ class GenerationResult:
     finish_reason: str | None = None
     placed_s: float | None = None
     queued_s: float = 0.0  # of the first placement: waiting for KV room
+    place_call_s: float = 0.0  # of the first placement: the controller call without the waiting
     first_token_s: float | None = None
     finish_s: float | None = None
     num_moves: int = 0
@@ -70,9 +71,11 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
 
     `worker_name_of(worker_id)` gives a worker's actor name (moves carry only the id).
     """
+    asked_s = time.monotonic()
     placement = await controller.place.remote(job.request_id, len(job.prompt_token_ids), job.params.max_tokens,
                                               job.predicted_output_tokens)
     result.placed_s = time.monotonic()
+    result.place_call_s = result.placed_s - asked_s - placement.queued_s
     result.queued_s = placement.queued_s
     worker_id, actor_name = placement.worker_id, placement.actor_name
     kv = None

@@ -17,13 +17,15 @@ import uuid
 import ray
 import redis
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
 from cluster import openai_protocol as protocol
 from cluster.config import ServiceConfig, worker_actor_name
 from cluster.controller import PlacementTimeoutError, QueueFullError, get_or_create_controller
+from cluster.dashboard import (DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data,
+                               generated_tokens_by_worker)
 from cluster.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
                             not_found_model, prompt_too_long, queue_full, unavailable)
 from cluster.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
@@ -34,7 +36,9 @@ from workers.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-OVERHEAD_HEADER = "x-s3-overhead-ms"
+OVERHEAD_HEADER = "x-s3-overhead-ms"  # router + predictor + placement, without time queued for KV room
+PREDICT_HEADER = "x-s3-predict-ms"  # the predictor call
+PLACE_HEADER = "x-s3-place-ms"  # the controller call, without time queued for KV room
 
 app = FastAPI(title="S3 Serve", docs_url=None, redoc_url=None)
 install_error_handlers(app)
@@ -86,6 +90,7 @@ class Router:
         self.api_keys = frozenset(self.config.api_keys)
         self.num_in_flight = 0
         self.started_s = int(time.time())
+        self.throughput = ThroughputMeter()
 
     # -- helpers -----------------------------------------------------------------
 
@@ -177,7 +182,9 @@ class Router:
         stream = None
         try:
             try:
+                predict_start_s = time.monotonic()
                 bound, point = await self._predict(request_id, text, len(prompt_ids), params)
+                predict_s = time.monotonic() - predict_start_s
             except Exception as error:  # noqa: BLE001 - any predictor failure is an outage, not bad input
                 logger.exception("predictor failed")
                 raise unavailable(f"length predictor ({type(error).__name__})") from None
@@ -193,7 +200,8 @@ class Router:
         overhead_s = (result.placed_s or time.monotonic()) - start_s - result.queued_s
         self.metrics.observe_overhead(overhead_s)
         # Router + predictor + placement time, for load generators measuring the service's own cost.
-        headers = {OVERHEAD_HEADER: f"{overhead_s * 1000:.3f}"}
+        headers = {OVERHEAD_HEADER: f"{overhead_s * 1000:.3f}", PREDICT_HEADER: f"{predict_s * 1000:.3f}",
+                   PLACE_HEADER: f"{result.place_call_s * 1000:.3f}"}
         if req.stream:
             return StreamingResponse(self._sse(req, is_chat, job, stream, first, result, start_s),
                                      media_type="text/event-stream", headers=headers)
@@ -334,6 +342,23 @@ class Router:
             logger.warning("metrics without cluster gauges: %s: %s", type(error).__name__, error)
         body, content_type = self.metrics.render()
         return Response(body, media_type=content_type)
+
+    @app.get("/dashboard")
+    async def dashboard(self):
+        # Public: the page holds no data; it sends the key (URL fragment or prompt) to /dashboard/data.
+        return HTMLResponse(DASHBOARD_HTML, headers={"Cache-Control": "no-store"})
+
+    @app.get("/dashboard/data")
+    async def dashboard_json(self, request: Request):
+        self._check_key(request)
+        try:
+            status = await asyncio.wait_for(self.controller.status.remote(), timeout=5.0)
+        except Exception as error:  # noqa: BLE001 - the page shows the outage instead of a 500
+            raise unavailable(f"controller ({type(error).__name__})") from None
+        tokens_per_s = self.throughput.update(time.monotonic(), generated_tokens_by_worker(status))
+        numbers = RouterNumbers(self.config.model_id, self.config.policy, self.num_in_flight,
+                                self.config.max_concurrent_requests, time.time() - self.started_s, tokens_per_s)
+        return JSONResponse(dashboard_data(status, numbers), headers={"Cache-Control": "no-store"})
 
 
 def build_router(config: ServiceConfig, redis_url: str, predictor_app):

@@ -5,7 +5,8 @@ from ray import serve
 from predictor_service.server import LengthPredictorServer
 
 
-@serve.deployment(name="length_predictor", ray_actor_options={"num_cpus": 0.25})
+# max_ongoing_requests >= max_batch_size, or batches could never fill.
+@serve.deployment(name="length_predictor", ray_actor_options={"num_cpus": 0.25}, max_ongoing_requests=128)
 class PredictorDeployment:
     """Batches concurrent `predict` calls; each batch first checks whether a new version was promoted.
 
@@ -18,7 +19,8 @@ class PredictorDeployment:
     def __init__(self, artifact_root: str | None = None, quantile: float = 0.9, max_len: int = 1024) -> None:
         self.server = LengthPredictorServer(artifact_root, quantile, max_len)
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.002)
+    # A short wait: under load batches fill while the previous one runs; alone, a request should not wait.
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0005)
     async def predict(self, payloads: list[dict]) -> list[dict]:
         self.server.reload_if_promoted()  # a stat and a small JSON read per batch
         return self.server.predict(payloads)
