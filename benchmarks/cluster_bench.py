@@ -54,6 +54,10 @@ class ClusterBenchConfig:
         num_cpus: logical CPUs of the local Ray cluster.
         num_torch_threads: torch threads per worker.
         ready_timeout_s: how long a service may take to load its workers.
+        predictor: "noisy-oracle:SIGMA" (the forced lengths with seeded log-normal error, served as a
+            lookup artifact: the replayed prompt texts carry no information about those lengths),
+            "default" (the service's shipped predictor) or a predictor artifact directory.
+        quantile: coverage of the noisy oracle's upper bound.
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -70,6 +74,8 @@ class ClusterBenchConfig:
     num_cpus: int = 8
     num_torch_threads: int = 1
     ready_timeout_s: float = 900.0
+    predictor: str = "noisy-oracle:0.3"
+    quantile: float = 0.9
 
     def check(self) -> None:
         """ValueError/FileNotFoundError showing the bad value, before anything starts."""
@@ -87,6 +93,15 @@ class ClusterBenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not (self.time_scale >= 0 and math.isfinite(self.time_scale)):
             raise ValueError(f"--time-scale must be a finite number >= 0, got {self.time_scale}")
+        if self.predictor.startswith("noisy-oracle:"):
+            try:
+                sigma = float(self.predictor.split(":", 1)[1])
+            except ValueError:
+                raise ValueError(f"--predictor {self.predictor!r}: SIGMA must be a number, e.g. noisy-oracle:0.3") from None
+            if sigma < 0:
+                raise ValueError(f"--predictor {self.predictor!r}: SIGMA must be >= 0")
+        elif self.predictor != "default" and not Path(self.predictor).is_dir():
+            raise FileNotFoundError(f"--predictor {self.predictor}: not noisy-oracle:SIGMA, default, or a directory")
         if not 1 <= self.max_prompt_tokens < self.max_len:
             raise ValueError(
                 f"--max-prompt-tokens must be in [1, --max-len={self.max_len}), got {self.max_prompt_tokens}")
@@ -187,11 +202,33 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def predictor_artifact(config: ClusterBenchConfig, plan: list[LoadRequest], work_dir: Path) -> str | None:
+    """The artifact the services serve: a lookup table of noisy-oracle predictions, the default (None), or a dir."""
+    if config.predictor == "default":
+        return None
+    if not config.predictor.startswith("noisy-oracle:"):
+        return config.predictor
+    from benchmarks.noisy_oracle import NoisyOraclePredictor
+    from predictor_service.artifacts import save_predictor
+    from predictor_service.length_predictor import LengthQuery
+    from predictor_service.table_predictor import TableLengthPredictor
+
+    sigma = float(config.predictor.split(":", 1)[1])
+    oracle = NoisyOraclePredictor({r.request_id: r.forced_output_tokens for r in plan}, sigma, config.quantile,
+                                  config.max_len)
+    predictions = oracle.predict([LengthQuery(r.request_id, (), r.max_tokens) for r in plan])
+    table = TableLengthPredictor.from_predictions([r.prompt for r in plan], predictions)
+    root = work_dir / "predictor"
+    save_predictor(table, root, metrics={}, calibration={"quantile": config.quantile, "source": config.predictor})
+    return str(root)
+
+
 def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, model_cache_dir: Path | None,
-                    data_dir: str):
+                    data_dir: str, artifact: str | None = None):
     from cluster.config import ServiceConfig
 
     return ServiceConfig(
+        predictor_artifact=artifact, quantile=config.quantile,
         port=_free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
         num_workers=config.num_workers, policy=policy, kv_cache_bytes=config.kv_cache_bytes,
         max_model_len=config.max_len, max_num_seqs=config.max_num_seqs,
@@ -203,7 +240,7 @@ def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, mo
 
 
 def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest], model_name: str,
-               model_cache_dir: Path | None, work_dir: Path) -> dict:
+               model_cache_dir: Path | None, work_dir: Path, artifact: str | None = None) -> dict:
     """One service with `policy`, the load from a separate process, the controller's counters; then stop."""
     import ray
 
@@ -211,7 +248,7 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     from cluster.service import start_service, stop_service
 
     data_dir = work_dir / f"data-{policy}"
-    service_config = _service_config(config, policy, model_name, model_cache_dir, str(data_dir))
+    service_config = _service_config(config, policy, model_name, model_cache_dir, str(data_dir), artifact)
     print(f"{policy}: starting the service ({config.num_workers} workers, {config.kv_cache_bytes} KV bytes each)",
           flush=True)
     # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
@@ -251,8 +288,11 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
           f"through text ({mode}, time scale {config.time_scale})")
     summaries = {}
     with tempfile.TemporaryDirectory(prefix="s3serve-bench-") as work_dir:
+        artifact = predictor_artifact(config, plan, Path(work_dir))
+        print(f"predictor: {config.predictor}" + (f" (served from {artifact})" if artifact else ""))
         for policy in config.policies:
-            summaries[policy] = run_policy(config, policy, plan, model_name, model_cache_dir, Path(work_dir))
+            summaries[policy] = run_policy(config, policy, plan, model_name, model_cache_dir, Path(work_dir),
+                                           artifact)
     ratios = ratios_of(summaries)
     headers = ["policy", "done", "failed", "tok/s", "req/s", "ttft_p50", "ttft_p99", "lat_p50", "lat_p99",
                "balance", "migr", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms"]
@@ -275,6 +315,7 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
         "max_len": config.max_len,
         "kv_cache_bytes_per_worker": config.kv_cache_bytes,
         "concurrency": config.concurrency,
+        "predictor": config.predictor,
         "capping": {"description": capping.describe(), "num_prompt_capped": capping.num_prompt_capped,
                     "num_output_capped": capping.num_output_capped, "mean_prompt_tokens": capping.mean_prompt_tokens,
                     "mean_output_tokens": capping.mean_output_tokens, "num_prompts_retokenized": num_retokenized},

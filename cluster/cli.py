@@ -11,6 +11,23 @@ from pathlib import Path
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error plus a hint, instead of the usage block (exit code 2 as before)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\nhint: run `{self.prog} --help` for the options\n")
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception's message on one line (pydantic and others span several)."""
+    from pydantic import ValidationError
+
+    if isinstance(error, ValidationError):
+        return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']} (got {e.get('input')!r})"
+                         for e in error.errors())
+    return "; ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2-135m-instruct",
@@ -89,7 +106,7 @@ def _bench_cluster(args: argparse.Namespace) -> int:
                  "concurrency": args.concurrency}
     for field, value in (("num_workers", args.workers), ("num_requests", args.num_requests),
                          ("time_scale", args.time_scale), ("kv_cache_bytes", args.kv_cache_bytes),
-                         ("max_prompt_tokens", args.max_prompt_tokens)):
+                         ("max_prompt_tokens", args.max_prompt_tokens), ("predictor", args.predictor)):
         if value is not None:
             overrides[field] = value
     if args.policy is not None:
@@ -117,6 +134,7 @@ def _train_predictor(args: argparse.Namespace) -> int:
     from predictor_service.training import build_dataset, read_labels, train_predictor
     from predictor_service.transformer_predictor import TransformerConfig
 
+    print(f"train-predictor: reading labels and prompts, then fitting {args.kind}", flush=True)
     rows = read_labels(args.labels)
     dataset = build_dataset(rows, load_prompt_texts_by_id(args.prompts))
     if dataset.missing_prompt_ids:
@@ -158,7 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
     except Exception as error:  # pydantic's ValidationError lists every bad field
-        raise ValueError(f"bad service config: {error}") from None
+        raise ValueError(f"bad service config: {_one_line(error)}") from None
     return run_service(config)
 
 
@@ -192,10 +210,16 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="s3serve",
         description="S3 Serve: length-aware LLM serving on Ray. Predicts output lengths, packs requests by "
                     "predicted KV-cache memory, rebalances on misprediction.",
+        epilog="examples:\n  s3serve serve --port 8000 --num-workers 2\n"
+               "  s3serve label --prompts prompts.jsonl --out labels.jsonl\n"
+               "  s3serve train-predictor --labels labels.jsonl --prompts prompts.jsonl --out artifacts/\n"
+               "  s3serve bench policies --quick\n"
+               "Run `s3serve COMMAND --help` for a command's options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -223,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="longest sequence; max_tokens = max-len minus the prompt (default: %(default)s)")
     label.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: %(default)s, greedy)")
     label.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: %(default)s)")
-    label.add_argument("--num-samples", type=int, default=1, help="samples per prompt, needs --temperature > 0")
+    label.add_argument("--num-samples", type=int, default=1,
+                       help="samples per prompt, needs --temperature > 0 (default: %(default)s)")
     label.add_argument("--seed", type=int, default=0, help="base seed of sampled labels (default: %(default)s)")
     label.add_argument("--limit", type=int, default=None, help="label only the first N prompts")
     label.add_argument("--shuffle", action="store_true",
@@ -257,7 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="after scoring on the held-out split, refit on every label and save that model")
     train.set_defaults(handler=_train_predictor)
 
-    bench = commands.add_parser("bench", help="run a benchmark; prints a table and writes JSON")
+    bench = commands.add_parser(
+        "bench", help="run a benchmark; prints a table and writes JSON",
+        description="Benchmarks measured side by side in one run (same model, workload and KV budget). Each "
+                    "shows a progress bar, prints a table and, with --json, writes the results.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     engine = benches.add_parser(
         "engine",
@@ -348,6 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--kv-cache-bytes", type=int, default=None,
                          help="KV budget of each worker in bytes (default 188743680: 256 SmolLM2 blocks, room for 4 "
                               "worst-case 1024-token sequences, so memory binds)")
+    cluster.add_argument("--predictor", default=None, metavar="SPEC",
+                         help="noisy-oracle:SIGMA (default noisy-oracle:0.3: the trace's true lengths with seeded "
+                              "log-normal error, served as a lookup artifact, since replayed prompt text says "
+                              "nothing about forced lengths), 'default' (the shipped predictor), or an artifact dir")
     cluster.add_argument("--concurrency", type=int, default=64,
                          help="most requests the client keeps in flight (default: %(default)s)")
     cluster.add_argument("--quick", action="store_true",
@@ -386,12 +418,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
+    command = " ".join(part for part in ("s3serve", args.command, getattr(args, "bench", None)) if part)
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"s3serve: error: {error}", file=sys.stderr)
-        print("hint: run `s3serve COMMAND --help` for the options", file=sys.stderr)
+    except (ValueError, FileNotFoundError, TimeoutError) as error:
+        print(f"{command}: error: {_one_line(error)}", file=sys.stderr)
+        hint = ("the service's own logs are under /tmp/ray/session_latest/logs" if isinstance(error, TimeoutError)
+                else f"run `{command} --help` for the options")
+        print(f"hint: {hint}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\n{command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -26,10 +26,11 @@ from predictor_service.calibration import BoundCalibration
 from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor
 from predictor_service.lightgbm_predictor import LightGBMLengthPredictor
+from predictor_service.table_predictor import TableLengthPredictor
 from predictor_service.transformer_predictor import TransformerLengthPredictor
 
 FORMAT_VERSION = 1
-KINDS = ("lightgbm", "transformer", "mean", "linear")
+KINDS = ("lightgbm", "transformer", "mean", "linear", "table")  # table: a benchmark instrument
 _VERSION_DIR = re.compile(r"^v(\d{4,})$")
 
 
@@ -134,6 +135,8 @@ def load_predictor(path: Path | str) -> FittedLengthPredictor:
             predictor = MeanLengthPredictor.from_params(params)
         elif manifest["kind"] == "linear":
             predictor = PromptLengthLinearPredictor.from_params(params)
+        elif manifest["kind"] == "table":
+            predictor = TableLengthPredictor.from_params(params)
         elif manifest["kind"] == "transformer":
             predictor = TransformerLengthPredictor.load(params, directory)
         else:

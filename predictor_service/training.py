@@ -122,7 +122,7 @@ def make_predictor(kind: str, quantile: float = 0.9, max_len: int = 1024,
         return PromptLengthLinearPredictor(quantile, max_len)
     if kind == "lightgbm":
         return LightGBMLengthPredictor(feature_config or FeatureConfig(), quantile, max_len)
-    raise ValueError(f"unknown predictor kind {kind!r}; choose one of {', '.join(KINDS)}")
+    raise ValueError(f"unknown predictor kind {kind!r}; choose one of lightgbm, transformer, mean, linear")
 
 
 @dataclass(frozen=True, slots=True)

@@ -223,3 +223,32 @@ def test_bench_runs_the_service_and_every_request_gets_its_forced_length(shared_
     assert sum(s3["generated_tokens_by_worker"].values()) >= s3["output_tokens"]
     assert len(s3["generated_tokens_by_worker"]) == 2
     assert result["policies"]["s3"]["completed"] == 4
+
+
+def test_noisy_oracle_predictions_are_served_from_a_lookup_artifact(tmp_path):
+    from benchmarks.cluster_bench import ClusterBenchConfig, predictor_artifact
+    from benchmarks.http_load import LoadRequest
+    from predictor_service.server import LengthPredictorServer
+
+    plan = [LoadRequest(f"r{i}", 0.0, f"prompt number {i}", 5, 500, 20 * (i + 1)) for i in range(4)]
+    exact = predictor_artifact(ClusterBenchConfig(predictor="noisy-oracle:0"), plan, tmp_path / "a")
+    server = LengthPredictorServer(exact)
+    answers = server.predict([{"prompt_text": r.prompt, "num_prompt_tokens": 5, "max_tokens": r.max_tokens}
+                              for r in plan])
+    assert [a["upper_bound_tokens"] for a in answers] == [20, 40, 60, 80]
+    unknown = server.predict([{"prompt_text": "never seen", "num_prompt_tokens": 3, "max_tokens": 77}])
+    assert unknown[0]["upper_bound_tokens"] == 77  # unknown prompts get the safe bound
+    noisy = LengthPredictorServer(predictor_artifact(ClusterBenchConfig(predictor="noisy-oracle:0.5"), plan,
+                                                     tmp_path / "b"))
+    bounds = [a["upper_bound_tokens"] for a in noisy.predict(
+        [{"prompt_text": r.prompt, "num_prompt_tokens": 5, "max_tokens": r.max_tokens} for r in plan])]
+    assert bounds != [20, 40, 60, 80] and all(1 <= b <= 500 for b in bounds)
+
+
+def test_bad_predictor_spec_is_a_clear_error():
+    from benchmarks.cluster_bench import ClusterBenchConfig
+
+    with pytest.raises(ValueError, match="SIGMA must be a number"):
+        ClusterBenchConfig(predictor="noisy-oracle:x").check()
+    with pytest.raises(FileNotFoundError, match="not noisy-oracle"):
+        ClusterBenchConfig(predictor="/nope").check()
