@@ -15,5 +15,6 @@ def build_app(args: dict):
     """Serve application for `args` (ServiceConfig fields); Redis from the config, $S3_REDIS_URL or embedded."""
     config = ServiceConfig(**(args or {}))
     redis_url = config.redis_url_resolved or ensure_redis(config.data_dir)
-    predictor = PredictorDeployment.bind(config.predictor_artifact, config.quantile, 1024)
+    # Until the root holds a version (configured, or retrained from traffic) the shipped default is served.
+    predictor = PredictorDeployment.bind(config.predictor_root, config.quantile, 1024)
     return build_router(config, redis_url, predictor)

@@ -16,6 +16,7 @@ from workers.models import DEFAULT_MODEL
 REDIS_URL_ENV = "S3_REDIS_URL"
 RAY_NAMESPACE = "s3serve"
 CONTROLLER_NAME = "s3serve-controller"
+RETRAINER_NAME = "s3serve-retrainer"
 
 
 def worker_actor_name(worker_id: str) -> str:
@@ -48,6 +49,9 @@ class ServiceConfig(BaseModel):
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(
         None, description="predictor versions directory (LATEST); default: the shipped artifact or baseline")
+    retrain: bool = Field(True, description="retrain the predictor from finished requests and promote better versions")
+    retrain_min_samples: int = Field(200, ge=1, description="new finished requests before a retraining attempt")
+    retrain_interval_s: float = Field(3600.0, gt=0, description="attempt at least this often when samples arrived")
     redis_url: str | None = Field(
         None, description=f"Redis for controller state (default: ${REDIS_URL_ENV}, else an embedded redis-server)")
     data_dir: str = Field(".s3serve", description="where the embedded Redis keeps its data")
@@ -60,6 +64,8 @@ class ServiceConfig(BaseModel):
     placement_timeout_s: float = Field(300.0, gt=0, description="how long a request may wait for KV room")
     num_cpus: int | None = Field(None, ge=1, description="logical CPUs of the local Ray cluster (default: 2 x cores)")
     worker_num_cpus: float = Field(0.5, gt=0, description="Ray CPUs each worker actor asks for")
+    worker_num_gpus: float = Field(
+        0.0, ge=0, description="Ray GPUs each worker actor asks for (1 on GPU clusters: the autoscaler adds GPU nodes)")
     num_torch_threads: int | None = Field(
         None, ge=1, description="torch threads per worker (default: cores / workers)")
     stats_interval_s: float = Field(0.5, gt=0, description="how often the controller polls worker stats")
@@ -97,6 +103,11 @@ class ServiceConfig(BaseModel):
         if self.served_model_name:
             return self.served_model_name
         return Path(self.model).name if os.sep in self.model else self.model
+
+    @property
+    def predictor_root(self) -> str:
+        """Where predictor versions live: the configured artifact, else data_dir/predictor (retrained versions)."""
+        return self.predictor_artifact or str(Path(self.data_dir) / "predictor")
 
     @property
     def redis_url_resolved(self) -> str | None:

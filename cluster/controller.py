@@ -21,12 +21,14 @@ from dataclasses import dataclass, replace
 
 import ray
 
-from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig, worker_actor_name
+from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, RETRAINER_NAME, ServiceConfig, worker_actor_name
 from cluster.placement import (PendingRequest, ScalingPolicy, WorkerBudget, blocks_for, first_fit_decreasing,
                                migration_target)
 from cluster.redis_server import connect
 from cluster.reservation import reservation_tokens
 from cluster.store import ControllerStore, RequestRecord, WorkerRecord
+from predictor_service.retraining import RetrainConfig
+from predictor_service.retraining_actor import RetrainerActor
 from predictor_service.sample_stream import SampleStream, TrainingSample
 from workers.engine_loop import WorkerStats
 from workers.worker_actor import WorkerActor, WorkerSettings
@@ -94,6 +96,7 @@ class Controller:
 
     def __init__(self, config: dict, redis_url: str) -> None:
         self.config = ServiceConfig(**config)
+        self.redis_url = redis_url
         self.redis = connect(redis_url)
         self.store = ControllerStore(self.redis)
         # /health must answer fast while Redis is down; the main client retries for seconds.
@@ -304,6 +307,7 @@ class Controller:
 
     async def _run(self) -> None:
         self._replace_missing_workers()
+        self._ensure_retrainer()
         while True:
             try:
                 await self._tick()
@@ -409,6 +413,26 @@ class Controller:
                 self._mark_dead(wid)
                 self._idle_since_s = time.monotonic()
 
+    # -- reconfiguration -------------------------------------------------------
+
+    async def reconfigure(self, config: dict) -> None:
+        """Adopt a rolled-out config (`ServiceConfig.model_dump()`); a no-op when nothing changed.
+
+        The controller is detached and found by name, so a router redeployed with new args
+        meets the controller built from the old ones. Running workers keep serving (their
+        engine settings stay until they are replaced); the loop starts or retires workers
+        toward the new counts, and new workers get the new engine settings.
+        """
+        new = ServiceConfig(**config)
+        if new == self.config:
+            return
+        logger.info("reconfigured: %d..%d workers (was %d..%d)", new.min_workers_resolved, new.max_workers_resolved,
+                    self.config.min_workers_resolved, self.config.max_workers_resolved)
+        self.config = new
+        self.scaling = ScalingPolicy(new.min_workers_resolved, new.max_workers_resolved, new.scale_up_queue_depth,
+                                     new.scale_down_idle_s)
+        self._ensure_started()
+
     # -- status and shutdown -------------------------------------------------
 
     async def status(self) -> ClusterStatus:
@@ -424,9 +448,23 @@ class Controller:
         return ClusterStatus(workers, stats, reserved, len(self.waiting), counters, is_redis_ok)
 
     async def shutdown(self) -> None:
-        """Kill every worker (they are detached, so nothing else would)."""
+        """Kill every worker and the retrainer (they are detached, so nothing else would)."""
         for wid in list(self.handles):
             self._mark_dead(wid)
+        try:
+            ray.kill(ray.get_actor(RETRAINER_NAME, namespace=RAY_NAMESPACE), no_restart=True)
+        except ValueError:
+            pass  # retraining is off, or it is already gone
+
+    def _ensure_retrainer(self) -> None:
+        """The retraining task (named and detached: one per service, surviving controller restarts)."""
+        if not self.config.retrain:
+            return
+        retrain = RetrainConfig(min_new_samples=self.config.retrain_min_samples,
+                                max_interval_s=self.config.retrain_interval_s, quantile=self.config.quantile)
+        ray.remote(RetrainerActor).options(
+            name=RETRAINER_NAME, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0.1,
+            max_restarts=-1).remote(self.redis_url, self.config.predictor_root, retrain)
 
 
 def _with(record: RequestRecord, **changes) -> RequestRecord:

@@ -146,6 +146,25 @@ def test_metrics_are_prometheus_text(service, client):
     assert len(workers) >= 2
 
 
+def test_finished_requests_feed_the_retraining_stream(service, client):
+    import redis
+
+    from cluster.config import RETRAINER_NAME
+    from predictor_service.sample_stream import SampleStream
+
+    stream = SampleStream(redis.Redis.from_url(service.redis_url, decode_responses=True))
+    before = stream.length()
+    client.completions.create(model=MODEL, prompt="Count to five:", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while stream.length() == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _, sample = stream.read()[-1]
+    assert sample.prompt_text == "Count to five:" and sample.true_output_tokens == 5
+    assert sample.predicted_upper_bound_tokens is not None
+    assert ray.get_actor(RETRAINER_NAME, namespace=RAY_NAMESPACE)  # the retraining task runs beside the service
+
+
 def test_overload_gets_429_with_retry_after(service):
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
