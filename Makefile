@@ -33,10 +33,10 @@ $(CHROMIUM):
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "make setup: installing Debian chromium (dashboard browser test)"; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-			|| echo "make setup: apt-get could not install chromium; the dashboard browser test will be skipped" >&2; \
+			|| echo "make setup: apt-get could not install chromium; the dashboard browser test will fail" >&2; \
 	else \
 		echo "make setup: $(CHROMIUM) is missing and cannot be installed here (needs root and apt-get);" \
-			"run 'sudo apt-get install chromium' or the dashboard browser test is skipped" >&2; \
+			"run 'sudo apt-get install chromium' or the dashboard browser test fails" >&2; \
 	fi
 
 serve: setup

@@ -122,6 +122,7 @@ def run_service(config: ServiceConfig, ready_timeout_s: float = 900.0) -> int:
               f"policy {config.policy})")
         print(f"  OpenAI API: {service.base_url}/v1   metrics: {service.base_url}/metrics   "
               f"health: {service.base_url}/health")
+        print(f"  dashboard:  {service.base_url}/dashboard" + ("#key=<your key>" if key else ""))
         print("  try:\n    " + curl_example(service.base_url, config.model_id, key))
         print("Press Ctrl-C to stop.", flush=True)
         _wait_for_signal()

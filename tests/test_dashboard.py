@@ -185,7 +185,7 @@ WIDTH, HEIGHT = 1200, 700
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     if not CHROMIUM.exists():
-        pytest.skip("Debian chromium missing: run `make setup`")
+        pytest.fail("Debian chromium is missing: `make setup` installs it (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
