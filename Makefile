@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Debian's Chromium for the dashboard browser test (Playwright drives it; no browser
-# is ever downloaded). Without root or apt-get the test is skipped, with this message.
+# is ever downloaded). Without root or apt-get the browser test fails, and this says why.
 $(CHROMIUM):
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "make setup: installing Debian chromium (dashboard browser test)"; \
