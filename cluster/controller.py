@@ -102,6 +102,12 @@ class Controller:
         # /health must answer fast while Redis is down; the main client retries for seconds.
         self.health_store = ControllerStore(connect(redis_url, max_retry_s=0.5))
         self.samples = SampleStream(self.redis)
+        # Ray restarts an actor with its creation args; the config rolled out since then is in Redis.
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            stored = self.redis.get(self._config_key())
+            self.config = ServiceConfig.model_validate_json(stored) if stored else self.config
+        else:
+            self.redis.set(self._config_key(), self.config.model_dump_json())
         self.scaling = ScalingPolicy(self.config.min_workers_resolved, self.config.max_workers_resolved,
                                      self.config.scale_up_queue_depth, self.config.scale_down_idle_s)
         self.handles: dict[str, ray.actor.ActorHandle] = {}
@@ -429,9 +435,14 @@ class Controller:
         logger.info("reconfigured: %d..%d workers (was %d..%d)", new.min_workers_resolved, new.max_workers_resolved,
                     self.config.min_workers_resolved, self.config.max_workers_resolved)
         self.config = new
+        self.redis.set(self._config_key(), new.model_dump_json())
         self.scaling = ScalingPolicy(new.min_workers_resolved, new.max_workers_resolved, new.scale_up_queue_depth,
                                      new.scale_down_idle_s)
         self._ensure_started()
+
+    def _config_key(self) -> str:
+        """`<prefix>:ctl:config`: the config in force, read back only when Ray restarts this actor."""
+        return f"{self.store.prefix}:ctl:config"
 
     # -- status and shutdown -------------------------------------------------
 

@@ -68,7 +68,12 @@ def cluster_snapshot(status):
 
 
 
-@serve.deployment(name="router", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1000)
+# Generations outlive Serve's 20 s default drain: a rollout lets the old replica finish its streams.
+ROUTER_DRAIN_TIMEOUT_S = 600.0
+
+
+@serve.deployment(name="router", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1000,
+                  graceful_shutdown_timeout_s=ROUTER_DRAIN_TIMEOUT_S)
 @serve.ingress(app)
 class Router:
     """HTTP ingress of the service.
@@ -85,6 +90,8 @@ class Router:
         model_dir = resolve_model_dir(self.config.model, self.config.model_cache_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.controller = get_or_create_controller(self.config, redis_url)
+        # A running controller keeps the config it was created with; a rollout brings the new one.
+        self.controller.reconfigure.remote(self.config.model_dump())
         self.workers = WorkerHandles()
         self.metrics = ServiceMetrics()
         self.api_keys = frozenset(self.config.api_keys)
