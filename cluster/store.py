@@ -13,6 +13,12 @@ Key layout (prefix `s3` by default; `<id>` is the raw id, which may itself conta
     s3:ctl:requests:worker:<worker_id> SET   request_ids whose worker_id is that worker (any state)
 
     s3:ctl:counters                    HASH  counter name -> integer (migrations, requeues, overruns, ...)
+    s3:ctl:config                      STR   the controller's ServiceConfig as JSON (written by the controller
+                                             itself; read back when Ray restarts it after a rollout)
+
+Beside the controller's keys: s3:predictor:samples (STREAM of finished requests, see
+predictor_service/sample_stream.py) and s3:predictor:retrain:last (HASH, the last
+retraining attempt, see predictor_service/retraining.py).
 
 Writes that touch a record and its indices run in one MULTI/EXEC transaction, guarded by
 WATCH on the record, so a crash or a concurrent writer never leaves an index pointing at a
