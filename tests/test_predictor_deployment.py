@@ -9,8 +9,8 @@ import pytest
 from predictor_service.artifacts import save_predictor
 from predictor_service.length_example import LengthExample
 from predictor_service.artifacts import load_predictor, read_manifest
-from predictor_service.server import BASELINE_VERSION, DEFAULT_ARTIFACT_ROOT, LengthPredictorServer
-from predictor_service.training import make_predictor
+from predictor_service.server import BASELINE_VERSION, DEFAULT_ARTIFACT_ROOT, SHIPPED_LABELS, LengthPredictorServer
+from predictor_service.training import make_predictor, read_labels
 
 PAYLOAD = {"prompt_id": "q", "prompt_text": "Write an essay about rivers.", "num_prompt_tokens": 30,
            "max_tokens": 900, "temperature": 0.0}
@@ -47,7 +47,9 @@ def test_shipped_default_artifact_is_calibrated_lightgbm_without_torch_features(
     assert json.loads((DEFAULT_ARTIFACT_ROOT / "v0001" / "features.json").read_text())["use_embedding"] is False
     assert sum(f.stat().st_size for f in (DEFAULT_ARTIFACT_ROOT / "v0001").iterdir()) < 5_000_000
     predictor = load_predictor(DEFAULT_ARTIFACT_ROOT)
-    assert predictor.calibration is not None and predictor.calibration.num_calibration == 712
+    num_shipped_labels = len(read_labels([SHIPPED_LABELS]))
+    # Calibrated out of fold over every shipped label: retrain it whenever the labels grow.
+    assert predictor.calibration is not None and predictor.calibration.num_calibration == num_shipped_labels
     short, long = predictor.predict_examples([
         LengthExample("a", "Answer with one word: what is the capital of France?", 40, 980),
         LengthExample("b", "Write a long, detailed story about a dragon who learns to code.", 40, 980),

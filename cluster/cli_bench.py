@@ -1,0 +1,221 @@
+"""`s3serve bench ...`: the benchmark subcommands (each prints a table and writes JSON)."""
+
+import argparse
+from pathlib import Path
+
+from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from cluster.cli_args import add_label_args, add_model_args
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from benchmarks import engine_bench
+
+    if args.quick:
+        config = engine_bench.quick_config(args.prompts)
+    else:
+        config = engine_bench.full_config(args.prompts)
+    overrides = {}
+    if args.num_prompts is not None:
+        overrides["num_prompts"] = args.num_prompts
+    if args.batch_sizes is not None:
+        overrides["batch_sizes"] = tuple(args.batch_sizes)
+        overrides["primary_batch_size"] = 16 if 16 in args.batch_sizes else args.batch_sizes[-1]
+    if args.max_tokens is not None:
+        overrides["max_tokens"] = args.max_tokens
+    if overrides:
+        from dataclasses import replace
+
+        config = replace(config, **overrides)
+    engine_bench.run(config, args.model, args.model_cache_dir, args.json)
+    return 0
+
+
+def _bench_policies(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from benchmarks import policy_bench
+
+    base = policy_bench.quick_config() if args.quick else policy_bench.PolicyBenchConfig()
+    overrides = {
+        "trace_path": args.trace,
+        "prompts_path": args.prompts,
+        "max_len": args.max_len,
+        "mode": args.mode,
+        "time_scale": args.time_scale,
+        "predictor": args.predictor,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "sweep_sigmas": tuple(args.sweep_sigma or ()),
+    }
+    if args.num_requests is not None:
+        overrides["num_requests"] = args.num_requests
+    if args.max_prompt_tokens is not None:
+        overrides["max_prompt_tokens"] = args.max_prompt_tokens
+    if args.policies is not None:
+        overrides["policies"] = tuple(args.policies)
+    policy_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.plot)
+    return 0
+
+
+def _bench_cluster(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from benchmarks import cluster_bench
+
+    base = cluster_bench.quick_config() if args.quick else cluster_bench.ClusterBenchConfig()
+    overrides = {"trace_path": args.trace, "prompts_path": args.prompts, "max_len": args.max_len,
+                 "concurrency": args.concurrency}
+    for field, value in (("num_workers", args.workers), ("num_requests", args.num_requests),
+                         ("time_scale", args.time_scale), ("kv_cache_bytes", args.kv_cache_bytes),
+                         ("max_prompt_tokens", args.max_prompt_tokens), ("predictor", args.predictor)):
+        if value is not None:
+            overrides[field] = value
+    if args.policy is not None:
+        overrides["policies"] = tuple(args.policy)
+    cluster_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json)
+    return 0
+
+
+def _bench_predictor(args: argparse.Namespace) -> int:
+    from benchmarks import predictor_bench
+
+    config = predictor_bench.PredictorBenchConfig(
+        label_paths=tuple(args.labels), prompt_paths=tuple(args.prompts), artifact=args.artifact,
+        kinds=None if args.kinds is None else tuple(args.kinds),
+        max_len=args.max_len, quantile=args.quantile, use_embedding=not args.no_embedding,
+    )
+    predictor_bench.run(config, args.json)
+    return 0
+
+
+def add_bench_parser(commands) -> None:
+    """Add `bench` and its benchmarks to the subcommands of the main parser."""
+    bench = commands.add_parser(
+        "bench", help="run a benchmark; prints a table and writes JSON",
+        description="Benchmarks measured side by side in one run (same model, workload and KV budget). Each "
+                    "shows a progress bar, prints a table and, with --json, writes the results.")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    engine = benches.add_parser(
+        "engine",
+        help="engine (continuous batching, paged KV) vs Hugging Face generate in static batches",
+        description="Greedy generation of the same prompts by the engine and by HF generate in left-padded "
+                    "static batches, same fp32 model, same process. Reports token-for-token agreement and "
+                    "tokens/s for each batch size.",
+    )
+    add_model_args(engine)
+    engine.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                        help="JSONL prompt file (default: %(default)s)")
+    engine.add_argument("--quick", action="store_true",
+                        help="32 prompts at batch 16, max 256 new tokens (a few minutes on 2 cores); "
+                             "without it: 96 prompts at batch sizes 1, 4, 16, 64")
+    engine.add_argument("--num-prompts", type=int, default=None, help="override the number of prompts")
+    engine.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="override the batch sizes (engine max running sequences = HF batch size)")
+    engine.add_argument("--max-tokens", type=int, default=None, help="override the generation limit per prompt")
+    engine.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    engine.set_defaults(handler=_bench_engine)
+
+    policies = benches.add_parser(
+        "policies",
+        help="max_reserve vs paged_greedy vs s3 vs oracle on one model, trace and KV budget",
+        description="Replays a serving trace (real prompt text, outputs forced to the trace's lengths) through "
+                    "the engine once per scheduling policy, same model and KV budget, and reports throughput, "
+                    "concurrency, KV use, preemptions, recomputation, swapping and latency, with s3's ratios.",
+    )
+    add_model_args(policies)
+    policies.add_argument("--trace", type=Path, default=Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv"),
+                          help="Azure CSV or Mooncake JSONL trace (default: %(default)s)")
+    policies.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                          help="prompt texts the replayed prompts are cut from (default: %(default)s)")
+    policies.add_argument("--num-requests", type=int, default=None, help="first N trace rows (default 64; 32 with --quick)")
+    policies.add_argument("--kv-cache-bytes", type=int, default=None,
+                          help="KV budget in bytes (default: room for 4 worst-case sequences of --max-len tokens)")
+    policies.add_argument("--max-len", type=int, default=1024,
+                          help="longest sequence; each request's max_tokens is max-len minus its prompt (default: %(default)s)")
+    policies.add_argument("--max-prompt-tokens", type=int, default=None,
+                          help="cap on replayed prompt length, reported (default 256; 128 with --quick)")
+    policies.add_argument("--mode", choices=("offline", "online"), default="offline",
+                          help="offline: every request at t=0; online: the trace's arrival times (default: %(default)s)")
+    policies.add_argument("--time-scale", type=float, default=1.0,
+                          help="online mode: multiply arrival times by this (<1 compresses) (default: %(default)s)")
+    policies.add_argument("--predictor", default="noisy-oracle:0.3",
+                          help="noisy-oracle:SIGMA (true length x seeded log-normal error; a benchmark instrument) "
+                               "or a trained predictor artifact directory from train-predictor (default: %(default)s)")
+    policies.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
+                          help="subset of max_reserve paged_greedy s3 s3_peak oracle (default: all five)")
+    policies.add_argument("--sweep-sigma", type=float, nargs="+", default=None, metavar="SIGMA",
+                          help="also run s3 and s3_peak with noisy-oracle predictors of these sigmas; reports tok/s and preemptions")
+    policies.add_argument("--quick", action="store_true", help="32 requests, prompts capped at 128 tokens (< 10 min here)")
+    policies.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    policies.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                          help="write throughput.png, kv_utilisation.png and concurrency.png here")
+    policies.set_defaults(handler=_bench_policies)
+
+    cluster = benches.add_parser(
+        "cluster",
+        help="the whole service over HTTP, s3 vs max_reserve (vs paged_greedy): throughput, latency, balance",
+        description="For each policy in turn: starts the service (local Ray, embedded Redis, N workers, the same "
+                    "per-worker KV budget), replays the trace over HTTP from a separate client process (streamed "
+                    "completions at the trace's arrival times, real prompt text cut to the trace's context length, "
+                    "output length forced to the trace's, max_tokens = max-len minus the prompt) and stops it. "
+                    "Reports completed/failed requests, tokens/s, req/s, TTFT and latency p50/p99 (client side), "
+                    "per-worker balance (min/max generated tokens), migrations, requeues, preemptions, overruns, "
+                    "router+predictor+placement overhead p50/p99 and s3's throughput ratios.",
+    )
+    add_model_args(cluster)
+    cluster.add_argument("--workers", type=int, default=None, help="worker actors per service (default 2)")
+    cluster.add_argument("--policy", nargs="+", default=None, metavar="POLICY",
+                         help="policies to run, in order: s3 s3_peak max_reserve paged_greedy "
+                              "(default: s3 max_reserve)")
+    cluster.add_argument("--trace", type=Path, default=Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv"),
+                         help="Azure CSV or Mooncake JSONL trace (default: %(default)s)")
+    cluster.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                         help="prompt texts the replayed prompts are cut from (default: %(default)s)")
+    cluster.add_argument("--num-requests", type=int, default=None,
+                         help="first N trace rows (default 64; 32 with --quick)")
+    cluster.add_argument("--time-scale", type=float, default=None,
+                         help="multiply the trace's arrival times by this (<1 compresses); 0 sends every request "
+                              "at t=0 (offline) (default 1; 0 with --quick)")
+    cluster.add_argument("--max-len", type=int, default=1024,
+                         help="the service's context; each request's max_tokens is max-len minus its prompt "
+                              "(default: %(default)s)")
+    cluster.add_argument("--max-prompt-tokens", type=int, default=None,
+                         help="cap on replayed prompt length, reported (default 256; 128 with --quick)")
+    cluster.add_argument("--kv-cache-bytes", type=int, default=None,
+                         help="KV budget of each worker in bytes (default 188743680: 256 SmolLM2 blocks, room for 4 "
+                              "worst-case 1024-token sequences, so memory binds)")
+    cluster.add_argument("--predictor", default=None, metavar="SPEC",
+                         help="noisy-oracle:SIGMA (default noisy-oracle:0.3: the trace's true lengths with seeded "
+                              "log-normal error, served as a lookup artifact, since replayed prompt text says "
+                              "nothing about forced lengths), 'default' (the shipped predictor), or an artifact dir")
+    cluster.add_argument("--concurrency", type=int, default=64,
+                         help="most requests the client keeps in flight (default: %(default)s)")
+    cluster.add_argument("--quick", action="store_true",
+                         help="32 requests at t=0, prompts capped at 128 tokens; 2 workers, s3 and max_reserve "
+                              "unless set (about 10 min here)")
+    cluster.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    cluster.set_defaults(handler=_bench_cluster)
+
+    predictor = benches.add_parser(
+        "predictor",
+        help="output-length predictors side by side: mean, prompt-length line, LightGBM, transformer (and an artifact)",
+        description="Splits the labelled prompts into train and held-out by a hash of the prompt id (the split "
+                    "train-predictor uses), fits the baselines, LightGBM and the transformer on the train side, "
+                    "and reports on the held-out side Kendall tau, 10-bucket accuracy, MAE, under-reservation "
+                    "rate, mean over-reservation (calibrated and raw bound) and latency at batch 1 and 32.",
+    )
+    add_label_args(predictor)
+    predictor.add_argument("--artifact", type=Path, default=None, metavar="DIR",
+                           help="also score this train-predictor artifact (trained on the same labels and split); "
+                                "without --kinds only the baselines are trained next to it")
+    predictor.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
+                           choices=("mean", "linear", "lightgbm", "transformer"),
+                           help="predictors to train and score (default: all four; the transformer fine-tunes "
+                                "for a few minutes, leave it out to be quick)")
+    predictor.add_argument("--max-len", type=int, default=1024,
+                           help="longest sequence; the 10 length buckets span [0, max-len] (default: %(default)s)")
+    predictor.add_argument("--quantile", type=float, default=0.9,
+                           help="coverage target of the upper bounds (default: %(default)s)")
+    predictor.add_argument("--no-embedding", action="store_true",
+                           help="train LightGBM without the MiniLM sentence embedding (faster)")
+    predictor.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    predictor.set_defaults(handler=_bench_predictor)
