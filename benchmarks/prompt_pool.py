@@ -90,10 +90,9 @@ def spread_sample(records: list[PromptRecord], num_prompts: int) -> list[PromptR
 
 def encode_chat(tokenizer, record: PromptRecord, max_prompt_tokens: int | None = None) -> list[int] | None:
     """Token ids of the chat-templated prompt; None when longer than `max_prompt_tokens`."""
-    ids = tokenizer.apply_chat_template(list(record.messages), add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    ids = list(ids)
+    from workers.models import chat_token_ids  # here: the CLI imports this module, and --help must not load torch
+
+    ids = chat_token_ids(tokenizer, record.messages)
     if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
         return None
     return ids

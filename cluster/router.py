@@ -31,7 +31,7 @@ from cluster.errors import (APIError, bad_request, body_too_large, check_api_key
 from cluster.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
 from cluster.text_stream import TextStream
-from workers.models import load_tokenizer, resolve_model_dir
+from workers.models import chat_token_ids, load_tokenizer, resolve_model_dir
 from workers.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -136,9 +136,7 @@ class Router:
     def _encode_prompt(self, req, is_chat: bool) -> tuple[str, list[int]]:
         if is_chat:
             messages = protocol.chat_messages(req)
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
+            ids = chat_token_ids(self.tokenizer, messages)
             text = "\n".join(m["content"] for m in messages)
         else:
             text = protocol.prompt_text(req)

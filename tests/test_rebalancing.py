@@ -14,6 +14,7 @@ from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig, worker
 from cluster.controller import get_or_create_controller
 from cluster.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.redis_server import EmbeddedRedis
+from workers.models import chat_token_ids
 from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -46,9 +47,7 @@ def cluster(tmp_path):
 
 
 def _prompt(tokenizer, text: str) -> tuple[int, ...]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
-    return tuple(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tuple(chat_token_ids(tokenizer, [{"role": "user", "content": text}]))
 
 
 async def _run(controller, job: GenerationJob) -> GenerationResult:

@@ -111,6 +111,18 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat messages under the model's template, ready for the assistant's turn.
+
+    transformers 5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`,
+    earlier versions a plain list; both come out as a list.
+    """
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def tiny_llama_config(vocab_size: int = 256, max_position_embeddings: int = 512):
     """A small Llama with the default model's shape family (GQA, tied embeddings) for fast tests."""
     from transformers import LlamaConfig
