@@ -27,13 +27,7 @@ def make_model(seed: int = 0, vocab_size: int = VOCAB) -> torch.nn.Module:
     whatever comes before it, so its greedy tokens would match HF even if
     attention read the wrong KV blocks; at std 0.2 every token depends on the context.
     """
-    model = make_tiny_model(seed, vocab_size=vocab_size)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-    return model
+    return make_tiny_model(seed, vocab_size=vocab_size, init_std=0.2)
 
 
 def make_engine(

@@ -28,13 +28,7 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def tiny_model() -> torch.nn.Module:
     """Weights redrawn at std 0.2 so that tokens depend on the whole context (see tests/test_engine.py)."""
-    model = make_tiny_model(0)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-    return model
+    return make_tiny_model(0, init_std=0.2)
 
 
 def make_engine(model: torch.nn.Module, num_blocks: int = 64, max_num_seqs: int = 4) -> Engine:

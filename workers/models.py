@@ -143,9 +143,24 @@ def tiny_llama_config(vocab_size: int = 256, max_position_embeddings: int = 512)
     )
 
 
-def make_tiny_model(seed: int = 0, vocab_size: int = 256):
-    """Randomly initialised tiny Llama (fp32, eval mode), deterministic for a seed."""
+def make_tiny_model(seed: int = 0, vocab_size: int = 256, init_std: float | None = None):
+    """Randomly initialised tiny Llama (fp32, eval mode), deterministic for a seed.
+
+    `init_std` redraws every matrix at that std (seeded by `seed`). At the default init
+    (std 0.02) the tiny model echoes the last prompt token whatever comes before it, so
+    tests that must notice wrong KV use a larger std (0.2): every token then depends
+    on the context.
+    """
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    return LlamaForCausalLM(tiny_llama_config(vocab_size)).eval()
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size)).eval()
+    if init_std is not None:
+        if init_std <= 0:
+            raise ValueError(f"init_std must be > 0 or None, got {init_std}")
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() >= 2:
+                    param.copy_(torch.randn(param.shape, generator=generator) * init_std)
+    return model

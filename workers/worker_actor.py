@@ -87,13 +87,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
     dtype = DTYPES[settings.dtype]
     tokenizer = None
     if settings.tiny_model_seed is not None:
-        model = make_tiny_model(settings.tiny_model_seed).to(dtype)
-        if settings.tiny_model_init_std is not None:
-            generator = torch.Generator().manual_seed(settings.tiny_model_seed)
-            with torch.no_grad():
-                for param in model.parameters():
-                    if param.dim() >= 2:
-                        param.copy_(torch.randn(param.shape, generator=generator) * settings.tiny_model_init_std)
+        model = make_tiny_model(settings.tiny_model_seed, init_std=settings.tiny_model_init_std).to(dtype)
     else:
         cache_dir = None if settings.model_cache_dir is None else Path(settings.model_cache_dir)
         model_dir = resolve_model_dir(settings.model, cache_dir)
