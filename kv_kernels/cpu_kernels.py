@@ -1,0 +1,111 @@
+"""The C++ CPU kernels (`kv_kernels/csrc/`, `torch.ops.s3_cpu`, built by `kv_kernels.cpu_build`) behind the reference's signatures.
+
+KV operations (same semantics and signatures as `kv_kernels.reference`, which the
+tests compare them with):
+
+    append_kv, paged_decode_attention, prefill_attention   checked, one op each
+    attention(query, key, value, k_cache, v_cache, meta)    the engine's per-layer call, unchecked
+
+and the fused elementwise ops of a Llama layer (`rms_norm`, `fused_add_rms_norm`,
+`rotary_embedding`, `silu_and_mul`), which round where Hugging Face's bf16 modules
+round. Call `kv_kernels.cpu_build.load()` once before using any of them.
+"""
+
+import torch
+
+from kv_kernels import checks, reference
+from kv_kernels.attention_metadata import AttentionMetadata
+from kv_kernels.reference import copy_blocks, gather_blocks, scatter_blocks  # whole-block moves: plain copies
+
+__all__ = ["append_kv", "attention", "copy_blocks", "fused_add_rms_norm", "gather_blocks", "paged_decode_attention",
+           "prefill_attention", "rms_norm", "rotary_embedding", "scatter_blocks", "silu_and_mul"]
+
+# bf16 prefill chunks at least this long go to SDPA, which runs QK^T and PV as GEMMs (AMX):
+# measured here, the per-query kernel wins below about 128 tokens and loses 3.5x at 512.
+# In fp32 the kernel is never slower.
+SDPA_MIN_CHUNK_TOKENS = {torch.bfloat16: 160, torch.float16: 160}
+
+
+def _ops():
+    return torch.ops.s3_cpu
+
+
+def append_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """See reference.append_kv."""
+    checks.check_append(key, value, k_cache, v_cache, slot_mapping)
+    _ops().append_kv(key, value, k_cache, v_cache, slot_mapping.long().contiguous())
+
+
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+    """See reference.paged_decode_attention."""
+    checks.check_decode(query, k_cache, v_cache, block_tables, context_lens)
+    num_seqs = query.shape[0]
+    out = torch.empty_like(query)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    _ops().paged_attention(query, k_cache, v_cache, block_tables.int().contiguous(), starts,
+                           context_lens.int().contiguous(), float(scale), out)
+    return out
+
+
+def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables, scale) -> torch.Tensor:
+    """See reference.prefill_attention."""
+    checks.check_prefill(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables)
+    starts = cu_seqlens_q.int().contiguous()
+    seq_lens = (prefix_lens.int() + (starts[1:] - starts[:-1])).contiguous()
+    out = torch.empty_like(query)
+    _ops().paged_attention(query, k_cache, v_cache, block_tables.int().contiguous(), starts, seq_lens, float(scale),
+                           out)
+    return out
+
+
+def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A whole step for one layer: append the step's K/V, then attend. query [T, H, D] -> [T, H, D].
+
+    Unchecked: the engine validated `meta` once for the step. Long bf16 prefill chunks,
+    which the runner puts first, go to SDPA; everything else is one kernel call.
+    """
+    ops = _ops()
+    ops.append_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(query)
+    min_sdpa = SDPA_MIN_CHUNK_TOKENS.get(query.dtype)
+    num_long = 0
+    if min_sdpa is not None and meta.max_query_len >= min_sdpa:
+        while num_long < meta.num_prefills and meta.query_lens_host[num_long] >= min_sdpa:
+            num_long += 1
+    if num_long:
+        starts = [0]
+        for length in meta.query_lens_host[:num_long]:
+            starts.append(starts[-1] + length)
+        prefixes = [s - q for s, q in zip(meta.seq_lens_host[:num_long], meta.query_lens_host[:num_long])]
+        out[: starts[-1]] = reference._prefill_attention(
+            query[: starts[-1]], k_cache, v_cache, starts, prefixes, meta.block_tables[:num_long], scale)
+    if num_long < meta.num_seqs:
+        # query_start_loc keeps absolute token offsets, so the rest is a suffix of views
+        ops.paged_attention(query, k_cache, v_cache, meta.block_tables[num_long:],
+                            meta.query_start_loc[num_long:], meta.seq_lens[num_long:], float(scale), out)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm of rows x [T, hidden] -> new [T, hidden]."""
+    out = torch.empty_like(x)
+    _ops().rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual = residual + x, then x = rms_norm(residual). Both [T, hidden]."""
+    _ops().fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor,
+                     head_dim: int) -> None:
+    """In place rotate-half rotary on query [T, H*D] and key [T, KVH*D]; cos_sin [max_pos, D] float32."""
+    _ops().rotary_embedding(positions, query, key, cos_sin, head_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] of [T, 2I] -> silu(gate) * up [T, I]."""
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+    _ops().silu_and_mul(out, x)
+    return out
