@@ -71,6 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "model": args.model, "model_cache_dir": args.model_cache_dir,
         "num_workers": args.num_workers, "min_workers": args.min_workers, "max_workers": args.max_workers,
         "policy": args.policy, "kv_cache_bytes": args.kv_cache_bytes, "max_model_len": args.max_model_len,
+        "dtype": args.dtype,
         "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
         "api_keys": tuple(args.api_key) if args.api_key else None,
     }
@@ -97,6 +98,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-workers", type=int, default=None, help="autoscaling ceiling (default: --num-workers)")
     serve.add_argument("--policy", default=None, choices=["s3", "s3_peak", "max_reserve", "paged_greedy"],
                        help="KV reservation policy of placement and workers (default s3)")
+    serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and KV dtype of the workers (default auto: bfloat16 where the CPU has "
+                            "AVX512-BF16 or AMX, float32 elsewhere)")
     serve.add_argument("--kv-cache-bytes", type=int, default=None,
                        help="KV-cache budget of each worker in bytes (default 268435456)")
     serve.add_argument("--max-model-len", type=int, default=None,
@@ -194,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     command = " ".join(part for part in ("s3serve", args.command, getattr(args, "bench", None)) if part)
+    if args.command in ("bench", "label"):
+        from workers.runtime import tune_cpu_runtime
+
+        tune_cpu_runtime()  # these run engines in this process
     try:
         return args.handler(args)
     except (ValueError, FileNotFoundError, TimeoutError) as error:

@@ -45,6 +45,9 @@ class ServiceConfig(BaseModel):
     max_model_len: int = Field(2048, ge=2, description="longest sequence (prompt + output) in tokens")
     max_num_seqs: int = Field(32, ge=1, description="most sequences a worker runs at once")
     max_num_batched_tokens: int = Field(512, ge=1, description="most tokens per forward (prefill chunk budget)")
+    dtype: str = Field(
+        "auto", description="weights and KV dtype of the workers: auto (bf16 on CPUs with AVX512-BF16 or AMX and on "
+                            "GPUs, else float32), float32, bfloat16 or float16")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request does not set it")
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(
@@ -78,6 +81,8 @@ class ServiceConfig(BaseModel):
     def _check(self) -> "ServiceConfig":
         if self.policy not in {"s3", "s3_peak", "max_reserve", "paged_greedy"}:
             raise ValueError(f"policy must be s3, s3_peak, max_reserve or paged_greedy, got {self.policy!r}")
+        if self.dtype not in {"auto", "float32", "bfloat16", "float16"}:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not self.min_workers_resolved <= self.num_workers <= self.max_workers_resolved:

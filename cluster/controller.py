@@ -149,7 +149,7 @@ class Controller:
             model=c.model, model_cache_dir=c.model_cache_dir, policy=c.policy,
             kv_cache_bytes=c.kv_cache_bytes, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=c.max_model_len,
-            num_torch_threads=threads)
+            num_torch_threads=threads, dtype=c.dtype)
 
     def _start_worker(self) -> str:
         worker_id = f"w{self.store.incr('worker_ids')}"

@@ -45,3 +45,34 @@ def smollm2_tokenizer(smollm2_dir: Path):
     from workers.models import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture
+def prefill_logits():
+    """`prefill_logits(engine, prompt)`: logits of every prompt position from one fast-path prefill step.
+
+    The engine samples from the last position only; this keeps the logits of all rows
+    ([len(prompt), vocab], float32) so tests can compare them with a Hugging Face forward.
+    """
+    import torch
+
+    from workers.sampling import SamplingParams
+
+    def run(engine, prompt: list[int]) -> torch.Tensor:
+        assert engine.runner.path == "fast"
+        captured = {}
+        forward = engine.runner.fast.forward
+
+        def keep_all_rows(ids, positions, attention, rows):
+            captured["logits"] = forward(ids, positions, attention, torch.arange(ids.shape[0]))
+            return captured["logits"][rows]
+
+        engine.runner.fast.forward = keep_all_rows
+        try:
+            engine.add_request(list(prompt), SamplingParams(max_tokens=1))
+            engine.step()
+        finally:
+            engine.runner.fast.forward = forward
+        return captured["logits"].float()
+
+    return run

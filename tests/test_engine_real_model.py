@@ -1,4 +1,4 @@
-"""The engine against Hugging Face `generate` on the real SmolLM2-135M-Instruct (fp32)."""
+"""The engine against Hugging Face on the real SmolLM2-135M-Instruct: greedy tokens in fp32, logits in bf16."""
 
 import copy
 import json
@@ -42,7 +42,7 @@ def test_greedy_matches_hf_generate_with_sequences_joining_and_leaving(smollm2_d
     assert len(prompts) == 12, "the prompt pool should hold 12 prompts with 64+ token answers"
 
     engine = Engine(
-        copy.deepcopy(hf_model),
+        copy.deepcopy(hf_model),  # fp32: the fast path is what runs (asserted below)
         # 4 running at most and 64-token prefill chunks: prompts are prefilled in
         # pieces next to decodes, and waiting prompts join as others finish.
         EngineConfig(kv_cache_bytes=64 * 1024**2, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024),
@@ -66,14 +66,46 @@ def test_greedy_matches_hf_generate_with_sequences_joining_and_leaving(smollm2_d
     mismatched = [i for i, seq_id in enumerate(ids) if outputs[seq_id] != expected[i]]
     assert mismatched == []
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    assert engine.runner.path == "fast"
+
+
+# The engine's bf16 prefill logits vs HF's bf16 forward, on 10 real prompts. Measured here
+# (SmolLM2, logits of magnitude ~20-40): max |engine - HF bf16| 1.9, mean 0.15-0.22; against
+# fp32 as the truth the engine's error (max 1.17) is no larger than HF's own bf16 error
+# (1.25-1.56). Tolerances: max 3.0, mean 0.35, error vs fp32 at most 1.25x HF's, and the
+# next token (last position's argmax) the same for at least 9 of the 10 prompts.
+BF16_MAX_ABS = 3.0
+BF16_MEAN_ABS = 0.35
+BF16_VS_FP32_RATIO = 1.25
+
+
+def test_bf16_prefill_logits_stay_within_the_stated_tolerance_of_hf_bf16(smollm2_dir, smollm2_tokenizer,
+                                                                          shared_data, prefill_logits):
+    records = spread_sample(read_prompts(shared_data / "prompts" / "pool.jsonl"), 14)
+    prompts = [ids for ids in (encode_chat(smollm2_tokenizer, r, 200) for r in records) if ids][:10]
+    assert len(prompts) == 10
+    hf_fp32 = load_model(smollm2_dir, dtype=torch.float32)
+    hf_bf16 = load_model(smollm2_dir, dtype=torch.bfloat16)
+    same_next_token = 0
+    for prompt in prompts:
+        with torch.inference_mode():
+            truth = hf_fp32(torch.tensor([prompt])).logits[0].float()
+            hf = hf_bf16(torch.tensor([prompt])).logits[0].float()
+        engine = Engine(copy.deepcopy(hf_bf16), EngineConfig(kv_cache_bytes=64 * 1024**2, max_model_len=1024))
+        ours = prefill_logits(engine, prompt)
+        difference = (ours - hf).abs()
+        assert difference.max() <= BF16_MAX_ABS and difference.mean() <= BF16_MEAN_ABS
+        assert (ours - truth).abs().max() <= BF16_VS_FP32_RATIO * (hf - truth).abs().max()
+        same_next_token += int(ours[-1].argmax() == hf[-1].argmax())
+    assert same_next_token >= 9
 
 
 def test_bench_engine_cli_writes_table_and_json(tmp_path, model_cache_dir, shared_data):
     out_json = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "bench", "engine", "--num-prompts", "4", "--batch-sizes", "2",
-         "--max-tokens", "12", "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
-         "--model-cache-dir", str(model_cache_dir), "--json", str(out_json)],
+         "--max-tokens", "12", "--prompts", str(shared_data / "prompts" / "pool.jsonl"), "--dtype", "float32",
+         "--profile-batch-sizes", "1", "4", "--model-cache-dir", str(model_cache_dir), "--json", str(out_json)],
         capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -84,6 +116,12 @@ def test_bench_engine_cli_writes_table_and_json(tmp_path, model_cache_dir, share
     for key in ("engine_tokens_per_s", "hf_generate_tokens_per_s", "speedup_vs_hf"):
         assert data[key] > 0
     assert data["runs"][0]["batch_size"] == 2
+    assert [p["batch_size"] for p in data["step_profile"]] == [1, 4]
+    for row in data["step_profile"]:
+        parts = sum(row[f"{phase}_ms"] for phase in ("model", "attention", "schedule", "inputs", "sample", "other"))
+        assert row["model_ms"] > 0 and row["attention_ms"] > 0 and row["tokens_per_s"] > 0
+        assert abs(parts - row["step_ms"]) < 0.05 * row["step_ms"]
+    assert "attention" in result.stdout and "sample" in result.stdout
 
 
 def test_bench_engine_reports_a_missing_prompt_file_in_one_line(tmp_path):

@@ -27,7 +27,7 @@ NUM_BLOCKS = 16  # per worker: 256 tokens
 def _config(model_cache_dir, **fields) -> ServiceConfig:
     base = dict(model_cache_dir=str(model_cache_dir), kv_cache_bytes=NUM_BLOCKS * BYTES_PER_BLOCK,
                 block_size=BLOCK_SIZE, max_model_len=256, default_max_tokens=64, num_torch_threads=1,
-                stats_interval_s=0.2, migrate_kv_min_tokens=0)
+                stats_interval_s=0.2, migrate_kv_min_tokens=0, dtype="float32")  # the block arithmetic above is fp32
     base.update(fields)
     return ServiceConfig(**base)
 

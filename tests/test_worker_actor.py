@@ -23,6 +23,7 @@ SETTINGS = WorkerSettings(
     max_num_batched_tokens=16,
     max_model_len=512,
     num_torch_threads=1,
+    dtype="float32",  # BYTES_PER_BLOCK counts 4-byte elements
 )
 TIMEOUT_S = 120
 

@@ -21,6 +21,9 @@ from workers.sampling import Sampler, SamplingParams
 from workers.policies import SchedulingPolicy
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
+from workers.step_output import RequestMetrics, StepOutput, StepTimes
+
+__all__ = ["Engine", "EngineConfig", "RequestMetrics", "StepOutput", "StepTimes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,8 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output); None takes the model's
             max_position_embeddings.
         tensor_parallel_size: DeepSpeed tensor parallelism (CUDA only).
+        use_fast_path: run Llama-family models on CPU through `FastLlama` (fused C++ kernels,
+            packed bf16 weights); False keeps the Hugging Face module stack.
     """
 
     kv_cache_bytes: int = 512 * 1024**2
@@ -43,6 +48,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
+    use_fast_path: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes <= 0:
@@ -53,48 +59,6 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-
-
-@dataclass(frozen=True, slots=True)
-class RequestMetrics:
-    """Timings of a finished request, in `time.monotonic()` seconds."""
-
-    arrival_s: float
-    first_token_s: float
-    finish_s: float
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_preemptions: int
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.arrival_s
-
-    @property
-    def latency_s(self) -> float:
-        return self.finish_s - self.arrival_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first; None for one-token outputs."""
-        if self.num_output_tokens < 2:
-            return None
-        return (self.finish_s - self.first_token_s) / (self.num_output_tokens - 1)
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    """One new token of one sequence; `finish_reason` is set on its last token."""
-
-    seq_id: str
-    token_id: int
-    finish_reason: str | None
-    output_token_ids: tuple[int, ...] | None = None  # all of them, on the last token only
-    metrics: RequestMetrics | None = None  # on the last token only
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 class Engine:
@@ -138,6 +102,8 @@ class Engine:
             config.block_size,
             backend or backend_for_device(device),
             config.tensor_parallel_size,
+            max_model_len=self.max_model_len,
+            use_fast_path=config.use_fast_path,
         )
         self.sampler = Sampler()
         self.eos_token_ids = _eos_ids(model)
@@ -148,6 +114,7 @@ class Engine:
         self.last_num_scheduled = 0  # sequences in the latest step's forward
         self.last_used_blocks = 0  # blocks holding computed KV after the latest step
         self.last_reserved_blocks = 0  # blocks reserved after the latest step
+        self.last_times = StepTimes()
 
     # -- requests ---------------------------------------------------------
 
@@ -286,6 +253,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Run one forward over every scheduled chunk; return the tokens it produced."""
+        start_s = time.perf_counter()
         decisions = self.scheduler.schedule()
         for seq, block_ids in decisions.swap_out:
             self.swapped_bytes += self.runner.swap_out(seq.seq_id, block_ids)
@@ -295,9 +263,12 @@ class Engine:
         self.last_num_scheduled = len(chunks)
         if not chunks:
             return []
+        scheduled_s = time.perf_counter()
         logits, sampling_chunks = self.runner.run(chunks, self.allocator)
+        forward_done_s = time.perf_counter()
         seqs = [chunk.seq for chunk in sampling_chunks]
         token_ids = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
+        sampled_s = time.perf_counter()
         # Progress moves only once sampling succeeded: if it raised, the next
         # step recomputes the same chunks (rewriting the same KV slots).
         for chunk in chunks:
@@ -306,7 +277,15 @@ class Engine:
         self.last_used_blocks = sum(self.allocator.blocks_for(s.num_computed_tokens) for s in self.scheduler.running)
         self.last_reserved_blocks = self.allocator.num_reserved_blocks
         self.num_steps += 1
-        return [self._append_token(seq, token_id) for seq, token_id in zip(seqs, token_ids)]
+        outputs = [self._append_token(seq, token_id) for seq, token_id in zip(seqs, token_ids)]
+        forward = self.runner.last_times
+        self.last_times = StepTimes(
+            schedule_s=scheduled_s - start_s, prepare_s=forward.prepare_s, forward_s=forward.forward_s,
+            attention_s=forward.attention_s, sample_s=sampled_s - forward_done_s,
+            postprocess_s=time.perf_counter() - sampled_s, num_tokens=sum(c.num_tokens for c in chunks),
+            num_sequences=len(chunks),
+        )
+        return outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion (all queued at once); return output token ids in prompt order."""

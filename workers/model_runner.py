@@ -1,9 +1,26 @@
-"""Runs one ragged forward of a DeepSpeed-wrapped Hugging Face model over paged KV."""
+"""Runs one ragged forward over paged KV: the fast Llama path on CPU, a DeepSpeed-wrapped HF model otherwise.
+
+Per step, `run()` builds the attention metadata once (validated once, on the
+host, before any tensor reaches the device), then runs one forward in which
+each layer calls the backend's `attention()` with it: no per-layer checks, no
+per-layer `.tolist()`, no host syncs inside the forward.
+
+Which forward runs (`path`):
+- "fast": `FastLlama` (Llama-family model on CPU with the C++ kernels): fused
+  ops, oneDNN-packed bf16 weights. DeepSpeed is not involved: on the CPU
+  accelerator with tensor_parallel_size 1 and no kernel injection its wrapper
+  changes nothing but adds a call layer.
+- "hf": the Hugging Face module stack wrapped by `deepspeed.init_inference`
+  (tensor parallel on CUDA), our attention plugged in through `AttentionInterface`.
+"""
+
+import time
+from dataclasses import dataclass
 
 import torch
 
-from kv_kernels import BlockPoolShape, KVKernelBackend, allocate_block_pool
-from workers.attention import AttentionBatch, register_paged_attention
+from kv_kernels import BlockPoolShape, CpuKVKernels, KVKernelBackend, allocate_block_pool, build_attention_metadata
+from workers.attention import StepAttention, register_paged_attention
 from workers.kv_cache_manager import BlockAllocator
 from workers.scheduler import ScheduledChunk
 
@@ -37,14 +54,25 @@ def wrap_with_deepspeed(model: torch.nn.Module, tensor_parallel_size: int) -> to
     )
 
 
+@dataclass(slots=True)
+class ForwardTimes:
+    """Where the latest `run()` spent its time, in seconds (CPU: exact; CUDA: launch time only)."""
+
+    prepare_s: float = 0.0  # metadata and inputs
+    forward_s: float = 0.0  # the whole forward, attention included
+    attention_s: float = 0.0  # inside the backend's attention
+
+
 class ModelRunner:
     """Owns the model and the KV block pool; turns scheduled chunks into logits.
 
     Args:
-        model: a Hugging Face causal LM (Llama family), eval mode.
+        model: a Hugging Face causal LM, eval mode, on its device.
         num_blocks, block_size: pool geometry (the allocator's).
         backend: KV kernels for the model's device.
-        tensor_parallel_size: passed to DeepSpeed.
+        tensor_parallel_size: passed to DeepSpeed (HF path).
+        max_model_len: longest sequence (sizes the fast path's rotary table).
+        use_fast_path: take the fast path when the model and backend allow it.
     """
 
     def __init__(
@@ -54,16 +82,38 @@ class ModelRunner:
         block_size: int,
         backend: KVKernelBackend,
         tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        use_fast_path: bool = True,
     ) -> None:
-        model.set_attn_implementation(register_paged_attention())
+        from workers.fast_llama import FastLlama, unsupported_reason
+
         self.device = next(model.parameters()).device
         self.backend = backend
         self.block_size = block_size
         self.pool_shape = pool_shape_for(model.config, num_blocks, block_size, model.dtype)
         self.kv_caches = allocate_block_pool(self.pool_shape, self.device)
-        self.model = wrap_with_deepspeed(model, tensor_parallel_size)
+        if not use_fast_path:
+            self.fast_path_off_reason = "turned off"
+        elif not isinstance(backend, CpuKVKernels):
+            self.fast_path_off_reason = f"the {backend.name} backend has no fused ops (needs the C++ CPU kernels)"
+        else:
+            self.fast_path_off_reason = unsupported_reason(model)
+        self.fast = None
+        if self.fast_path_off_reason is None:
+            self.fast = FastLlama(model, max_model_len or model.config.max_position_embeddings)
+            self.model = model
+        else:
+            model.set_attn_implementation(register_paged_attention())
+            self.model = wrap_with_deepspeed(model, tensor_parallel_size)
+        self.last_times = ForwardTimes()
         # seq_id -> per layer (k_blocks, v_blocks), each [num_blocks, block_size, kv_heads, head_dim] on the host
         self._swapped: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    @property
+    def path(self) -> str:
+        return "fast" if self.fast is not None else "hf"
+
+    # -- swap ---------------------------------------------------------------
 
     def swap_out(self, seq_id: str, block_ids: list[int]) -> int:
         """Copy a preempted sequence's blocks to host memory; returns the bytes moved."""
@@ -105,17 +155,22 @@ class ModelRunner:
         """Forget host blocks of a sequence that will not come back (aborted)."""
         self._swapped.pop(seq_id, None)
 
+    # -- forward ------------------------------------------------------------
+
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Forward the chunks; return logits [num_sampling, vocab] and the chunks they belong to."""
-        prefills = [chunk for chunk in chunks if chunk.num_tokens > 1]
-        decodes = [chunk for chunk in chunks if chunk.num_tokens == 1]
-        ordered = prefills + decodes
+        """Forward the chunks; return logits [num_sampling, vocab] (model dtype) and the chunks they belong to."""
+        start_s = time.perf_counter()
+        # Prefill chunks first, longest first (backends may route the longest to GEMM attention), then decodes.
+        prefills = sorted((c for c in chunks if c.num_tokens > 1), key=lambda c: c.num_tokens, reverse=True)
+        ordered = prefills + [c for c in chunks if c.num_tokens == 1]
         block_size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         tables: list[list[int]] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampling_chunks: list[ScheduledChunk] = []
         for chunk in ordered:
@@ -123,50 +178,36 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + chunk.num_tokens
             table = allocator.block_table(seq.seq_id)
-            input_ids.extend(seq.tokens_between(start, end))
-            positions.extend(range(start, end))
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            if chunk.num_tokens == 1:
+                input_ids.append(seq.token_at(start))
+                positions.append(start)
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                input_ids.extend(seq.tokens_between(start, end))
+                positions.extend(range(start, end))
+                slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             tables.append(table)
+            query_lens.append(chunk.num_tokens)
+            seq_lens.append(end)
             if chunk.completes_sequence_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling_chunks.append(chunk)
         device = self.device
-        num_prefill_tokens = sum(chunk.num_tokens for chunk in prefills)
-        cu_seqlens = [0]
-        for chunk in prefills:
-            cu_seqlens.append(cu_seqlens[-1] + chunk.num_tokens)
-        batch = AttentionBatch(
-            kv_caches=self.kv_caches,
-            backend=self.backend,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            num_prefill_tokens=num_prefill_tokens,
-            cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=device),
-            prefill_prefix_lens=torch.tensor(
-                [c.seq.num_computed_tokens for c in prefills], dtype=torch.int32, device=device
-            ),
-            prefill_block_tables=_pad_tables(tables[: len(prefills)], device),
-            decode_block_tables=_pad_tables(tables[len(prefills):], device),
-            decode_context_lens=torch.tensor(
-                [c.seq.num_computed_tokens + 1 for c in decodes], dtype=torch.int32, device=device
-            ),
-        )
+        meta = build_attention_metadata(query_lens, seq_lens, tables, slots, len(prefills), self.pool_shape, device)
+        attention = StepAttention(self.kv_caches, self.backend, meta)
         # An all-partial-prefill step samples nothing; keep one row so
         # logits_to_keep is never empty (an int 0 would mean "keep all").
-        keep = sample_rows or [len(input_ids) - 1]
-        outputs = self.model(
-            input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-            use_cache=False,
-            s3_batch=batch,
-        )
-        logits = outputs.logits[0, : len(sample_rows)].float()  # [num_sampling, vocab]
-        return logits, sampling_chunks
-
-
-def _pad_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Block tables as one int32 tensor [num_seqs, max_blocks], padded with block 0 (never read)."""
-    width = max((len(table) for table in tables), default=1) or 1
-    return torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32, device=device).reshape(
-        len(tables), width
-    )
+        keep = torch.tensor(sample_rows or [len(input_ids) - 1], dtype=torch.long, device=device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        forward_start_s = time.perf_counter()
+        if self.fast is not None:
+            scale = self.fast.scale
+            logits = self.fast.forward(ids, pos, lambda i, q, k, v: attention(i, q, k, v, scale), keep)
+        else:
+            outputs = self.model(input_ids=ids[None], position_ids=pos[None], logits_to_keep=keep, use_cache=False,
+                                 s3_attention=attention)
+            logits = outputs.logits[0]
+        end_s = time.perf_counter()
+        self.last_times = ForwardTimes(forward_start_s - start_s, end_s - forward_start_s, attention.elapsed_s)
+        return logits[: len(sample_rows)], sampling_chunks  # [num_sampling, vocab]

@@ -19,14 +19,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from workers.engine import Engine, EngineConfig
 from workers.engine_loop import EngineLoop, WorkEvent, WorkerStats, WorkRequest
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, make_tiny_model, resolve_model_dir
 from workers.policies import make_policy
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from workers.runtime import DTYPE_CHOICES, resolve_dtype, tune_cpu_runtime
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +43,10 @@ class WorkerSettings:
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens per forward.
         max_model_len: longest sequence; None takes the model's max_position_embeddings.
-        num_torch_threads: torch intra-op threads in the actor; None leaves torch's default.
-        dtype: weights and KV element type: float32, bfloat16 or float16.
+        num_torch_threads: torch intra-op threads in the actor; None takes the cores it may use.
+        dtype: weights and KV element type: "auto" (bf16 on CPUs with bf16 instructions, fp32 on
+            others), float32, bfloat16 or float16.
+        use_fast_path: run Llama-family models through the fused CPU fast path (EngineConfig.use_fast_path).
     """
 
     model: str = DEFAULT_MODEL
@@ -62,11 +61,12 @@ class WorkerSettings:
     num_torch_threads: int | None = None
     tiny_model_init_std: float | None = None
     bucket_tokens: int | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
+    use_fast_path: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.num_torch_threads is not None and self.num_torch_threads < 1:
             raise ValueError(f"num_torch_threads must be >= 1 or None, got {self.num_torch_threads}")
         if self.tiny_model_init_std is not None and self.tiny_model_init_std <= 0:
@@ -84,7 +84,7 @@ class WorkerSettings:
 
 def build_engine(settings: WorkerSettings) -> Engine:
     """Load the model (or build the tiny one) and wrap it in an engine with the settings' policy."""
-    dtype = DTYPES[settings.dtype]
+    dtype = resolve_dtype(settings.dtype, "cpu")
     tokenizer = None
     if settings.tiny_model_seed is not None:
         model = make_tiny_model(settings.tiny_model_seed, init_std=settings.tiny_model_init_std).to(dtype)
@@ -99,6 +99,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,
+        use_fast_path=settings.use_fast_path,
     )
     return Engine(model, config, tokenizer=tokenizer, policy=make_policy(settings.policy, **settings._policy_kwargs()))
 
@@ -112,8 +113,7 @@ class WorkerActor:
     """
 
     def __init__(self, worker_id: str, settings: WorkerSettings) -> None:
-        if settings.num_torch_threads is not None:
-            torch.set_num_threads(settings.num_torch_threads)
+        tune_cpu_runtime(settings.num_torch_threads)
         self.worker_id = worker_id
         self._loop = EngineLoop(build_engine(settings), worker_id)
 

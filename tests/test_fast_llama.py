@@ -1,0 +1,122 @@
+"""The CPU fast path: fused ops against Hugging Face's own modules, FastLlama against HF's forward, and the
+engine on the fast path against the engine on the HF module stack (tiny random Llama)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama import modeling_llama
+
+from kv_kernels import cpu_build, cpu_kernels
+from workers.engine import Engine, EngineConfig
+from workers.fast_llama import FastLlama, unsupported_reason
+from workers.models import make_tiny_model, tiny_llama_config
+from workers.sampling import SamplingParams
+
+cpu_build.load()
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+# One bf16 unit in the last place at magnitude ~1: sums of squares are added in another
+# order than torch's, which can move a rounding by one ulp.
+BF16_ULP = 2**-7
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=BF16_ULP, rtol=BF16_ULP)
+
+
+@DTYPES
+def test_rms_norm_and_fused_add_match_llama_rms_norm(dtype):
+    gen = torch.Generator().manual_seed(0)
+    norm = modeling_llama.LlamaRMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+    norm = norm.to(dtype)
+    x = torch.randn(7, 96, generator=gen).to(dtype)
+    residual = torch.randn(7, 96, generator=gen).to(dtype)
+    with torch.no_grad():
+        _close(cpu_kernels.rms_norm(x, norm.weight, 1e-6), norm(x), dtype)
+        summed = residual + x
+        fused_x, fused_residual = x.clone(), residual.clone()
+        cpu_kernels.fused_add_rms_norm(fused_x, fused_residual, norm.weight, 1e-6)
+        assert torch.equal(fused_residual, summed)  # the add rounds exactly as HF's does
+        _close(fused_x, norm(summed), dtype)
+
+
+@DTYPES
+def test_rotary_matches_apply_rotary_pos_emb_on_strided_qkv_slices(dtype):
+    model = make_tiny_model(seed=1).to(dtype)
+    fast = FastLlama(model, max_positions=64)
+    head_dim, num_heads, num_kv_heads = fast.head_dim, fast.num_heads, fast.num_kv_heads
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    q, k = qkv[:, : num_heads * head_dim], qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim]
+    cos, sin = model.model.rotary_emb(qkv, positions[None])  # [1, T, D] each
+    want_q, want_k = modeling_llama.apply_rotary_pos_emb(
+        q.reshape(1, 5, num_heads, head_dim).transpose(1, 2), k.reshape(1, 5, num_kv_heads, head_dim).transpose(1, 2),
+        cos, sin)
+    cpu_kernels.rotary_embedding(positions, q, k, fast.cos_sin, head_dim)  # in place on the views
+    _close(q.reshape(5, num_heads, head_dim), want_q[0].transpose(0, 1), dtype)
+    _close(k.reshape(5, num_kv_heads, head_dim), want_k[0].transpose(0, 1), dtype)
+
+
+@DTYPES
+def test_silu_and_mul_matches_llama_mlp_activation(dtype):
+    gate_up = (torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
+    want = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
+    _close(cpu_kernels.silu_and_mul(gate_up), want, dtype)
+
+
+def _engine(model, use_fast_path: bool, **config) -> Engine:
+    fields = dict(kv_cache_bytes=256 * 2 * 2 * 16 * 2 * 16 * 4, block_size=16, max_num_seqs=4,
+                  max_num_batched_tokens=24, max_model_len=256)
+    fields.update(config)
+    return Engine(copy.deepcopy(model), EngineConfig(use_fast_path=use_fast_path, **fields))
+
+
+@DTYPES
+def test_fast_forward_matches_the_hf_forward(dtype, prefill_logits):
+    model = make_tiny_model(seed=3, init_std=0.2).to(dtype)
+    prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = model(prompt[None]).logits[0].float()  # [T, V], HF's own eager forward
+    got = prefill_logits(_engine(model, use_fast_path=True, max_num_batched_tokens=64), prompt.tolist())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    else:
+        # bf16: each op rounds; the logits stay within a few bf16 steps of HF's own bf16 forward
+        assert (got - want).abs().max() < 0.1 * want.abs().max()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("kv_blocks", [256, 5], ids=["ample", "preempting"])
+def test_fast_and_hf_paths_generate_the_same_greedy_tokens(kv_blocks):
+    model = make_tiny_model(seed=4, init_std=0.2)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 30, 17, 50, 9)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (20, 12, 25, 8, 30)]
+    bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # layers x K,V x block_size x kv_heads x head_dim x fp32
+    outputs = {}
+    for fast in (True, False):
+        engine = _engine(model, use_fast_path=fast, kv_cache_bytes=kv_blocks * bytes_per_block)
+        assert engine.runner.path == ("fast" if fast else "hf")
+        outputs[fast] = engine.generate(prompts, params)
+        if kv_blocks == 5:
+            assert engine.scheduler.stats.num_preemptions > 0
+    assert outputs[True] == outputs[False]
+
+
+def test_models_the_fast_path_cannot_run_take_the_hf_path():
+    config = tiny_llama_config()
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    model = modeling_llama.LlamaForCausalLM(config).eval()
+    assert "dynamic" in unsupported_reason(model)
+    engine = _engine(model, use_fast_path=True)
+    assert engine.runner.path == "hf" and "dynamic" in engine.runner.fast_path_off_reason
+    with pytest.raises(ValueError, match="FastLlama cannot run this model: rope_type 'dynamic'"):
+        FastLlama(model, 64)

@@ -1,0 +1,38 @@
+"""The engine's process runtime: dtype per device and CPU, and the tuning every launcher applies."""
+
+import pytest
+import torch
+
+from workers import runtime
+
+
+def test_auto_dtype_follows_the_cpu_bf16_flags(monkeypatch):
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
+    assert runtime.resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert runtime.resolve_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert runtime.resolve_dtype("auto", "cpu") == torch.float32
+
+
+def test_explicit_dtypes_and_a_bad_name():
+    assert runtime.resolve_dtype("float32", "cpu") == torch.float32
+    assert runtime.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"):
+        runtime.resolve_dtype("fp8", "cpu")
+
+
+def test_this_machines_flags_are_read():
+    flags = runtime.cpu_flags()
+    assert runtime.cpu_has_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def test_tuning_sets_threads_to_the_usable_cores_and_can_be_told_otherwise():
+    before = torch.get_num_threads()
+    try:
+        assert runtime.tune_cpu_runtime() == runtime.usable_cores() == torch.get_num_threads()
+        assert runtime.tune_cpu_runtime(1) == 1 == torch.get_num_threads()
+        with pytest.raises(ValueError, match="num_threads must be >= 1"):
+            runtime.tune_cpu_runtime(-2)
+    finally:
+        torch.set_num_threads(before)
