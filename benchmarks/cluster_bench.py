@@ -245,7 +245,7 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     import ray
 
     from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
-    from cluster.service import start_service, stop_service
+    from s3serve_cli.serve import start_service, stop_service
 
     data_dir = work_dir / f"data-{policy}"
     service_config = _service_config(config, policy, model_name, model_cache_dir, str(data_dir), artifact)

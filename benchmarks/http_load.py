@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-OVERHEAD_HEADER = "x-s3-overhead-ms"  # cluster.router.OVERHEAD_HEADER; not imported: this process stays light
+OVERHEAD_HEADER = "x-s3-overhead-ms"  # cluster.ingress.router.OVERHEAD_HEADER; not imported: this process stays light
 MAX_ERROR_CHARS = 300
 
 

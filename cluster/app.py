@@ -6,8 +6,8 @@ and the controller starts the workers; so one `serve.run` brings up everything.
 """
 
 from cluster.config import ServiceConfig
-from cluster.redis_host import ensure_redis
-from cluster.router import build_router
+from cluster.control.redis_host import ensure_redis
+from cluster.ingress.router import build_router
 from predictor_service.deployment import PredictorDeployment
 
 

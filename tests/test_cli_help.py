@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import build_parser, main
+from s3serve_cli.main import build_parser, main
 
 S3SERVE = Path(sys.executable).parent / "s3serve"
 

@@ -125,7 +125,7 @@ def test_config_check_names_the_bad_option(overrides, message, shared_data):
 
 
 def test_missing_trace_is_a_one_line_error(tmp_path, capsys):
-    from cluster.cli import main
+    from s3serve_cli.main import main
 
     assert main(["bench", "cluster", "--trace", str(tmp_path / "none.csv"), "--quick"]) == 2
     err = capsys.readouterr().err

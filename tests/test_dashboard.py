@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.controller import ClusterStatus
-from cluster.dashboard import DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data, generated_tokens_by_worker
-from cluster.store import WorkerRecord
+from cluster.control.controller import ClusterStatus
+from cluster.ingress.dashboard import DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data, generated_tokens_by_worker
+from cluster.control.store import WorkerRecord
 from workers.work_types import WorkerStats
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -158,7 +158,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, model_cache_dir):
     from cluster.config import ServiceConfig
-    from cluster.service import start_service, stop_service
+    from s3serve_cli.serve import start_service, stop_service
 
     config = ServiceConfig(
         port=_free_port(), num_workers=1, model_cache_dir=str(model_cache_dir), max_model_len=512,

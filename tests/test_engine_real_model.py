@@ -103,7 +103,7 @@ def test_bf16_prefill_logits_stay_within_the_stated_tolerance_of_hf_bf16(smollm2
 def test_bench_engine_cli_writes_table_and_json(tmp_path, model_cache_dir, shared_data):
     out_json = tmp_path / "out.json"
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "engine", "--num-prompts", "4", "--batch-sizes", "2",
+        [sys.executable, "-m", "s3serve_cli.main", "bench", "engine", "--num-prompts", "4", "--batch-sizes", "2",
          "--max-tokens", "12", "--prompts", str(shared_data / "prompts" / "pool.jsonl"), "--dtype", "float32",
          "--profile-batch-sizes", "1", "4", "--model-cache-dir", str(model_cache_dir), "--json", str(out_json)],
         capture_output=True, text=True, timeout=600,
@@ -126,7 +126,7 @@ def test_bench_engine_cli_writes_table_and_json(tmp_path, model_cache_dir, share
 
 def test_bench_engine_reports_a_missing_prompt_file_in_one_line(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "engine", "--prompts", str(tmp_path / "nope.jsonl")],
+        [sys.executable, "-m", "s3serve_cli.main", "bench", "engine", "--prompts", str(tmp_path / "nope.jsonl")],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 2

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
+from cluster.ingress.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "s3serve-dashboard.json"
 # Prometheus adds these at scrape time; they are never in the exposition itself.

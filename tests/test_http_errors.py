@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from cluster import errors
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cluster.ingress import errors
+from cluster.ingress.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_BODY_BYTES = 4096
 API_KEYS = frozenset({"key-one", "key-two"})
@@ -176,7 +176,7 @@ def test_unknown_route_and_method(client):
 
 
 def test_unexpected_error_is_a_shaped_500_without_details(client, caplog):
-    with caplog.at_level(logging.ERROR, logger="cluster.errors"):
+    with caplog.at_level(logging.ERROR, logger="cluster.ingress.errors"):
         response = client.get("/bug")
     error = assert_error(response, 500, code="internal_error")
     assert "secret" not in response.text and "RuntimeError" not in response.text

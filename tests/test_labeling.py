@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from cluster.labeling import LabelConfig, read_done
+from s3serve_cli.label import LabelConfig, read_done
 
 pytestmark = pytest.mark.slow
 
 
 def label(tmp_path, model_cache_dir, prompts, out, *extra):
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "label", "--prompts", str(prompts), "--out", str(out),
+        [sys.executable, "-m", "s3serve_cli.main", "label", "--prompts", str(prompts), "--out", str(out),
          "--max-len", "96", "--batch-size", "4", "--model-cache-dir", str(model_cache_dir), *extra],
         capture_output=True, text=True, timeout=600,
     )

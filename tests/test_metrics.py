@@ -3,7 +3,7 @@
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
+from cluster.ingress.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
 
 
 def samples(metrics: ServiceMetrics) -> dict[tuple[str, tuple], float]:

@@ -11,8 +11,8 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import ValidationError
 
-from cluster import openai_protocol as proto
-from cluster.errors import install_error_handlers
+from cluster.ingress import openai_protocol as proto
+from cluster.ingress.errors import install_error_handlers
 
 MODEL = "smollm2"
 CREATED_S = 1_700_000_000

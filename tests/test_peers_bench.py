@@ -43,7 +43,7 @@ def test_peer_environment_applies_the_peers_md_tuning(tmp_path, monkeypatch):
 
 def test_a_missing_peer_environment_is_one_line_naming_make_peers(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "peers", "--quick", "--peer-venv", str(tmp_path / "nope")],
+        [sys.executable, "-m", "s3serve_cli.main", "bench", "peers", "--quick", "--peer-venv", str(tmp_path / "nope")],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 2
@@ -55,7 +55,7 @@ def test_a_missing_peer_environment_is_one_line_naming_make_peers(tmp_path):
 def test_our_side_prints_the_table_and_writes_the_json_keys(tmp_path, model_cache_dir, shared_data):
     out = tmp_path / "peers.json"
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "peers", "--systems", "ours", "--num-requests", "12",
+        [sys.executable, "-m", "s3serve_cli.main", "bench", "peers", "--systems", "ours", "--num-requests", "12",
          "--kv-gib", "0.05", "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
          "--model-cache-dir", str(model_cache_dir), "--json", str(out)],
         capture_output=True, text=True, timeout=900,

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cluster.placement import (PendingRequest, ScalingPolicy, WorkerBudget, blocks_for, first_fit_decreasing,
+from cluster.control.placement import (PendingRequest, ScalingPolicy, WorkerBudget, blocks_for, first_fit_decreasing,
                                migration_target)
 
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 def test_bench_policies_writes_every_metric_ratio_and_plot(tmp_path, model_cache_dir, shared_data):
     out_json, plot_dir = tmp_path / "out.json", tmp_path / "plots"
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "policies",
+        [sys.executable, "-m", "s3serve_cli.main", "bench", "policies",
          "--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
          "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
          "--num-requests", "6", "--max-len", "256", "--max-prompt-tokens", "32",
@@ -42,7 +42,7 @@ def test_bench_policies_writes_every_metric_ratio_and_plot(tmp_path, model_cache
 
 def test_bench_policies_rejects_an_unknown_predictor_in_one_line(tmp_path, model_cache_dir, shared_data):
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "policies", "--num-requests", "2",
+        [sys.executable, "-m", "s3serve_cli.main", "bench", "policies", "--num-requests", "2",
          "--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
          "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
          "--predictor", "noisy-oracle:abc", "--model-cache-dir", str(model_cache_dir)],
@@ -63,7 +63,7 @@ def test_bench_policies_runs_with_a_trained_predictor_artifact(tmp_path, model_c
     train_predictor(dataset, "lightgbm", feature_config=FeatureConfig(num_hash_dims=32), out_dir=tmp_path / "art")
     out_json = tmp_path / "out.json"
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "policies",
+        [sys.executable, "-m", "s3serve_cli.main", "bench", "policies",
          "--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
          "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
          "--num-requests", "4", "--max-len", "256", "--max-prompt-tokens", "32", "--policies", "s3", "oracle",
@@ -80,7 +80,7 @@ def test_bench_policies_runs_with_a_trained_predictor_artifact(tmp_path, model_c
 
 def test_bench_policies_rejects_a_predictor_that_is_no_artifact(tmp_path, model_cache_dir, shared_data):
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "bench", "policies", "--num-requests", "2",
+        [sys.executable, "-m", "s3serve_cli.main", "bench", "policies", "--num-requests", "2",
          "--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
          "--predictor", str(tmp_path / "missing"), "--model-cache-dir", str(model_cache_dir)],
         capture_output=True, text=True, timeout=300,

@@ -199,12 +199,12 @@ def test_train_predictor_and_bench_predictor_commands(prompt_texts, shared_data:
                     "sampling": {"max_tokens": r.max_tokens, "temperature": 0.0}}) + "\n"
         for r in synthetic_rows(prompt_texts)[:200]))
     common = ["--labels", str(labels), "--prompts", str(shared_data / "prompts" / "pool.jsonl")]
-    train = subprocess.run([sys.executable, "-m", "cluster.cli", "train-predictor", *common, "--kind", "lightgbm",
+    train = subprocess.run([sys.executable, "-m", "s3serve_cli.main", "train-predictor", *common, "--kind", "lightgbm",
                             "--no-embedding", "--out", str(tmp_path / "art")],
                            capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr[-2000:]
     assert (tmp_path / "art" / "LATEST").is_file()
-    bench = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "predictor", *common, "--no-embedding",
+    bench = subprocess.run([sys.executable, "-m", "s3serve_cli.main", "bench", "predictor", *common, "--no-embedding",
                             "--artifact", str(tmp_path / "art"), "--json", str(tmp_path / "out.json")],
                            capture_output=True, text=True, timeout=300)
     assert bench.returncode == 0, bench.stderr[-2000:]

@@ -60,7 +60,7 @@ def test_train_predictor_command_trains_a_transformer(small_dataset, shared_data
     labels = tmp_path / "labels.jsonl"
     labels.write_text("".join(line for line in SHIPPED_LABELS.read_text().splitlines(keepends=True)[:40]))
     result = subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "train-predictor", "--labels", str(labels),
+        [sys.executable, "-m", "s3serve_cli.main", "train-predictor", "--labels", str(labels),
          "--prompts", str(shared_data / "prompts" / "pool.jsonl"), "--kind", "transformer", "--epochs", "1",
          "--out", str(tmp_path / "art")],
         capture_output=True, text=True, timeout=600,

@@ -1,6 +1,6 @@
 """Cluster-level rebalancing and scaling with the real controller, real workers (SmolLM2), real Redis.
 
-No HTTP here: requests go through `cluster.generation.run_job`, the path the router uses, with
+No HTTP here: requests go through `cluster.ingress.generation.run_job`, the path the router uses, with
 predicted bounds chosen by the test so that placement is deterministic.
 """
 
@@ -11,9 +11,9 @@ import pytest
 import ray
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig, worker_actor_name
-from cluster.controller import get_or_create_controller
-from cluster.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
-from cluster.redis_server import EmbeddedRedis
+from cluster.control.controller import get_or_create_controller
+from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
+from cluster.control.redis_server import EmbeddedRedis
 from workers.models import chat_token_ids
 from workers.sampling import SamplingParams
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from cluster.redis_server import EmbeddedRedis, connect, redis_server_executable
+from cluster.control.redis_server import EmbeddedRedis, connect, redis_server_executable
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
-from cluster.service import start_service, stop_service
+from s3serve_cli.serve import start_service, stop_service
 
 pytestmark = pytest.mark.slow
 

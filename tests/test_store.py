@@ -7,8 +7,8 @@ import threading
 import pytest
 import redis
 
-from cluster.redis_server import EmbeddedRedis, connect
-from cluster.store import ControllerStore, RequestRecord, WorkerRecord
+from cluster.control.redis_server import EmbeddedRedis, connect
+from cluster.control.store import ControllerStore, RequestRecord, WorkerRecord
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Streaming detokenization with the real SmolLM2 tokenizer."""
 
-from cluster.text_stream import TextStream
+from cluster.ingress.text_stream import TextStream
 
 
 def _stream_all(tokenizer, text: str, stop=()) -> tuple[str, list[str]]:

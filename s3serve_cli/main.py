@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from cluster.cli_args import add_label_args, add_model_args
-from cluster.cli_bench import add_bench_parser
+from s3serve_cli.args import add_label_args, add_model_args
+from s3serve_cli.bench import add_bench_parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,7 +30,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _label(args: argparse.Namespace) -> int:
-    from cluster.labeling import LabelConfig, run_labeling
+    from s3serve_cli.label import LabelConfig, run_labeling
 
     config = LabelConfig(
         prompt_paths=tuple(args.prompts), out_path=args.out, max_len=args.max_len, temperature=args.temperature,
@@ -65,7 +65,7 @@ def _train_predictor(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from cluster.config import load_config
-    from cluster.service import run_service
+    from s3serve_cli.serve import run_service
 
     overrides = {
         "host": args.host, "port": args.port, "model": args.model, "model_cache_dir": args.model_cache_dir,

@@ -4,7 +4,7 @@ One named, detached Ray actor (`CONTROLLER_NAME`) restarted by Ray if it dies. E
 durable fact (which worker holds which request with how many reserved blocks, the
 workers and their state, counters) lives in Redis through `ControllerStore`, so a
 restarted controller rebuilds its view in `__init__` and finds its detached workers
-again by name. Decisions come from the pure functions in `cluster.placement`; this
+again by name. Decisions come from the pure functions in `cluster.control.placement`; this
 class only moves data between Redis, the workers and those functions.
 
     router --place()--> pending (FFD every change) --> Placement(worker) --> router streams
@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 import ray
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, RETRAINER_NAME, ServiceConfig, worker_actor_name
-from cluster.placement import (PendingRequest, ScalingPolicy, WorkerBudget, blocks_for, first_fit_decreasing,
+from cluster.control.placement import (PendingRequest, ScalingPolicy, WorkerBudget, blocks_for, first_fit_decreasing,
                                migration_target)
-from cluster.redis_server import connect
+from cluster.control.redis_server import connect
 from cluster.reservation import reservation_tokens
-from cluster.store import ControllerStore, RequestRecord, WorkerRecord
+from cluster.control.store import ControllerStore, RequestRecord, WorkerRecord
 from predictor_service.retraining import RetrainConfig
 from predictor_service.retraining_actor import RetrainerActor
 from predictor_service.sample_stream import SampleStream, TrainingSample

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import ray
 
 from cluster.config import RAY_NAMESPACE
-from cluster.controller import RequestOutcome
+from cluster.control.controller import RequestOutcome
 from workers.engine_loop import WorkEvent, WorkRequest
 from workers.sampling import SamplingParams
 

@@ -111,7 +111,7 @@ class ControllerStore:
     """The controller's durable state: workers, the request ledger and counters.
 
     Args:
-        client: a `redis.Redis`, preferably from `cluster.redis_server.connect` (text
+        client: a `redis.Redis`, preferably from `cluster.control.redis_server.connect` (text
             responses, retries across Redis restarts); a bytes client works too.
         prefix: first part of every key, so several services can share one Redis.
     """

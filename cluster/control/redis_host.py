@@ -10,7 +10,7 @@ from pathlib import Path
 import ray
 
 from cluster.config import RAY_NAMESPACE
-from cluster.redis_server import EmbeddedRedis
+from cluster.control.redis_server import EmbeddedRedis
 
 REDIS_HOST_NAME = "s3serve-redis"
 

@@ -66,7 +66,7 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
     from ray import serve
 
     from cluster.app import build_app
-    from cluster.redis_server import EmbeddedRedis
+    from cluster.control.redis_server import EmbeddedRedis
 
     data_dir = Path(config.data_dir).expanduser().resolve()
     config = config.model_copy(update={"data_dir": str(data_dir)})

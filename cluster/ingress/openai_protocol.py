@@ -4,7 +4,7 @@ Requests are pydantic models (the HTTP edge): strict types, so `"max_tokens": "1
 `true` is a 400 rather than a silent coercion; unknown fields are ignored because the
 official clients send some we do not use; parameters we do not implement (echo,
 logprobs, penalties, tools, ...) are rejected when set to anything but their default,
-never silently dropped. The response builders live in `cluster/openai_responses.py`
+never silently dropped. The response builders live in `cluster/ingress/openai_responses.py`
 and are re-exported here, so the router imports the whole protocol from one place.
 """
 
@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo
 from pydantic import field_validator, model_validator
 
-from cluster.openai_responses import (
+from cluster.ingress.openai_responses import (
     SSE_DONE,
     chat_chunk,
     chat_response,

@@ -21,16 +21,16 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import ValidationError
 from ray import serve
 
-from cluster import openai_protocol as protocol
+from cluster.ingress import openai_protocol as protocol
 from cluster.config import ServiceConfig, worker_actor_name
-from cluster.controller import PlacementTimeoutError, QueueFullError, get_or_create_controller
-from cluster.dashboard import (DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data,
+from cluster.control.controller import PlacementTimeoutError, QueueFullError, get_or_create_controller
+from cluster.ingress.dashboard import (DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data,
                                generated_tokens_by_worker)
-from cluster.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
+from cluster.ingress.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
                             not_found_model, prompt_too_long, queue_full, unavailable)
-from cluster.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
-from cluster.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
-from cluster.text_stream import TextStream
+from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
+from cluster.ingress.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
+from cluster.ingress.text_stream import TextStream
 from workers.models import chat_token_ids, load_tokenizer, resolve_model_dir
 from workers.sampling import SamplingParams
 

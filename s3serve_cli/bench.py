@@ -4,7 +4,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from cluster.cli_args import add_label_args, add_model_args
+from s3serve_cli.args import add_label_args, add_model_args
 
 
 def _bench_engine(args: argparse.Namespace) -> int:

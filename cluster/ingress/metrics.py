@@ -136,7 +136,7 @@ class ServiceMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         self._requests = Counter(
-            "s3_requests", "Requests answered, by outcome (see cluster/metrics.py).", ["status"],
+            "s3_requests", "Requests answered, by outcome (see cluster/ingress/metrics.py).", ["status"],
             registry=self.registry,
         )
         self._ttft_s = Histogram(
