@@ -22,13 +22,14 @@ from benchmarks.traces import build_requests, load_prompt_texts, read_trace
 from predictor_service.artifacts import load_predictor
 from predictor_service.length_example import TextOf
 from predictor_service.length_predictor import LengthPredictor, LengthQuery
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
 from workers.model_runner import pool_shape_for
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
-from workers.policies import PreemptionCostModel, make_policy
-from workers.sampling import SamplingParams
+from workers.policies import POLICY_NAMES, PreemptionCostModel, make_policy
+from workers.sampling_params import SamplingParams
 
-POLICIES = ("max_reserve", "paged_greedy", "s3", "s3_peak", "oracle")
+POLICIES = POLICY_NAMES
 MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 
@@ -128,13 +129,12 @@ def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed:
 def run_policy(model, name: str, requests, bounds: dict[str, int], config: PolicyBenchConfig,
                kv_cache_bytes: int, cost_model: PreemptionCostModel, progress: tqdm) -> PolicyRun:
     """Replay the requests through a fresh engine with one policy."""
-    is_s3 = name.startswith("s3")
-    kwargs = {"bucket_tokens": max(1, config.max_len // 10), "cost_model": cost_model} if is_s3 else {}
+    kwargs = {"cost_model": cost_model} if name.startswith("s3") else {}
     engine = Engine(
         model,
         EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len),
-        policy=make_policy(name, **kwargs),
+        policy=make_policy(name, max_model_len=config.max_len, **kwargs),
     )
     run = PolicyRun(policy=name, num_blocks=engine.allocator.num_blocks)
     pending = sorted(requests, key=lambda r: r.arrival_s)

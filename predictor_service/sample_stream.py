@@ -52,19 +52,7 @@ class SampleStream:
 
     def append(self, sample: TrainingSample) -> str:
         """Add a sample; returns its stream id."""
-        if sample.true_output_tokens < 1:
-            raise ValueError(f"true_output_tokens must be >= 1, got {sample.true_output_tokens}")
-        fields = {
-            "prompt_id": sample.prompt_id,
-            "prompt_text": sample.prompt_text,
-            "num_prompt_tokens": sample.num_prompt_tokens,
-            "max_tokens": sample.max_tokens,
-            "temperature": sample.temperature,
-            "true_output_tokens": sample.true_output_tokens,
-            "predicted_upper_bound_tokens": "" if sample.predicted_upper_bound_tokens is None
-            else sample.predicted_upper_bound_tokens,
-        }
-        entry_id = self.client.xadd(self.key, fields, maxlen=self.max_entries, approximate=True)
+        entry_id = self.client.xadd(self.key, sample_fields(sample), maxlen=self.max_entries, approximate=True)
         return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
     def read(self, after_id: str = "0-0", count: int | None = None) -> list[tuple[str, TrainingSample]]:
@@ -74,6 +62,22 @@ class SampleStream:
 
     def length(self) -> int:
         return int(self.client.xlen(self.key))
+
+
+def sample_fields(sample: TrainingSample) -> dict:
+    """A sample as stream entry fields (writers that batch the XADD with other commands use this)."""
+    if sample.true_output_tokens < 1:
+        raise ValueError(f"true_output_tokens must be >= 1, got {sample.true_output_tokens}")
+    return {
+        "prompt_id": sample.prompt_id,
+        "prompt_text": sample.prompt_text,
+        "num_prompt_tokens": sample.num_prompt_tokens,
+        "max_tokens": sample.max_tokens,
+        "temperature": sample.temperature,
+        "true_output_tokens": sample.true_output_tokens,
+        "predicted_upper_bound_tokens": "" if sample.predicted_upper_bound_tokens is None
+        else sample.predicted_upper_bound_tokens,
+    }
 
 
 def _text(value) -> str:

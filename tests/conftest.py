@@ -56,7 +56,7 @@ def prefill_logits():
     """
     import torch
 
-    from workers.sampling import SamplingParams
+    from workers.sampling_params import SamplingParams
 
     def run(engine, prompt: list[int]) -> torch.Tensor:
         assert engine.runner.path == "fast"

@@ -10,7 +10,7 @@ import torch
 from workers.engine import Engine, EngineConfig
 from workers.engine_loop import EngineLoop, WorkEvent, WorkRequest
 from workers.models import make_tiny_model
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4

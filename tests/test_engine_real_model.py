@@ -11,7 +11,7 @@ import torch
 from benchmarks.prompt_pool import encode_chat, read_prompts, spread_sample
 from workers.engine import Engine, EngineConfig
 from workers.models import load_model
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from kv_kernels import cpu_build, cpu_kernels
 from workers.engine import Engine, EngineConfig
 from workers.fast_llama import FastLlama, unsupported_reason
 from workers.models import make_tiny_model, tiny_llama_config
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 cpu_build.load()
 

@@ -15,7 +15,7 @@ from workers.engine import Engine, EngineConfig
 from workers.kv_transfer import ExportedKV
 from workers.models import make_tiny_model
 from workers.policies import PreemptionCostModel, make_policy
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4

@@ -21,7 +21,7 @@ from workers.policies import (
     make_policy,
     next_bound,
 )
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
 

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from workers.sampling import Sampler, SamplingParams
+from workers.sampling import Sampler
+from workers.sampling_params import SamplingParams
 
 VOCAB = 50
 

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from workers.kv_cache_manager import BlockAllocator
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, ScheduledChunk, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
 

@@ -8,7 +8,7 @@ import ray
 import torch
 
 from workers.engine_loop import WorkEvent, WorkRequest
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 from workers.worker_actor import WorkerActor, WorkerSettings, build_engine
 
 BLOCK_SIZE = 4
@@ -121,6 +121,7 @@ def test_abort_ends_the_stream_and_frees_blocks(start_worker):
 
 
 def test_a_sequence_moved_with_its_kv_continues_with_the_same_greedy_tokens(start_worker, local_engine):
+    """The KV goes worker to worker through the object store: the caller (a router) only holds the ref."""
     source, target = start_worker("wa"), start_worker("wb")
     request = make_request("m", 9, 40, seed=30)
     stream = source.generate.remote(request)
@@ -130,9 +131,10 @@ def test_a_sequence_moved_with_its_kv_continues_with_the_same_greedy_tokens(star
     moved = before[-1]
     sent = tokens_of(before)
     assert (moved.finish_reason, moved.moved_to) == ("moved", "wb") and len(sent) < 40
-    assert moved.kv.num_computed_tokens == 9 + len(sent) - 1
+    assert isinstance(moved.kv, ray.ObjectRef)  # a handle, not tensors
+    assert ray.get(moved.kv, timeout=TIMEOUT_S).num_computed_tokens == 9 + len(sent) - 1
     resumed = WorkRequest("m", request.prompt_token_ids, request.params, resumed_output_token_ids=tuple(sent),
-                          kv=moved.kv)
+                          kv=moved.kv)  # the ref itself: the target fetches the bytes from the source
     after = [ray.get(ref, timeout=TIMEOUT_S) for ref in target.generate.remote(resumed)]
     assert sent + tokens_of(after) == expected_tokens(local_engine, request)
     source_stats, target_stats = ray.get([source.stats.remote(), target.stats.remote()], timeout=TIMEOUT_S)

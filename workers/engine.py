@@ -9,56 +9,22 @@ give their blocks back.
 
 import itertools
 import time
-from dataclasses import dataclass
 
 import torch
 
 from kv_kernels import KVKernelBackend, backend_for_device
+from workers.engine_config import EngineConfig
 from workers.kv_cache_manager import BlockAllocator
 from workers.kv_transfer import ExportedKV
 from workers.model_runner import ModelRunner, pool_shape_for
-from workers.sampling import Sampler, SamplingParams
 from workers.policies import SchedulingPolicy
+from workers.sampling import Sampler
+from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import RequestMetrics, StepOutput, StepTimes
 
 __all__ = ["Engine", "EngineConfig", "RequestMetrics", "StepOutput", "StepTimes"]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Engine settings.
-
-    Attributes:
-        kv_cache_bytes: KV-cache budget across all layers; sets the number of blocks.
-        block_size: tokens per KV block.
-        max_num_seqs: most sequences running at once.
-        max_num_batched_tokens: most tokens per forward (prefill chunk budget).
-        max_model_len: longest sequence (prompt + output); None takes the model's
-            max_position_embeddings.
-        tensor_parallel_size: DeepSpeed tensor parallelism (CUDA only).
-        use_fast_path: run Llama-family models on CPU through `FastLlama` (fused C++ kernels,
-            packed bf16 weights); False keeps the Hugging Face module stack.
-    """
-
-    kv_cache_bytes: int = 512 * 1024**2
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None
-    tensor_parallel_size: int = 1
-    use_fast_path: bool = True
-
-    def __post_init__(self) -> None:
-        if self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 class Engine:

@@ -16,6 +16,7 @@ fails the requests in that step (finish_reason "error") and the loop goes on.
 """
 
 import asyncio
+import inspect
 import logging
 import time
 from collections import deque
@@ -71,6 +72,7 @@ class _Ended:
     num_preemptions: int
     moved_to: str | None = None
     kv: ExportedKV | None = None
+    predicted_output_tokens: int | None = None  # the bound it left with (moved)
     error: str | None = None
 
 
@@ -125,6 +127,8 @@ class EngineLoop:
         if request.request_id in self._streams:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._ensure_started()
+        if request.kv is not None and inspect.isawaitable(request.kv):
+            request = replace(request, kv=await _resolve_kv(request))
         arrival_s = time.monotonic() if request.arrival_s is None else request.arrival_s
         stream = _Stream(request, asyncio.Queue(), arrival_s, len(request.resumed_output_token_ids))
         self._streams[request.request_id] = stream
@@ -236,7 +240,8 @@ class EngineLoop:
             stream = self._streams.get(ended.request_id)
             if stream is not None:
                 self._push(stream, (), ended.reason, ended.num_preemptions, tick.done_s,
-                           moved_to=ended.moved_to, kv=ended.kv, error=ended.error)
+                           moved_to=ended.moved_to, kv=ended.kv, error=ended.error,
+                           predicted_output_tokens=ended.predicted_output_tokens)
 
     def _push(self, stream: _Stream, token_ids: tuple[int, ...], reason: str | None, num_preemptions: int,
               now_s: float, **extra) -> None:
@@ -317,11 +322,12 @@ class EngineLoop:
                 logger.exception("worker %s: exporting the KV of %s failed", self.worker_id, command.request_id)
             if kv is not None and kv.num_computed_tokens == 0:
                 kv = None
-        num_preemptions = seq.num_preemptions
+        num_preemptions, bound = seq.num_preemptions, seq.predicted_output_tokens
         self._engine.abort(command.request_id)
         if command.reason == "moved":
             self._num_migrated_out += 1
-        return _Ended(command.request_id, command.reason, num_preemptions, command.target_worker_id, kv)
+        return _Ended(command.request_id, command.reason, num_preemptions, command.target_worker_id, kv,
+                      bound if command.reason == "moved" else None)
 
     def _fail_step(self, exc: Exception) -> list[_Ended]:
         scheduler = self._engine.scheduler
@@ -369,6 +375,16 @@ class EngineLoop:
             overruns=overruns,
             request_ids=tuple(seq.seq_id for seq in running + waiting),
         )
+
+
+async def _resolve_kv(request: WorkRequest) -> ExportedKV | None:
+    """The KV behind a handle (a Ray ObjectRef from the exporting worker); None, to recompute, if it is lost."""
+    try:
+        return await request.kv
+    except Exception:  # noqa: BLE001 - the exporter died or the object was evicted: recomputing loses nothing
+        logger.warning("KV of moved request %s could not be fetched; recomputing it", request.request_id,
+                       exc_info=True)
+        return None
 
 
 def _merge(first: WorkEvent, second: WorkEvent) -> WorkEvent:

@@ -9,6 +9,9 @@ do it once and keep a safetensors copy in a cache directory:
 
 Conversion writes into a temporary sibling directory and renames it into place
 under the lock, so two processes that race both end up reading one complete copy.
+
+torch and transformers are imported where used: the router imports this module for
+the tokenizer and must not load the engine's dependencies.
 """
 
 import importlib.util
@@ -17,7 +20,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 from filelock import FileLock
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -47,6 +49,7 @@ def find_default_gguf() -> Path:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Convert a GGUF causal LM to a safetensors folder at `out_dir`; idempotent and race-safe."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir = Path(out_dir)
@@ -97,10 +100,12 @@ def resolve_model_dir(model: str, cache_dir: Path | None = None) -> Path:
     return path
 
 
-def load_model(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """Load a causal LM in eval mode from a local folder."""
+def load_model(model_dir: Path, dtype=None, device: str = "cpu"):
+    """Load a causal LM in eval mode from a local folder; `dtype` a torch dtype (default float32)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
+    dtype = torch.float32 if dtype is None else dtype
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
     return model.to(device).eval()
 
@@ -151,6 +156,7 @@ def make_tiny_model(seed: int = 0, vocab_size: int = 256, init_std: float | None
     tests that must notice wrong KV use a larger std (0.2): every token then depends
     on the context.
     """
+    import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)

@@ -1,7 +1,11 @@
-"""Scheduling policies: how much KV to reserve, in which order to admit, whom to preempt.
+"""Scheduling policies: how much KV to plan for, in which order to admit, whom to preempt.
 
-Pure decisions over `Sequence` objects (no torch, no Ray, no Redis); the
-`Scheduler` applies them to the block allocator. Same engine, same budget:
+Pure decisions (no torch, no Ray, no Redis). Each policy has ONE planning rule,
+`planned_tokens(num_prompt, num_output, max_tokens, predicted, forced)`: the KV tokens a
+request is planned to hold at its peak. The worker's scheduler reserves by it (or, for
+on-demand policies, admits by it), the controller's ledger places by it, and a moved
+request carries the bound it works from. The registry below is the only list of names.
+Same engine, same budget:
 
 | policy         | reservation at admission      | when a sequence outruns it               |
 |----------------|-------------------------------|------------------------------------------|
@@ -60,10 +64,43 @@ class SchedulingPolicy(abc.ABC):
     name: str = "abstract"
     #: Keep scanning the waiting queue past a request that does not fit.
     is_first_fit: bool = False
+    #: The allocator reserves the whole plan at admission; False: blocks on demand, the plan only decides admission.
+    holds_plan: bool = True
+    #: Usable by the service; False for benchmark instruments (they need the true output length).
+    is_serving: bool = True
 
     @abc.abstractmethod
+    def planned_output_tokens(self, num_output_tokens: int, max_tokens: int, predicted_output_tokens: int | None,
+                              forced_output_tokens: int | None = None) -> int:
+        """Output tokens the plan covers (the part of `planned_tokens` that differs between policies)."""
+
+    def planned_tokens(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int,
+                       predicted_output_tokens: int | None, forced_output_tokens: int | None = None) -> int:
+        """KV tokens a request is planned to hold at its peak: the one rule router, controller and worker share.
+
+        Raises ValueError for values no request can have (the message shows them).
+        """
+        if num_prompt_tokens < 1 or max_tokens < 1:
+            raise ValueError(f"num_prompt_tokens and max_tokens must be >= 1, got {num_prompt_tokens} and {max_tokens}")
+        if not 0 <= num_output_tokens < max_tokens:
+            raise ValueError(f"num_output_tokens must be in [0, max_tokens={max_tokens}) for a request that still "
+                             f"generates, got {num_output_tokens}")
+        planned = self.planned_output_tokens(num_output_tokens, max_tokens, predicted_output_tokens,
+                                             forced_output_tokens)
+        return num_prompt_tokens + max(num_output_tokens, planned)
+
+    def planned_tokens_of(self, seq: Sequence) -> int:
+        """`planned_tokens` of a live sequence (it may have reached max_tokens: then what it holds)."""
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            return seq.num_tokens
+        return self.planned_tokens(seq.num_prompt_tokens, seq.num_output_tokens, seq.params.max_tokens,
+                                   seq.predicted_output_tokens, seq.params.forced_output_tokens)
+
     def reservation_tokens(self, seq: Sequence) -> int:
-        """Tokens of KV to reserve when `seq` is admitted (at least its known tokens)."""
+        """Tokens of KV to reserve when `seq` is admitted: its plan, or (on demand) what it holds."""
+        if self.holds_plan:
+            return max(seq.num_tokens, self.planned_tokens_of(seq))
+        return seq.num_tokens
 
     def admission_order(self, waiting: list[Sequence]) -> list[Sequence]:
         """Order in which waiting sequences are considered; arrival order by default."""
@@ -95,29 +132,35 @@ class MaxReservePolicy(SchedulingPolicy):
 
     name = "max_reserve"
 
-    def reservation_tokens(self, seq: Sequence) -> int:
-        return max(seq.num_tokens, seq.max_total_tokens)
+    def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
+        return max_tokens
 
 
 class PagedGreedyPolicy(SchedulingPolicy):
     """On-demand paging: blocks for what is known, grow as needed, preempt the newest (vLLM's default)."""
 
     name = "paged_greedy"
+    holds_plan = False
 
-    def reservation_tokens(self, seq: Sequence) -> int:
-        return seq.num_tokens
+    def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
+        return num_output_tokens  # plans nothing ahead: what it holds now
 
 
 class OraclePolicy(SchedulingPolicy):
     """Reserve prompt + the true output length (benchmarks force it, so it is known)."""
 
     name = "oracle"
+    is_serving = False
+
+    def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
+        if forced_output_tokens is None:
+            raise ValueError("the oracle policy needs forced_output_tokens (the true length), a benchmark setting")
+        return forced_output_tokens
 
     def reservation_tokens(self, seq: Sequence) -> int:
-        true_tokens = seq.params.forced_output_tokens
-        if true_tokens is None:
+        if seq.params.forced_output_tokens is None:
             raise ValueError(f"oracle policy needs forced_output_tokens on request {seq.seq_id!r}")
-        return max(seq.num_tokens, seq.num_prompt_tokens + true_tokens)
+        return super().reservation_tokens(seq)
 
 
 def next_bound(current_bound: int, num_output_tokens: int, max_tokens: int, bucket_tokens: int) -> int:
@@ -145,15 +188,22 @@ class S3Policy(SchedulingPolicy):
         self.cost_model = cost_model or PreemptionCostModel()
 
     def _bound(self, seq: Sequence) -> int:
-        bound = seq.predicted_output_tokens
-        return seq.params.max_tokens if bound is None else min(max(1, bound), seq.params.max_tokens)
+        return self._clamped(seq.predicted_output_tokens, seq.params.max_tokens)
 
-    def reservation_tokens(self, seq: Sequence) -> int:
-        return max(seq.num_tokens, seq.num_prompt_tokens + self._bound(seq))
+    @staticmethod
+    def _clamped(bound: int | None, max_tokens: int) -> int:
+        return max_tokens if bound is None else min(max(1, bound), max_tokens)
+
+    def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
+        """The predicted bound; past it, the next one (the overrun is coming)."""
+        bound = self._clamped(predicted_output_tokens, max_tokens)
+        if num_output_tokens >= bound:
+            return next_bound(bound, num_output_tokens, max_tokens, self.bucket_tokens)
+        return bound
 
     def admission_order(self, waiting: list[Sequence]) -> list[Sequence]:
-        # Decreasing predicted total size, arrival order among equals (sort is stable).
-        return sorted(waiting, key=self.reservation_tokens, reverse=True)
+        # Decreasing planned total size, arrival order among equals (sort is stable).
+        return sorted(waiting, key=self.planned_tokens_of, reverse=True)
 
     def on_overrun(self, seq: Sequence) -> None:
         if seq.num_output_tokens <= self._bound(seq):
@@ -171,13 +221,6 @@ class S3Policy(SchedulingPolicy):
 
     def preemption_mode(self, seq: Sequence) -> PreemptionMode:
         return self.cost_model.cheaper_mode(seq.num_computed_tokens)
-
-    def planned_output_tokens(self, seq: Sequence) -> int:
-        """The bound to plan with: past the current bound, the next one (the overrun is coming)."""
-        bound = self._bound(seq)
-        if seq.num_output_tokens >= bound:
-            return next_bound(bound, seq.num_output_tokens, seq.params.max_tokens, self.bucket_tokens)
-        return bound
 
 
 class S3PeakPolicy(S3Policy):
@@ -203,18 +246,10 @@ class S3PeakPolicy(S3Policy):
     """
 
     name = "s3_peak"
-
-    def reservation_tokens(self, seq: Sequence) -> int:
-        return seq.num_tokens
+    holds_plan = False
 
     def growth_tokens(self, seq: Sequence) -> int:
         return seq.num_tokens
-
-    def _final_tokens(self, seq: Sequence) -> int:
-        return max(seq.num_tokens, seq.num_prompt_tokens + self.planned_output_tokens(seq))
-
-    def admission_order(self, waiting: list[Sequence]) -> list[Sequence]:
-        return sorted(waiting, key=self._final_tokens, reverse=True)
 
     def can_admit(
         self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int, step_token_budget: int
@@ -222,7 +257,7 @@ class S3PeakPolicy(S3Policy):
         # Per sequence: tokens held now, tokens at its last step, and steps of
         # prefill left before it starts growing (a chunked prompt takes several).
         plans = [
-            (s.num_tokens, self._final_tokens(s), max(0, -(-s.num_uncomputed_tokens // step_token_budget) - 1))
+            (s.num_tokens, self.planned_tokens_of(s), max(0, -(-s.num_uncomputed_tokens // step_token_budget) - 1))
             for s in [*running, seq]
         ]
         # Use only rises until someone leaves, so the peak falls on some sequence's last step.
@@ -237,15 +272,19 @@ class S3PeakPolicy(S3Policy):
         return True
 
 
-def make_policy(name: str, **kwargs) -> SchedulingPolicy:
-    """Build a policy by name: max_reserve, paged_greedy, s3, s3_peak or oracle."""
-    policies = {
-        "max_reserve": MaxReservePolicy,
-        "paged_greedy": PagedGreedyPolicy,
-        "s3": S3Policy,
-        "s3_peak": S3PeakPolicy,
-        "oracle": OraclePolicy,
-    }
-    if name not in policies:
-        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(policies)}")
-    return policies[name](**kwargs)
+POLICIES: dict[str, type[SchedulingPolicy]] = {
+    cls.name: cls for cls in (MaxReservePolicy, PagedGreedyPolicy, S3Policy, S3PeakPolicy, OraclePolicy)
+}
+POLICY_NAMES = tuple(POLICIES)
+SERVING_POLICY_NAMES = tuple(name for name, cls in POLICIES.items() if cls.is_serving)
+
+
+def make_policy(name: str, max_model_len: int | None = None, **kwargs) -> SchedulingPolicy:
+    """Build a policy by registry name. With `max_model_len`, the s3 family's length buckets are
+    max_model_len / 10 wide (the paper's), unless `bucket_tokens` is given."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    cls = POLICIES[name]
+    if issubclass(cls, S3Policy) and max_model_len is not None:
+        kwargs.setdefault("bucket_tokens", max(1, max_model_len // 10))
+    return cls(**kwargs)

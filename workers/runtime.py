@@ -19,12 +19,10 @@ import logging
 import os
 from pathlib import Path
 
-import torch
-
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_CHOICES = ("auto", *DTYPES)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters (malloc.h)
 _M_MMAP_THRESHOLD = -3
@@ -47,12 +45,14 @@ def cpu_has_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
-    """A dtype name, or "auto": bf16 on CUDA and on CPUs with bf16 instructions, fp32 otherwise."""
+def resolve_dtype(name: str, device):
+    """A torch dtype for a dtype name, or "auto": bf16 on CUDA and on CPUs with bf16 instructions, fp32 otherwise."""
+    import torch
+
     if name != "auto":
-        if name not in DTYPES:
+        if name not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
-        return DTYPES[name]
+        return getattr(torch, name)
     kind = torch.device(device).type
     if kind == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -69,6 +69,8 @@ def usable_cores() -> int:
 
 def tune_cpu_runtime(num_threads: int | None = None) -> int:
     """Set torch threads (default: usable cores) and glibc's allocator; returns the thread count. Idempotent."""
+    import torch
+
     threads = num_threads or usable_cores()
     if threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {threads}")

@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass, field
 
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

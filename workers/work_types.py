@@ -1,13 +1,21 @@
 """What goes into and comes out of a worker: requests, token events, timings, stats.
 
-These cross process boundaries (Ray pickles them), so they hold plain values,
-token tuples and, for moved sequences, an `ExportedKV`.
+These cross process boundaries (Ray pickles them), so they hold plain values and
+token tuples, and import neither torch nor Ray: the router and controller read
+them without loading the engine. A moved sequence's KV travels as a *handle*:
+
+    KVHandle = an `ExportedKV` (in one process) or a Ray ObjectRef resolving to one;
+    the worker that exports puts the tensors in the object store, the worker that
+    imports awaits the ref, so the bytes go worker to worker and the router only
+    ever holds the ref.
 """
 
 from dataclasses import dataclass
+from typing import Any
 
-from workers.kv_transfer import ExportedKV
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
+
+KVHandle = Any  # ExportedKV, or an awaitable (Ray ObjectRef) resolving to one
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +29,8 @@ class WorkRequest:
         predicted_output_tokens: the predictor's upper bound on output tokens (the reservation), if any.
         resumed_output_token_ids: tokens already sent to the client before a move or a worker failure;
             generation continues after them and they are never sent again.
-        kv: KV of the first prompt + resumed tokens, exported by another worker (skips recomputing them).
+        kv: handle to the KV of the first prompt + resumed tokens, exported by another worker (skips
+            recomputing them); see `KVHandle`.
         arrival_s: `time.monotonic()` of this host when the request arrived; None means when the worker got it.
     """
 
@@ -30,7 +39,7 @@ class WorkRequest:
     params: SamplingParams
     predicted_output_tokens: int | None = None
     resumed_output_token_ids: tuple[int, ...] = ()
-    kv: ExportedKV | None = None
+    kv: KVHandle | None = None
     arrival_s: float | None = None
 
 
@@ -85,7 +94,9 @@ class WorkEvent:
         num_prompt_tokens: the prompt's length.
         num_output_tokens: output tokens so far, resumed ones included.
         moved_to: with "moved", the worker id the controller chose.
-        kv: with "moved", the sequence's KV when it was moved with it (None when it had none).
+        kv: with "moved", a handle to the sequence's KV when it was moved with it (None when it had none).
+        predicted_output_tokens: with "moved", the bound the sequence had when it left (raised by
+            overruns), so that the target plans with it instead of the first prediction.
         error: with "error", what went wrong.
         metrics: on the last event, the request's timings on this worker.
     """
@@ -96,7 +107,8 @@ class WorkEvent:
     num_prompt_tokens: int
     num_output_tokens: int
     moved_to: str | None = None
-    kv: ExportedKV | None = None
+    kv: KVHandle | None = None
+    predicted_output_tokens: int | None = None
     error: str | None = None
     metrics: WorkMetrics | None = None
 

@@ -16,14 +16,16 @@ dies, the next `await ref` raises `ray.exceptions.RayActorError`.
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from workers.engine import Engine, EngineConfig
-from workers.engine_loop import EngineLoop, WorkEvent, WorkerStats, WorkRequest
-from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, make_tiny_model, resolve_model_dir
-from workers.policies import make_policy
+import ray
+
+from workers.engine_config import EngineConfig
+from workers.models import DEFAULT_MODEL
+from workers.policies import POLICIES, S3Policy, SchedulingPolicy, make_policy
 from workers.runtime import DTYPE_CHOICES, resolve_dtype, tune_cpu_runtime
+from workers.work_types import WorkEvent, WorkerStats, WorkRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +38,8 @@ class WorkerSettings:
         tiny_model_seed: when set, a tiny random Llama (`make_tiny_model(seed)`) instead of `model`: fast tests.
         tiny_model_init_std: when set with tiny_model_seed, the tiny model's matrices are redrawn at this
             std, so that its tokens depend on the whole context (at its default init it echoes the last token).
-        policy: scheduling policy name (max_reserve, paged_greedy, s3, s3_peak, oracle).
-        bucket_tokens: s3/s3_peak length-bucket width; None keeps the policy's default.
+        policy: scheduling policy name (`workers.policies.POLICIES`).
+        bucket_tokens: s3/s3_peak length-bucket width; None: max_model_len / 10, as the controller plans.
         kv_cache_bytes: KV-cache budget; sets the number of blocks.
         block_size: tokens per KV block.
         max_num_seqs: most sequences running at once.
@@ -71,19 +73,27 @@ class WorkerSettings:
             raise ValueError(f"num_torch_threads must be >= 1 or None, got {self.num_torch_threads}")
         if self.tiny_model_init_std is not None and self.tiny_model_init_std <= 0:
             raise ValueError(f"tiny_model_init_std must be > 0 or None, got {self.tiny_model_init_std}")
-        if self.bucket_tokens is not None and self.policy not in ("s3", "s3_peak"):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.bucket_tokens is not None and not issubclass(POLICIES[self.policy], S3Policy):
             raise ValueError(f"bucket_tokens applies to the s3 and s3_peak policies, not {self.policy!r}")
         # Fail in the caller's process, not later inside the actor.
-        make_policy(self.policy, **self._policy_kwargs())
+        self.make_policy()
         EngineConfig(self.kv_cache_bytes, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
                      self.max_model_len)
 
-    def _policy_kwargs(self) -> dict:
-        return {} if self.bucket_tokens is None else {"bucket_tokens": self.bucket_tokens}
+    def make_policy(self) -> SchedulingPolicy:
+        """The worker's policy, built as the controller builds its own (same registry, same buckets)."""
+        kwargs = {} if self.bucket_tokens is None else {"bucket_tokens": self.bucket_tokens}
+        return make_policy(self.policy, max_model_len=self.max_model_len, **kwargs)
 
 
-def build_engine(settings: WorkerSettings) -> Engine:
-    """Load the model (or build the tiny one) and wrap it in an engine with the settings' policy."""
+def build_engine(settings: WorkerSettings):
+    """Load the model (or build the tiny one) and wrap it in an `Engine` with the settings' policy."""
+    # Here, not at the top: the controller imports this module to start workers and must not load torch.
+    from workers.engine import Engine
+    from workers.models import load_model, load_tokenizer, make_tiny_model, resolve_model_dir
+
     dtype = resolve_dtype(settings.dtype, "cpu")
     tokenizer = None
     if settings.tiny_model_seed is not None:
@@ -101,7 +111,7 @@ def build_engine(settings: WorkerSettings) -> Engine:
         max_model_len=settings.max_model_len,
         use_fast_path=settings.use_fast_path,
     )
-    return Engine(model, config, tokenizer=tokenizer, policy=make_policy(settings.policy, **settings._policy_kwargs()))
+    return Engine(model, config, tokenizer=tokenizer, policy=settings.make_policy())
 
 
 class WorkerActor:
@@ -113,6 +123,8 @@ class WorkerActor:
     """
 
     def __init__(self, worker_id: str, settings: WorkerSettings) -> None:
+        from workers.engine_loop import EngineLoop
+
         tune_cpu_runtime(settings.num_torch_threads)
         self.worker_id = worker_id
         self._loop = EngineLoop(build_engine(settings), worker_id)
@@ -122,10 +134,16 @@ class WorkerActor:
         return self._loop.stats()
 
     async def generate(self, request: WorkRequest) -> AsyncIterator[WorkEvent]:
-        """Stream the request's events (a Ray streaming generator); ValueError for a refused request."""
+        """Stream the request's events (a Ray streaming generator); ValueError for a refused request.
+
+        A "moved" event carries its KV as an object ref (`ray.put` here): the target worker fetches
+        it from this worker's object store, and the router in between holds only the ref.
+        """
         # aclosing: when Ray closes this generator, the loop's generator closes now and aborts the request.
         async with contextlib.aclosing(self._loop.generate(request)) as events:
             async for event in events:
+                if event.kv is not None:
+                    event = replace(event, kv=ray.put(event.kv))
                 yield event
 
     async def abort(self, request_id: str) -> bool:
