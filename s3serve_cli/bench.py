@@ -94,6 +94,23 @@ def _bench_peers(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_control_plane(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from benchmarks import control_plane_bench
+
+    config = control_plane_bench.ControlPlaneBenchConfig()
+    overrides = {"run_service": not args.no_service}
+    for field, value in (("worker_counts", args.workers), ("num_placements", args.placements),
+                         ("concurrency", args.concurrency), ("step_s", args.step_s), ("offered_per_s", args.offered)):
+        if value is not None:
+            overrides[field] = tuple(value) if isinstance(value, list) else value
+    if args.quick:
+        overrides.setdefault("num_placements", 3000)
+    control_plane_bench.run(replace(config, **overrides), args.model, args.model_cache_dir, args.json)
+    return 0
+
+
 def _bench_predictor(args: argparse.Namespace) -> int:
     from benchmarks import predictor_bench
 
@@ -253,6 +270,33 @@ def add_bench_parser(commands) -> None:
     peers.add_argument("--log-dir", type=Path, default=None, help="where vLLM's logs go (default: a temp dir)")
     peers.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     peers.set_defaults(handler=_bench_peers)
+
+    control = benches.add_parser(
+        "control-plane",
+        help="controller placements/s and place latency at 16, 256, 1,024 simulated workers; the service's overhead",
+        description="Placement: the controller's logic (ControlPlane, as the actor runs it) over the real embedded "
+                    "Redis and many simulated workers (no model; each holds a request's blocks for a configurable "
+                    "step time per output token), while releases and the controller's own polling loop run: "
+                    "capacity (placements/s from concurrent simulated routers placing back to back) and place "
+                    "latency p50/p99 under Poisson arrivals (--offered, at most 90% of the capacity) per pool "
+                    "size. Overhead: the real service (one SmolLM2 worker) answering 40 sequential requests and "
+                    "5 bursts of 32, from its x-s3-overhead-ms header (router + predictor + placement).",
+    )
+    add_model_args(control)
+    control.add_argument("--workers", type=int, nargs="+", default=None, metavar="N",
+                         help="simulated pool sizes (default 16 256 1024)")
+    control.add_argument("--placements", type=int, default=None, help="placements per pool size (default 5000)")
+    control.add_argument("--concurrency", type=int, default=None,
+                         help="simulated routers placing back to back in the capacity run (default 8)")
+    control.add_argument("--offered", type=float, default=None, metavar="PER_S",
+                         help="arrival rate of the latency run (default 2000 placements/s; capped at 90%% of "
+                              "the capacity measured just before)")
+    control.add_argument("--step-s", type=float, default=None,
+                         help="simulated seconds per generated token (default 0.001)")
+    control.add_argument("--no-service", action="store_true", help="skip the real service's overhead")
+    control.add_argument("--quick", action="store_true", help="3000 placements per pool size")
+    control.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    control.set_defaults(handler=_bench_control_plane)
 
     predictor = benches.add_parser(
         "predictor",

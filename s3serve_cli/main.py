@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from s3serve_cli.args import add_label_args, add_model_args
+from workers.policies import SERVING_POLICY_NAMES
 from s3serve_cli.bench import add_bench_parser
 
 
@@ -96,7 +97,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--num-workers", type=int, default=None, help="worker actors, one engine each (default 1)")
     serve.add_argument("--min-workers", type=int, default=None, help="autoscaling floor (default: --num-workers)")
     serve.add_argument("--max-workers", type=int, default=None, help="autoscaling ceiling (default: --num-workers)")
-    serve.add_argument("--policy", default=None, choices=["s3", "s3_peak", "max_reserve", "paged_greedy"],
+    serve.add_argument("--policy", default=None, choices=SERVING_POLICY_NAMES,
                        help="KV reservation policy of placement and workers (default s3)")
     serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights and KV dtype of the workers (default auto: bfloat16 where the CPU has "

@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from cluster.control.placement import (PendingRequest, ScalingPolicy, WorkerBudget, blocks_for, first_fit_decreasing,
-                               migration_target)
+from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, blocks_for, first_fit_decreasing,
+                                       migration_target, roomiest_fit)
+from cluster.control.scaling import ScalingPolicy
 
 
 def make_workers(*free_blocks: int, total: int = 100) -> list[WorkerBudget]:
@@ -261,3 +262,27 @@ def test_pool_outside_bounds_goes_straight_to_them():
     policy = ScalingPolicy(min_workers=3, max_workers=5)
     assert decide(policy, 0) == 3
     assert decide(policy, 9, num_free_blocks_total=900) == 5
+
+
+def test_roomiest_fit_is_what_first_fit_decreasing_picks_for_one_request():
+    rng = random.Random(7)
+    for _ in range(300):
+        workers = [WorkerBudget(f"w{i:02d}", 40, rng.randint(0, 40)) for i in range(rng.randint(0, 12))]
+        blocks = rng.randint(1, 40)
+        chosen = first_fit_decreasing([PendingRequest("r", blocks, 0.0)], workers)
+        assert roomiest_fit(blocks, {w.worker_id: w.num_free_blocks for w in workers}) == chosen.get("r")
+
+
+def test_room_index_answers_like_roomiest_fit_through_random_changes():
+    rng = random.Random(11)
+    index = RoomIndex()
+    for _ in range(3000):
+        worker_id = f"w{rng.randint(0, 30):02d}"
+        if rng.random() < 0.1:
+            index.remove(worker_id)
+        else:
+            index.set(worker_id, rng.randint(0, 64))
+        blocks = rng.randint(1, 64)
+        exclude = worker_id if rng.random() < 0.2 else None
+        free = {w: f for w, f in index.free().items() if w != exclude}
+        assert index.roomiest(blocks, exclude=exclude) == roomiest_fit(blocks, free)

@@ -1,14 +1,15 @@
-"""Controller state in the real embedded Redis: round trips, indices, persistence across restarts."""
+"""Controller state in the real embedded Redis through the asyncio store: round trips, indices, restarts, the ledger."""
 
+import asyncio
 import dataclasses
 import random
-import threading
 
 import pytest
-import redis
 
-from cluster.control.redis_server import EmbeddedRedis, connect
-from cluster.control.store import ControllerStore, RequestRecord, WorkerRecord
+from cluster.control.ledger import Ledger
+from cluster.control.messages import RequestRecord, WorkerRecord
+from cluster.control.redis_server import EmbeddedRedis, connect, connect_async
+from cluster.control.store import ControllerStore
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +19,20 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture
-def store(server):
-    client = connect(server.url)
-    client.flushdb()
-    return ControllerStore(client)
+def run(server):
+    """run(fn): fn(store) in a fresh event loop over a flushed database (clients belong to one loop)."""
+    connect(server.url).flushdb()
+
+    def runner(fn, **client_options):
+        async def main():
+            client = connect_async(server.url, **client_options)
+            try:
+                return await fn(ControllerStore(client))
+            finally:
+                await client.aclose()
+        return asyncio.run(main())
+
+    return runner
 
 
 def make_worker(worker_id: str = "w0", state: str = "ready") -> WorkerRecord:
@@ -33,104 +44,104 @@ def make_request(request_id: str = "r0", worker_id: str | None = None, state: st
                  num_reserved_blocks: int = 0, created_s: float = 1.5) -> RequestRecord:
     return RequestRecord(request_id=request_id, worker_id=worker_id, num_prompt_tokens=40, max_tokens=256,
                          predicted_output_tokens=96, num_reserved_blocks=num_reserved_blocks, state=state,
-                         num_attempts=1, created_s=created_s, payload='{"prompt_token_ids": [1, 2, 3]}')
+                         num_attempts=1, created_s=created_s)
 
 
-def test_worker_round_trip_and_removal(store):
-    assert store.workers() == []
-    store.put_worker(make_worker("w1", state="starting"))
-    store.put_worker(make_worker("w0"))
-    assert [w.worker_id for w in store.workers()] == ["w0", "w1"]
-    assert store.get_worker("w1") == make_worker("w1", state="starting")
-    store.put_worker(make_worker("w1"))  # state change replaces the record
-    assert store.get_worker("w1").state == "ready"
-    assert len(store.workers()) == 2
-    store.remove_worker("w1")
-    assert store.workers() == [make_worker("w0")]
-    assert store.get_worker("w1") is None
+def test_worker_round_trip_and_removal(run):
+    async def check(store):
+        assert await store.workers() == []
+        await store.put_worker(make_worker("w1", state="starting"))
+        await store.put_worker(make_worker("w0"))
+        assert [w.worker_id for w in await store.workers()] == ["w0", "w1"]
+        await store.put_worker(make_worker("w1"))  # a state change replaces the record
+        assert [w.state for w in await store.workers()] == ["ready", "ready"]
+        await store.remove_worker("w1")
+        assert await store.workers() == [make_worker("w0")]
+    run(check)
 
 
-def test_request_round_trip_keeps_every_field(store):
-    record = make_request("a:b/c", worker_id="w0", state="placed", num_reserved_blocks=9, created_s=0.1 + 0.2)
-    store.put_request(record)
-    assert store.get_request("a:b/c") == record
-    assert store.get_request("missing") is None
-    pending = make_request("p")
-    store.put_request(pending)
-    assert store.get_request("p").worker_id is None
+def test_request_round_trip_keeps_every_field(run):
+    async def check(store):
+        record = make_request("a:b/c", worker_id="w0", state="placed", num_reserved_blocks=9, created_s=0.1 + 0.2)
+        await store.put_request(record)
+        assert await store.get_request("a:b/c") == record
+        assert await store.get_request("missing") is None
+        await store.put_request(make_request("p"))
+        assert (await store.get_request("p")).worker_id is None
+    run(check)
 
 
-def test_state_and_worker_indices_follow_updates(store):
-    store.put_request(make_request("r0", created_s=2.0))
-    store.put_request(make_request("r1", created_s=1.0))
-    assert [r.request_id for r in store.requests("pending")] == ["r1", "r0"]  # oldest first
-    placed = make_request("r0", worker_id="w0", state="placed", num_reserved_blocks=8, created_s=2.0)
-    store.put_request(placed)
-    assert [r.request_id for r in store.requests("pending")] == ["r1"]
-    assert store.requests("placed") == [placed]
-    assert store.requests_on("w0") == [placed]
-    # Migration: the request leaves w0's index and enters w1's.
-    moved = dataclasses.replace(placed, worker_id="w1", num_attempts=2)
-    store.put_request(moved)
-    assert store.requests_on("w0") == []
-    assert store.requests_on("w1") == [moved]
-    # Requeue: back to pending with no worker.
-    requeued = dataclasses.replace(moved, worker_id=None, state="pending", num_reserved_blocks=0)
-    store.put_request(requeued)
-    assert store.requests_on("w1") == []
-    assert {r.request_id for r in store.requests("pending")} == {"r0", "r1"}
-    assert store.requests("placed") == []
-    assert len(store.requests()) == 2
+def test_state_and_worker_indices_follow_updates(run):
+    async def check(store):
+        await store.put_request(make_request("r0", created_s=2.0))
+        await store.put_request(make_request("r1", created_s=1.0))
+        assert [r.request_id for r in await store.requests("pending")] == ["r1", "r0"]  # oldest first
+        placed = make_request("r0", worker_id="w0", state="placed", num_reserved_blocks=8, created_s=2.0)
+        await store.put_request(placed)
+        assert [r.request_id for r in await store.requests("pending")] == ["r1"]
+        assert await store.requests("placed") == [placed]
+        assert await store.requests_on("w0") == [placed]
+        moved = dataclasses.replace(placed, worker_id="w1", num_attempts=2)  # a migration
+        await store.put_request(moved)
+        assert await store.requests_on("w0") == [] and await store.requests_on("w1") == [moved]
+        requeued = dataclasses.replace(moved, worker_id=None, state="pending", num_reserved_blocks=0)
+        await store.put_request(requeued)
+        assert await store.requests_on("w1") == [] and await store.requests("placed") == []
+        assert {r.request_id for r in await store.requests("pending")} == {"r0", "r1"}
+        with pytest.raises(ValueError, match="got 'running'"):
+            await store.requests("running")
+    run(check)
 
 
-def test_requests_on_filters_by_state(store):
-    store.put_request(make_request("a", worker_id="w0", state="placed", num_reserved_blocks=3))
-    store.put_request(make_request("b", worker_id="w0", state="finished", num_reserved_blocks=3))
-    assert {r.request_id for r in store.requests_on("w0")} == {"a", "b"}
-    assert [r.request_id for r in store.requests_on("w0", state="placed")] == ["a"]
-    with pytest.raises(ValueError, match="state must be one of"):
-        store.requests_on("w0", state="running")
-    with pytest.raises(ValueError, match="got 'running'"):
-        store.requests("running")
+def test_delete_with_counter_and_sample_leaves_no_index_behind(run):
+    async def check(store):
+        await store.put_request(make_request("r0", worker_id="w0", state="placed", num_reserved_blocks=4))
+        await store.delete_request("r0", counter="finished_stop", stream=("s3:test:samples", {"n": 1}, 10))
+        await store.delete_request("r0")  # a no-op the second time
+        assert await store.get_request("r0") is None and await store.requests() == []
+        assert await store.counters() == {"finished_stop": 1}
+        assert await store.client.xlen("s3:test:samples") == 1
+        keys = set(await store.client.keys("s3:ctl:*"))
+        assert keys == {"s3:ctl:counters"}, keys
+    run(check)
 
 
-def test_delete_request_clears_its_indices(store):
-    store.put_request(make_request("r0", worker_id="w0", state="placed", num_reserved_blocks=4))
-    store.delete_request("r0")
-    assert store.get_request("r0") is None
-    assert store.requests() == []
-    assert store.requests_on("w0") == []
-    assert store.reserved_blocks_by_worker() == {}
-    store.delete_request("r0")  # no-op the second time
-    keys = set(store.client.keys("*"))
-    assert keys == set(), keys  # no index left behind
+def test_each_state_change_is_one_round_trip(run, server):
+    """The Lua scripts replace WATCH/HMGET/MULTI: Redis sees one EVALSHA per change, and no WATCH at all."""
+    async def check(store):
+        await store.put_request(make_request("warm"))  # loads the script once
+        admin = connect(server.url)
+        admin.config_resetstat()
+        await store.put_request(make_request("r0"))
+        await store.put_request(make_request("r0", worker_id="w0", state="placed", num_reserved_blocks=3))
+        await store.delete_request("r0", counter="finished_stop")
+        stats = admin.info("commandstats")
+        calls = {name.removeprefix("cmdstat_"): value["calls"] for name, value in stats.items()}
+        assert calls.get("evalsha") == 3 and "watch" not in calls and "multi" not in calls, calls
+    run(check)
 
 
-def test_reserved_blocks_sum_placed_requests_only(store):
-    store.put_request(make_request("a", worker_id="w0", state="placed", num_reserved_blocks=5))
-    store.put_request(make_request("b", worker_id="w0", state="placed", num_reserved_blocks=7))
-    store.put_request(make_request("c", worker_id="w1", state="placed", num_reserved_blocks=3))
-    store.put_request(make_request("d", worker_id="w1", state="finished", num_reserved_blocks=100))
-    store.put_request(make_request("e", state="pending", num_reserved_blocks=0))
-    assert store.reserved_blocks_by_worker() == {"w0": 12, "w1": 3}
+def test_counters_and_config(run):
+    async def check(store):
+        assert await store.counters() == {}
+        assert await store.incr("migrations") == 1 and await store.incr("migrations", 2) == 3
+        assert await store.counters() == {"migrations": 3}
+        assert await store.get_config() is None
+        await store.set_config('{"policy": "s3"}')
+        assert await store.get_config() == '{"policy": "s3"}'
+    run(check)
 
 
-def test_counters(store):
-    assert store.counters() == {}
-    assert store.incr("migrations") == 1
-    assert store.incr("migrations", 2) == 3
-    assert store.incr("requeues") == 1
-    assert store.counters() == {"migrations": 3, "requeues": 1}
-
-
-def test_prefixes_keep_stores_apart(store):
-    other = ControllerStore(store.client, prefix="other")
-    store.put_request(make_request("r0"))
-    store.incr("overruns")
-    assert other.requests() == [] and other.counters() == {}
-    assert all(key.startswith("s3:") for key in store.client.keys("*"))
-    with pytest.raises(ValueError, match="prefix"):
-        ControllerStore(store.client, prefix="")
+def test_prefixes_keep_stores_apart(run):
+    async def check(store):
+        other = ControllerStore(store.client, prefix="other")
+        await store.put_request(make_request("r0"))
+        await store.incr("overruns")
+        assert await other.requests() == [] and await other.counters() == {}
+        assert all(key.startswith("s3:") for key in await store.client.keys("*"))
+        with pytest.raises(ValueError, match="prefix"):
+            ControllerStore(store.client, prefix="")
+    run(check)
 
 
 def test_records_validate_their_fields():
@@ -138,69 +149,93 @@ def test_records_validate_their_fields():
         make_worker(state="gone")
     with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
         dataclasses.replace(make_worker(), block_size=0)
-    with pytest.raises(ValueError, match="got 'running'"):
-        make_request(state="running")
+    with pytest.raises(ValueError, match="got 'finished'"):
+        make_request(state="finished")
     with pytest.raises(ValueError, match="num_reserved_blocks must be >= 0, got -1"):
         make_request(num_reserved_blocks=-1)
     with pytest.raises(ValueError, match="worker_id must be None or non-empty"):
         make_request(worker_id="")
+    with pytest.raises(ValueError, match="a placed request needs a worker_id"):
+        make_request(state="placed")
 
 
-def test_state_survives_a_redis_restart_and_the_store_keeps_working(server, store):
-    store.put_worker(make_worker("w0"))
-    placed = make_request("r0", worker_id="w0", state="placed", num_reserved_blocks=6)
-    store.put_request(placed)
-    store.incr("migrations")
-    server.restart()
-    assert store.ping()
-    assert store.workers() == [make_worker("w0")]
-    assert store.get_request("r0") == placed
-    assert store.reserved_blocks_by_worker() == {"w0": 6}
-    assert store.counters() == {"migrations": 1}
-    store.put_request(dataclasses.replace(placed, state="finished"))
-    assert store.requests("finished")[0].request_id == "r0"
+def test_state_survives_a_redis_restart_and_the_store_keeps_working(run, server):
+    async def check(store):
+        await store.put_worker(make_worker("w0"))
+        placed = make_request("r0", worker_id="w0", state="placed", num_reserved_blocks=6)
+        await store.put_request(placed)
+        await store.incr("migrations")
+        await asyncio.get_running_loop().run_in_executor(None, server.restart)
+        assert await store.ping()
+        assert await store.workers() == [make_worker("w0")]
+        assert await store.get_request("r0") == placed  # the script cache was flushed: reloaded transparently
+        await store.put_request(dataclasses.replace(placed, num_reserved_blocks=7))
+        assert (await store.requests("placed"))[0].num_reserved_blocks == 7
+        assert await store.counters() == {"migrations": 1}
+    run(check)
 
 
 def test_ping_is_false_when_redis_is_gone(tmp_path):
-    with EmbeddedRedis(tmp_path) as embedded:
-        store = ControllerStore(connect(embedded.url, max_retry_s=0.2))
-        assert store.ping()
-    assert not store.ping()
+    async def check():
+        with EmbeddedRedis(tmp_path) as embedded:
+            store = ControllerStore(connect_async(embedded.url, max_retry_s=0.2, socket_timeout_s=0.5))
+            assert await store.ping()
+        assert not await store.ping()
+    asyncio.run(check())
 
 
-def test_bytes_client_works_too(server, store):
-    raw = ControllerStore(redis.Redis.from_url(server.url))
-    raw.put_request(make_request("r0", worker_id="w0", state="placed", num_reserved_blocks=2))
-    assert store.get_request("r0") == raw.get_request("r0")
-    assert raw.reserved_blocks_by_worker() == {"w0": 2}
+def test_concurrent_writers_never_leave_indices_inconsistent(run):
+    async def check(store):
+        async def churn(seed: int) -> None:
+            rng = random.Random(seed)
+            for _ in range(150):
+                state = rng.choice(("pending", "placed"))
+                worker_id = rng.choice(["w0", "w1", "w2"]) if state == "placed" else None
+                record = make_request(f"r{rng.randint(0, 2)}", worker_id=worker_id, state=state,
+                                      num_reserved_blocks=rng.randint(0, 9))
+                if rng.random() < 0.2:
+                    await store.delete_request(record.request_id)
+                else:
+                    await store.put_request(record)
+
+        await asyncio.gather(*(churn(seed) for seed in range(3)))
+        records = await store.requests()
+        for state in ("pending", "placed"):
+            assert {r.request_id for r in await store.requests(state)} == {
+                r.request_id for r in records if r.state == state}
+        for worker_id in ("w0", "w1", "w2"):
+            assert {r.request_id for r in await store.requests_on(worker_id)} == {
+                r.request_id for r in records if r.worker_id == worker_id}
+    run(check)
 
 
-def test_concurrent_writers_never_leave_indices_inconsistent(server, store):
-    states = ("pending", "placed", "finished", "cancelled")
+def test_ledger_reads_memory_writes_through_and_rebuilds_from_redis(run):
+    async def check(store):
+        ledger = Ledger(store)
+        await ledger.put(make_request("a", worker_id="w0", state="placed", num_reserved_blocks=5))
+        await ledger.put(make_request("b", worker_id="w0", state="placed", num_reserved_blocks=7))
+        await ledger.put(make_request("c", worker_id="w1", state="placed", num_reserved_blocks=3))
+        await ledger.put(make_request("d"))
+        assert ledger.reserved_by_worker() == {"w0": 12, "w1": 3}
+        await ledger.put(dataclasses.replace(ledger.get("b"), worker_id="w1"))  # moved
+        await ledger.remove("a")
+        assert ledger.reserved_by_worker() == {"w1": 10}
+        rebuilt = Ledger(store)
+        await rebuilt.load()
+        assert rebuilt.reserved_by_worker() == {"w1": 10} and len(rebuilt) == 3
+    run(check)
 
-    def churn(seed: int) -> None:
-        rng = random.Random(seed)
-        writer = ControllerStore(connect(server.url))
-        for _ in range(150):
-            state = rng.choice(states)
-            worker_id = rng.choice(["w0", "w1", "w2"]) if state == "placed" else None
-            writer.put_request(make_request(f"r{rng.randint(0, 2)}", worker_id=worker_id, state=state,
-                                            num_reserved_blocks=rng.randint(0, 9)))
 
-    threads = [threading.Thread(target=churn, args=(seed,)) for seed in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    records = store.requests()
-    assert sorted(r.request_id for r in records) == ["r0", "r1", "r2"]
-    for state in states:
-        assert {r.request_id for r in store.requests(state)} == {r.request_id for r in records if r.state == state}
-    for worker_id in ("w0", "w1", "w2"):
-        assert {r.request_id for r in store.requests_on(worker_id)} == {
-            r.request_id for r in records if r.worker_id == worker_id}
-    expected: dict[str, int] = {}
-    for r in records:
-        if r.state == "placed":
-            expected[r.worker_id] = expected.get(r.worker_id, 0) + r.num_reserved_blocks
-    assert store.reserved_blocks_by_worker() == expected
+def test_a_failed_write_leaves_the_ledger_as_it_was(tmp_path):
+    async def check():
+        embedded = EmbeddedRedis(tmp_path)
+        url = embedded.start()
+        ledger = Ledger(ControllerStore(connect_async(url, max_retry_s=0.2, socket_timeout_s=0.5)))
+        await ledger.put(make_request("a", worker_id="w0", state="placed", num_reserved_blocks=5))
+        embedded.stop()
+        with pytest.raises(Exception):
+            await ledger.put(make_request("b", worker_id="w0", state="placed", num_reserved_blocks=9))
+        with pytest.raises(Exception):
+            await ledger.remove("a")
+        assert ledger.reserved_by_worker() == {"w0": 5} and ledger.get("b") is None and ledger.get("a") is not None
+    asyncio.run(check())

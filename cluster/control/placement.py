@@ -1,12 +1,12 @@
-"""Cluster placement policy: which worker takes a request, where an overrun moves, how many workers to run.
+"""Cluster placement: which worker takes a request, and where an overrun moves.
 
 Pure decisions over small dataclasses (no Ray, Redis or torch): the controller builds
-`WorkerBudget`s and `PendingRequest`s from its store, asks these functions, and carries out
+`WorkerBudget`s and `PendingRequest`s from its ledger, asks these functions, and carries out
 the answer. Sizes are KV blocks throughout; `blocks_for` converts tokens.
 """
 
-import math
-from collections.abc import Sequence
+import heapq
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 DEFAULT_MAX_WAIT_S = 5.0
@@ -122,6 +122,61 @@ def first_fit_decreasing(pending: Sequence[PendingRequest], workers: Sequence[Wo
     return placements
 
 
+def roomiest_fit(num_blocks: int, free_blocks: Mapping[str, int]) -> str | None:
+    """Where one request goes when nobody waits: what `first_fit_decreasing` picks for a single request (the
+    worker with the most free blocks, ties by worker id) if it fits, else None; O(workers), no objects built.
+
+    Args:
+        num_blocks: the request's reservation.
+        free_blocks: ready worker id -> free blocks.
+    """
+    best, best_free = None, -1
+    for worker_id, free in free_blocks.items():
+        if free > best_free or (free == best_free and worker_id < best):
+            best, best_free = worker_id, free
+    return best if best is not None and best_free >= num_blocks else None
+
+
+class RoomIndex:
+    """Free KV blocks per ready worker, kept up to date change by change, answering `roomiest_fit` in
+    O(log workers): a max-heap of (free blocks, worker id) whose stale entries are skipped when read.
+
+    The controller sets a worker's count whenever its reservations or stats change, and removes
+    workers that stop being ready; `roomiest(n)` is `roomiest_fit(n, self.free())` (tested).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[str, int] = {}
+        self._heap: list[tuple[int, str]] = []  # (-free, worker_id); an entry is live if it matches _free
+
+    def set(self, worker_id: str, free_blocks: int) -> None:
+        if self._free.get(worker_id) == free_blocks:
+            return
+        self._free[worker_id] = free_blocks
+        heapq.heappush(self._heap, (-free_blocks, worker_id))
+        if len(self._heap) > 4 * len(self._free) + 64:  # drop stale entries now and then
+            self._heap = [(-free, wid) for wid, free in self._free.items()]
+            heapq.heapify(self._heap)
+
+    def remove(self, worker_id: str) -> None:
+        self._free.pop(worker_id, None)
+
+    def free(self) -> dict[str, int]:
+        return dict(self._free)
+
+    def roomiest(self, num_blocks: int, exclude: str | None = None) -> str | None:
+        """The ready worker with the most free blocks (ties by id), if it fits `num_blocks`; else None."""
+        if exclude is not None:
+            return roomiest_fit(num_blocks, {w: f for w, f in self._free.items() if w != exclude})
+        heap = self._heap
+        while heap:
+            negative_free, worker_id = heap[0]
+            if self._free.get(worker_id) == -negative_free:
+                return worker_id if -negative_free >= num_blocks else None
+            heapq.heappop(heap)  # stale: the worker's count changed or it left
+        return None
+
+
 def migration_target(num_blocks: int, workers: Sequence[WorkerBudget], exclude_worker_id: str) -> str | None:
     """Where an overrunning sequence of `num_blocks` should move: the ready worker, other than
     `exclude_worker_id`, with the most free blocks (ties by worker id) if it fits, else None."""
@@ -132,81 +187,6 @@ def migration_target(num_blocks: int, workers: Sequence[WorkerBudget], exclude_w
     if not candidates:
         return None
     return min(candidates, key=lambda w: (-w.num_free_blocks, w.worker_id)).worker_id
-
-
-@dataclass(frozen=True, slots=True)
-class ScalingPolicy:
-    """How many workers the pool should run, decided from demand.
-
-    Hysteresis: the pool grows as soon as demand exceeds what it can take, but shrinks only
-    after nothing was pending for `scale_down_idle_s` and a whole worker's worth of blocks is
-    free, so a brief lull between bursts does not tear down a worker that is needed again.
-
-    Attributes:
-        min_workers: floor of the pool.
-        max_workers: ceiling of the pool.
-        scale_up_queue_depth: pending requests per worker above which a worker is added.
-        scale_down_idle_s: seconds with nothing pending before one worker is removed.
-        max_scale_up_step: most workers added by one decision (starting workers is slow and
-            asks for GPUs; a bounded step keeps a spike from over-provisioning).
-    """
-
-    min_workers: int
-    max_workers: int
-    scale_up_queue_depth: int = 4
-    scale_down_idle_s: float = 60.0
-    max_scale_up_step: int = 1
-
-    def __post_init__(self) -> None:
-        if self.min_workers < 0:
-            raise ValueError(f"min_workers must be >= 0, got {self.min_workers}")
-        if self.max_workers < max(1, self.min_workers):
-            raise ValueError(f"max_workers must be >= max(1, min_workers={self.min_workers}), got {self.max_workers}")
-        if self.scale_up_queue_depth < 1:
-            raise ValueError(f"scale_up_queue_depth must be >= 1, got {self.scale_up_queue_depth}")
-        if self.scale_down_idle_s < 0:
-            raise ValueError(f"scale_down_idle_s must be >= 0, got {self.scale_down_idle_s}")
-        if self.max_scale_up_step < 1:
-            raise ValueError(f"max_scale_up_step must be >= 1, got {self.max_scale_up_step}")
-
-    def desired_num_workers(self, num_workers: int, num_pending: int, num_pending_blocks: int,
-                            num_free_blocks_total: int, blocks_per_worker: int, idle_s: float) -> int:
-        """The pool size to aim for after this decision.
-
-        Args:
-            num_workers: workers running or starting now.
-            num_pending: requests waiting for placement.
-            num_pending_blocks: sum of their reservations, in blocks.
-            num_free_blocks_total: free blocks over all ready workers.
-            blocks_per_worker: KV blocks of one worker.
-            idle_s: seconds since a request was last pending (0 while some are).
-
-        Returns:
-            `num_workers` moved by at most `max_scale_up_step` up or one down, then clamped to
-            [min_workers, max_workers] (a pool outside the bounds goes straight to them).
-        """
-        for name, value in (("num_workers", num_workers), ("num_pending", num_pending),
-                            ("num_pending_blocks", num_pending_blocks),
-                            ("num_free_blocks_total", num_free_blocks_total), ("idle_s", idle_s)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if blocks_per_worker < 1:
-            raise ValueError(f"blocks_per_worker must be >= 1, got {blocks_per_worker}")
-
-        # Workers needed so that each holds at most scale_up_queue_depth pending requests, and
-        # workers needed on top of today's free room for the predicted blocks of the queue.
-        needed_for_queue = math.ceil(num_pending / self.scale_up_queue_depth)
-        missing_blocks = num_pending_blocks - num_free_blocks_total
-        needed_for_blocks = num_workers + math.ceil(missing_blocks / blocks_per_worker) if missing_blocks > 0 else 0
-        wanted = max(needed_for_queue, needed_for_blocks)
-        if num_pending > 0 and wanted > num_workers:
-            desired = min(wanted, num_workers + self.max_scale_up_step)
-        elif (num_pending == 0 and idle_s >= self.scale_down_idle_s
-              and num_free_blocks_total >= blocks_per_worker and num_workers > 0):
-            desired = num_workers - 1
-        else:
-            desired = num_workers
-        return min(self.max_workers, max(self.min_workers, desired))
 
 
 def _placement_order(pending: Sequence[PendingRequest], now_s: float | None,

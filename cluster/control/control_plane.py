@@ -1,0 +1,369 @@
+"""The control plane's logic, as plain asyncio code: placement, release, failover, rebalancing, scaling.
+
+`cluster.control.controller.Controller` (the Ray actor) wraps one `ControlPlane`;
+`bench control-plane` runs one in-process over simulated workers. Every decision is a
+pure function (`placement`, `scaling`, the policy's `planned_tokens`); this class moves
+data between them, the ledger, the worker pool and Redis, and never blocks its loop:
+
+    router --place()--> ledger (memory) --first-fit-decreasing--> Placement   one Redis write
+                        (no room: wait in `waiting`; placed as releases free blocks)
+    router --finish()-> ledger.remove + counter + training sample            one Redis round trip
+    run(): every stats_interval_s
+        poll stats --no answer--> requeue its requests (the routers re-place them), replace it
+                   --overrun----> plan its next bound, migration_target --> source.move_out(target)
+                   --load-------> ScalingPolicy --> start or retire workers
+        every 10 s: reconcile ledger entries no router or worker will release
+"""
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+from cluster.config import ServiceConfig
+from cluster.control.ledger import Ledger
+from cluster.control.messages import (ClusterStatus, Placement, PlacementTimeoutError, QueueFullError, RequestOutcome,
+                                      RequestRecord)
+from cluster.control.placement import (PendingRequest, RoomIndex, blocks_for, first_fit_decreasing,
+                                       migration_target)
+from cluster.control.scaling import ScalingPolicy
+from cluster.control.store import ControllerStore
+from cluster.control.worker_pool import WorkerBackend, WorkerPool
+from predictor_service.sample_stream import DEFAULT_STREAM_KEY, TrainingSample, sample_fields
+from workers.policies import make_policy
+from workers.work_types import WorkerStats
+
+logger = logging.getLogger(__name__)
+
+RECONCILE_INTERVAL_S = 10.0
+RECONCILE_GRACE_S = 30.0  # a just-placed request may not have reached its worker yet
+SAMPLES_MAX_ENTRIES = 100_000
+
+
+@dataclass(slots=True)
+class _Waiting:
+    request: PendingRequest
+    future: asyncio.Future
+    record: RequestRecord
+
+
+class ControlPlane:
+    """Cluster-wide placement over a pool of workers (see the module docstring).
+
+    Args:
+        config: the service's settings.
+        store: the Redis state (ledger, workers, counters).
+        backend: how workers are started and reached.
+        health_store: a store whose client gives up quickly, for /health (default: `store`).
+    """
+
+    def __init__(self, config: ServiceConfig, store: ControllerStore, backend: WorkerBackend,
+                 health_store: ControllerStore | None = None) -> None:
+        self.store = store
+        self.health_store = health_store or store
+        self.rooms = RoomIndex()  # free blocks per ready worker, for the one-request fast path
+        self.ledger = Ledger(store, on_change=self._refresh_room)
+        self.pool = WorkerPool(backend, store, config.block_size, on_ready=self._worker_ready)
+        self.waiting: dict[str, _Waiting] = {}
+        self.moving: dict[str, str] = {}  # request id -> target worker, until the target holds it
+        self.counters: dict[str, int] = {}
+        self._placed_s: dict[str, float] = {}  # request id -> when this controller placed it
+        self._last_reconcile_s = time.monotonic()
+        self._idle_since_s = time.monotonic()
+        self._tasks: set[asyncio.Task] = set()
+        self.adopt(config)
+
+    def adopt(self, config: ServiceConfig) -> None:
+        """Plan with `config` from now on (running workers keep their engine settings)."""
+        self.config = config
+        self.policy = make_policy(config.policy, max_model_len=config.max_model_len)
+        self.scaling = ScalingPolicy(config.min_workers_resolved, config.max_workers_resolved,
+                                     config.scale_up_queue_depth, config.scale_down_idle_s)
+
+    async def start(self) -> None:
+        """Rebuild from Redis (ledger, workers, counters), then start the workers that are missing."""
+        await self.ledger.load()
+        for worker_id in await self.pool.recover():
+            await self._worker_died(worker_id)
+        self.counters = await self.store.counters()
+        await self._replace_missing_workers()
+
+    async def run(self) -> None:
+        """The loop: one tick every stats_interval_s, forever; a failed tick (Redis restarting) is logged."""
+        while True:
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - the loop must outlive a bad tick
+                logger.exception("controller tick failed")
+            await asyncio.sleep(self.config.stats_interval_s)
+
+    # -- placement -----------------------------------------------------------------------
+
+    async def place(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+                    predicted_output_tokens: int | None, num_resumed_tokens: int = 0,
+                    exclude_worker_id: str | None = None) -> Placement:
+        """Reserve KV for a request on a worker (waiting for room); idempotent per request id.
+
+        `exclude_worker_id`: the worker a router lost the request's stream from; the request is
+        re-placed elsewhere when it fits at once (after checking whether that worker is gone).
+        """
+        existing = self.ledger.get(request_id)
+        if (existing is not None and existing.state == "placed" and existing.worker_id in self.pool.handles
+                and existing.worker_id != exclude_worker_id):
+            return Placement(request_id, existing.worker_id, self.pool.backend.actor_name(existing.worker_id),
+                             existing.num_reserved_blocks)
+        if exclude_worker_id is not None:
+            await self.report_failure(exclude_worker_id)
+        if request_id not in self.waiting and len(self.waiting) >= self.config.max_pending_placements:
+            raise QueueFullError(f"{len(self.waiting)} requests already wait for KV room")
+        tokens = self.policy.planned_tokens(num_prompt_tokens, num_resumed_tokens, max_tokens, predicted_output_tokens)
+        num_blocks = blocks_for(tokens, self.config.block_size)
+        largest = self.pool.largest_cache_blocks or num_blocks
+        num_blocks = max(1, min(num_blocks, largest))  # the worker's own policy copes with the rest
+        attempts = existing.num_attempts + 1 if existing is not None else 1
+        record = RequestRecord(request_id, None, num_prompt_tokens, max_tokens, predicted_output_tokens or 0,
+                               num_blocks, "pending", attempts, time.time())
+        pending = PendingRequest(request_id, num_blocks, time.monotonic())
+        if not self.waiting:  # fast path: nobody queued ahead, one write if it fits now
+            worker_id = self.rooms.roomiest(num_blocks, exclude=exclude_worker_id)
+            if worker_id is not None:
+                placed = replace(record, worker_id=worker_id, state="placed")
+                await self.ledger.put(placed)
+                return self._placement(placed, queued_s=0.0)
+        await self.ledger.put(record)
+        waiting = self.waiting.get(request_id)
+        if waiting is None:
+            waiting = _Waiting(pending, asyncio.get_running_loop().create_future(), record)
+            self.waiting[request_id] = waiting
+        await self._place_waiting()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiting.future), self.config.placement_timeout_s)
+        except asyncio.TimeoutError:
+            if self.waiting.pop(request_id, None) is not None:
+                await self.ledger.remove(request_id)
+            raise PlacementTimeoutError(
+                f"no worker had {num_blocks} free KV blocks within {self.config.placement_timeout_s:.0f} s") from None
+
+    def _placement(self, record: RequestRecord, queued_s: float) -> Placement:
+        self._placed_s[record.request_id] = time.monotonic()
+        return Placement(record.request_id, record.worker_id, self.pool.backend.actor_name(record.worker_id),
+                         record.num_reserved_blocks, queued_s)
+
+    async def _place_waiting(self) -> None:
+        """Place what waits and now fits. The choice and its reservations happen before the first await,
+        so concurrent calls never promise the same blocks."""
+        if not self.waiting:
+            return
+        pending = [w.request for w in self.waiting.values() if not w.future.done()]
+        chosen = first_fit_decreasing(pending, self.pool.budgets(self.ledger.reserved_blocks), now_s=time.monotonic())
+        staged = []
+        for request_id, worker_id in chosen.items():
+            waiting = self.waiting.pop(request_id)
+            placed = replace(waiting.record, worker_id=worker_id, state="placed")
+            staged.append((waiting, placed, self.ledger.stage(placed)))
+        results = await asyncio.gather(*(self.ledger.persist(placed, old) for _, placed, old in staged),
+                                       return_exceptions=True)
+        for (waiting, placed, _), result in zip(staged, results):
+            if waiting.future.done():
+                continue  # its caller gave up meanwhile; finish() or reconcile releases it
+            if isinstance(result, BaseException):
+                waiting.future.set_exception(result)
+            else:
+                waiting.future.set_result(self._placement(placed, time.monotonic() - waiting.request.arrival_s))
+
+    def _refresh_room(self, worker_id: str) -> None:
+        """Keep a worker's free-block count in the room index (a ledger change or new stats)."""
+        stats = self.pool.latest.get(worker_id)
+        if stats is None or not self.pool.is_ready(worker_id):
+            self.rooms.remove(worker_id)
+            return
+        held = max(self.ledger.reserved_blocks(worker_id), stats.num_reserved_blocks)
+        self.rooms.set(worker_id, max(0, stats.num_total_blocks - held))
+
+    def _refresh_rooms(self) -> None:
+        for worker_id in set(self.rooms.free()) | set(self.pool.latest):
+            self._refresh_room(worker_id)
+
+    def _worker_ready(self, worker_id: str) -> None:
+        self._refresh_room(worker_id)
+        task = asyncio.get_running_loop().create_task(self._place_waiting())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def finish(self, request_id: str, outcome: RequestOutcome | None = None) -> None:
+        """Release a request's reservation; a completed one becomes a training sample (one Redis round trip)."""
+        waiting = self.waiting.pop(request_id, None)
+        if waiting is not None and not waiting.future.done():
+            waiting.future.cancel()
+        self.moving.pop(request_id, None)
+        self._placed_s.pop(request_id, None)
+        reason = outcome.finish_reason if outcome is not None else "cancelled"
+        stream = None
+        if outcome is not None and outcome.num_output_tokens >= 1 and reason in ("stop", "length"):
+            sample = TrainingSample(request_id, outcome.prompt_text, outcome.num_prompt_tokens, outcome.max_tokens,
+                                    outcome.temperature, outcome.num_output_tokens, outcome.predicted_output_tokens)
+            stream = (DEFAULT_STREAM_KEY, sample_fields(sample), SAMPLES_MAX_ENTRIES)
+        counter = f"finished_{reason}"
+        await self.ledger.remove(request_id, counter=counter, stream=stream)
+        self.counters[counter] = self.counters.get(counter, 0) + 1
+        await self._place_waiting()
+
+    async def report_failure(self, worker_id: str) -> bool:
+        """A router lost a stream from this worker; True when the worker is indeed gone (its requests requeued)."""
+        handle = self.pool.handle(worker_id)
+        if handle is None:
+            return True
+        try:
+            await asyncio.wait_for(self.pool.backend.stats(handle), timeout=5.0)
+            return False
+        except Exception:  # noqa: BLE001 - dead, hung or unreachable all mean replace it
+            await self._worker_died(worker_id)
+            await self._replace_missing_workers()
+            return True
+
+    # -- the loop -----------------------------------------------------------------------
+
+    async def tick(self) -> None:
+        # Each phase walks every worker; yielding between them keeps placements from waiting behind all of them.
+        previous, failed = await self.pool.poll()
+        for worker_id in failed:
+            await self._worker_died(worker_id)
+        self._refresh_rooms()
+        await asyncio.sleep(0)
+        await self._count_worker_events(previous)
+        await self._replace_missing_workers()
+        self._settle_moves()
+        await asyncio.sleep(0)
+        await self._move_overruns()
+        if time.monotonic() - self._last_reconcile_s >= RECONCILE_INTERVAL_S:
+            await self._reconcile()
+        await self._place_waiting()
+        await asyncio.sleep(0)
+        await self._scale()
+
+    async def _worker_died(self, worker_id: str) -> None:
+        await self.pool.mark_dead(worker_id)
+        self.rooms.remove(worker_id)
+        requeued = 0
+        for record in self.ledger.on_worker(worker_id):
+            if record.state == "placed":
+                await self.ledger.put(replace(record, worker_id=None, state="pending"))
+                requeued += 1
+        if requeued:
+            await self._incr("requeues", requeued)
+        logger.warning("worker %s is gone; %d in-flight requests requeued", worker_id, requeued)
+
+    async def _replace_missing_workers(self) -> None:
+        while self.pool.num_workers < max(self.config.num_workers, self.config.min_workers_resolved) \
+                and self.pool.num_workers < self.config.max_workers_resolved:
+            await self.pool.start_worker()
+
+    async def _count_worker_events(self, previous: dict[str, WorkerStats | None]) -> None:
+        """Workers count since they started; the cluster's totals must survive a worker's death."""
+        for worker_id, before in previous.items():
+            now = self.pool.latest[worker_id]
+            for counter, attr in (("overruns", "num_overruns"), ("preemptions", "num_preemptions")):
+                delta = getattr(now, attr) - (getattr(before, attr) if before is not None else 0)
+                if delta > 0:
+                    await self._incr(counter, delta)
+
+    def _settle_moves(self) -> None:
+        """A move is done once the target holds the request (it may then overrun and move again)."""
+        for request_id, target in list(self.moving.items()):
+            stats = self.pool.latest.get(target)
+            if stats is None or request_id in stats.request_ids:
+                del self.moving[request_id]
+
+    async def _move_overruns(self) -> None:
+        block_size = self.config.block_size
+        for worker_id, stats in list(self.pool.latest.items()):
+            for report in stats.overruns:
+                record = self.ledger.get(report.request_id)
+                if report.request_id in self.moving or record is None or record.worker_id != worker_id:
+                    continue
+                bound = report.predicted_output_tokens or record.predicted_output_tokens or None
+                tokens = self.policy.planned_tokens(report.num_prompt_tokens, report.num_output_tokens,
+                                                    record.max_tokens, bound)
+                num_blocks = blocks_for(tokens, block_size)
+                target = migration_target(num_blocks, self.pool.budgets(self.ledger.reserved_blocks),
+                                          exclude_worker_id=worker_id)
+                handle = self.pool.handle(worker_id)
+                if target is None or handle is None:
+                    continue
+                with_kv = report.num_prompt_tokens + report.num_output_tokens >= self.config.migrate_kv_min_tokens
+                # Reserve on the target (with the bound it now carries) before the router resumes there.
+                await self.ledger.put(replace(record, worker_id=target, num_reserved_blocks=num_blocks,
+                                              predicted_output_tokens=bound or 0,
+                                              num_attempts=record.num_attempts + 1))
+                self.moving[report.request_id] = target
+                try:
+                    moved = await self.pool.backend.move_out(handle, report.request_id, target, with_kv)
+                except Exception:  # noqa: BLE001 - a dying source: the request stays where it is
+                    moved = False
+                if moved:
+                    await self._incr("migrations")
+                    logger.info("moving %s from %s to %s (%s)", report.request_id, worker_id, target,
+                                "with KV" if with_kv else "recompute")
+                else:
+                    await self.ledger.put(record)
+                    self.moving.pop(report.request_id, None)
+
+    async def _reconcile(self) -> None:
+        """Drop ledger entries nobody will release: a router that died, or a release call that was lost.
+
+        A placed request its worker does not hold, or a pending one no caller waits for, is
+        garbage once older than the grace period.
+        """
+        self._last_reconcile_s = now_s = time.monotonic()
+        held = {rid for stats in self.pool.latest.values() for rid in stats.request_ids}
+        wall_now_s = time.time()
+        for record in self.ledger.records():
+            rid = record.request_id
+            if record.state == "placed" and record.worker_id in self.pool.latest and rid not in held:
+                age_s = now_s - self._placed_s.get(rid, now_s - (wall_now_s - record.created_s))
+            elif record.state == "pending" and rid not in self.waiting:
+                age_s = wall_now_s - record.created_s
+            else:
+                continue
+            if age_s > RECONCILE_GRACE_S and rid not in self.moving:
+                self._placed_s.pop(rid, None)
+                await self.ledger.remove(rid, counter="reconciled")
+                self.counters["reconciled"] = self.counters.get("reconciled", 0) + 1
+
+    async def _scale(self) -> None:
+        pool, ready = self.pool, self.pool.ready_ids()
+        if any(pool.latest[w].num_running or pool.latest[w].num_waiting for w in ready) or self.waiting:
+            self._idle_since_s = time.monotonic()
+        pending_blocks = sum(w.request.num_blocks for w in self.waiting.values())
+        free = sum(self.rooms.free().values())
+        per_worker = max((pool.latest[w].num_total_blocks for w in ready), default=1)
+        desired = self.scaling.desired_num_workers(pool.num_workers, len(self.waiting), pending_blocks, free,
+                                                   per_worker, time.monotonic() - self._idle_since_s)
+        for _ in range(desired - pool.num_workers):
+            await pool.start_worker()
+        if desired < pool.num_workers:
+            idle = [w for w in ready if not pool.latest[w].request_ids]
+            for worker_id in idle[: pool.num_workers - desired]:
+                logger.info("retiring idle worker %s", worker_id)
+                await pool.mark_dead(worker_id)
+                self.rooms.remove(worker_id)
+                self._idle_since_s = time.monotonic()
+
+    async def _incr(self, counter: str, amount: int = 1) -> None:
+        self.counters[counter] = self.counters.get(counter, 0) + amount
+        await self.store.incr(counter, amount)
+
+    # -- status and shutdown -----------------------------------------------------------
+
+    async def status(self) -> ClusterStatus:
+        """From memory, plus one PING through the quick-to-give-up client."""
+        is_redis_ok = await self.health_store.ping()
+        workers = tuple(sorted(self.pool.records.values(), key=lambda r: r.worker_id))
+        stats = tuple(self.pool.latest[w] for w in self.pool.ready_ids())
+        return ClusterStatus(workers, stats, self.ledger.reserved_by_worker(), len(self.waiting),
+                             dict(self.counters), is_redis_ok)
+
+    async def shutdown(self) -> None:
+        """Stop every worker (they are detached: nothing else would)."""
+        for worker_id in list(self.pool.handles):
+            await self.pool.mark_dead(worker_id)

@@ -1,0 +1,217 @@
+"""The control plane without Ray: real embedded Redis, simulated workers (`benchmarks.simulated_workers`)."""
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from benchmarks.simulated_workers import SimulatedWorkerBackend
+from cluster.config import ServiceConfig
+from cluster.control import control_plane as plane_module
+from cluster.control.control_plane import ControlPlane
+from cluster.control.messages import PlacementTimeoutError, QueueFullError, RequestOutcome
+from cluster.control.redis_server import EmbeddedRedis, connect, connect_async
+from cluster.control.store import ControllerStore
+
+BLOCKS = 10  # per simulated worker
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as embedded:
+        yield embedded
+
+
+def config(**fields) -> ServiceConfig:
+    base = dict(num_workers=2, block_size=BLOCK_SIZE, policy="s3", max_model_len=1024, placement_timeout_s=5.0,
+                max_pending_placements=4, stats_interval_s=0.05, retrain=False)
+    base.update(fields)
+    return ServiceConfig(**base)
+
+
+@pytest.fixture
+def run(server):
+    """run(check): check(plane, backend) on a started control plane with 2 ready simulated workers."""
+    connect(server.url).flushdb()
+
+    def runner(check, backend=None, **fields):
+        async def main():
+            sim = backend or SimulatedWorkerBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE)
+            client = connect_async(server.url, max_retry_s=0.3, socket_timeout_s=1.0)
+            plane = ControlPlane(config(**fields), ControllerStore(client), sim)
+            await plane.start()
+            await until(lambda: len(plane.pool.ready_ids()) == plane.config.num_workers)
+            try:
+                return await check(plane, sim)
+            finally:
+                await client.aclose()
+        return asyncio.run(main())
+
+    return runner
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
+
+
+def outcome(n: int = 5) -> RequestOutcome:
+    return RequestOutcome("hi", 20, 200, 0.0, n, 40, "stop")
+
+
+def test_places_by_plan_first_fit_and_releases_in_one_write(run):
+    async def check(plane, sim):
+        # s3 plans prompt 20 + bound 40 = 60 tokens = 4 blocks of 16
+        first = await plane.place("a", 20, 200, 40)
+        assert first.num_reserved_blocks == 4 and first.worker_id in ("w1", "w2")
+        second = await plane.place("b", 20, 200, 40)
+        assert second.worker_id != first.worker_id  # first fit on the roomiest: the other one
+        stored = await plane.store.get_request("a")
+        assert stored.state == "placed" and stored.worker_id == first.worker_id
+        await plane.finish("a", outcome())
+        assert await plane.store.get_request("a") is None
+        assert plane.ledger.reserved_by_worker() == {second.worker_id: 4}
+        assert (await plane.status()).counters["finished_stop"] == 1
+        assert await plane.store.client.xlen("s3:predictor:samples") == 1  # a training sample
+    run(check)
+
+
+def test_a_request_waits_for_room_and_takes_it_when_a_release_frees_it(run):
+    async def check(plane, sim):
+        big = [await plane.place(f"big{i}", 20, 200, 140) for i in range(2)]  # 10 blocks each: both full
+        assert {p.worker_id for p in big} == {"w1", "w2"}
+        waiter = asyncio.get_running_loop().create_task(plane.place("late", 20, 200, 40))
+        await asyncio.sleep(0.05)
+        assert not waiter.done() and (await plane.store.get_request("late")).state == "pending"
+        await plane.finish("big0", outcome())
+        placement = await asyncio.wait_for(waiter, 2.0)
+        assert placement.worker_id == big[0].worker_id and placement.queued_s > 0
+    run(check)
+
+
+def test_a_full_queue_is_refused_and_a_timeout_leaves_nothing_behind(run):
+    async def check(plane, sim):
+        for i in range(2):
+            await plane.place(f"big{i}", 20, 200, 140)
+        waiters = [asyncio.get_running_loop().create_task(plane.place(f"w{i}", 20, 200, 40)) for i in range(4)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(QueueFullError, match="4 requests already wait"):
+            await plane.place("one-too-many", 20, 200, 40)
+        with pytest.raises(PlacementTimeoutError, match="no worker had 4 free KV blocks within 0 s"):
+            await asyncio.gather(*waiters)
+        await asyncio.sleep(0.3)
+        assert {r.request_id for r in await plane.store.requests()} == {"big0", "big1"}
+    run(check, placement_timeout_s=0.2)
+
+
+def test_a_restarted_control_plane_rebuilds_from_redis_and_answers_the_same(run, server):
+    async def check(plane, sim):
+        placement = await plane.place("a", 20, 200, 40)
+        client = connect_async(server.url)
+        restarted = ControlPlane(plane.config, ControllerStore(client), sim)
+        await restarted.start()  # finds both workers alive: starts none
+        assert sorted(restarted.pool.handles) == ["w1", "w2"] and len(sim.workers) == 2
+        await until(lambda: len(restarted.pool.ready_ids()) == 0 or True)
+        await restarted.tick()
+        again = await restarted.place("a", 20, 200, 40)  # a retried call: the same placement
+        assert (again.worker_id, again.num_reserved_blocks) == (placement.worker_id, placement.num_reserved_blocks)
+        assert restarted.ledger.reserved_by_worker() == {placement.worker_id: 4}
+        await client.aclose()
+    run(check)
+
+
+def test_a_dead_worker_is_replaced_and_its_requests_requeued_for_their_routers(run):
+    async def check(plane, sim):
+        placement = await plane.place("a", 20, 200, 40)
+        sim.kill_worker(placement.worker_id)
+        await plane.tick()
+        assert placement.worker_id not in plane.pool.handles
+        assert plane.ledger.get("a").state == "pending"  # the router re-places it
+        assert plane.counters["requeues"] == 1
+        await until(lambda: len(plane.pool.ready_ids()) == 2)  # replaced
+        again = await plane.place("a", 20, 200, 40, num_resumed_tokens=10, exclude_worker_id=placement.worker_id)
+        assert again.worker_id != placement.worker_id and plane.ledger.get("a").num_attempts == 2
+        dead = [r for r in (await plane.status()).workers if r.state == "dead"]
+        assert [r.worker_id for r in dead] == [placement.worker_id]
+    run(check)
+
+
+def test_an_overrun_moves_with_its_raised_bound_and_may_move_again(run):
+    async def check(plane, sim):
+        placement = await plane.place("a", 20, 200, 40)
+        source = placement.worker_id
+        target = "w2" if source == "w1" else "w1"
+        # The worker preempted it at 41 tokens and raised its bound to 100 (next bucket edge).
+        sim.report_overrun(source, "a", 20, 41, 100, 8)
+        await plane.tick()
+        assert sim.moves == [("a", source, target, True)]
+        record = plane.ledger.get("a")
+        assert (record.worker_id, record.predicted_output_tokens) == (target, 100)
+        assert record.num_reserved_blocks == 8  # planned by the policy's rule: 20 + 100 tokens
+        assert plane.counters["migrations"] == 1 and "a" in plane.moving
+        sim.workers[target].held["a"] = 8  # the router resumed it there
+        await plane.tick()  # the target holds it: the move is settled
+        assert "a" not in plane.moving
+        sim.report_overrun(target, "a", 20, 101, 120, 9)  # overran again: bound 120, 9 blocks
+        await plane.tick()
+        assert sim.moves[-1] == ("a", target, source, True)  # moved a second time
+        assert plane.ledger.get("a").predicted_output_tokens == 120
+    run(check)
+
+
+def test_reconcile_drops_entries_no_router_or_worker_will_release(run, monkeypatch):
+    monkeypatch.setattr(plane_module, "RECONCILE_GRACE_S", 0.0)
+    monkeypatch.setattr(plane_module, "RECONCILE_INTERVAL_S", 0.0)
+
+    async def check(plane, sim):
+        await plane.place("orphan", 20, 200, 40)  # its router died before reaching the worker
+        held = await plane.place("held", 20, 200, 40)
+        sim.workers[held.worker_id].held["held"] = held.num_reserved_blocks
+        await plane.tick()
+        assert plane.ledger.get("orphan") is None and plane.ledger.get("held") is not None
+        assert plane.counters["reconciled"] == 1 and await plane.store.get_request("orphan") is None
+    run(check)
+
+
+def test_with_redis_down_placement_fails_fast_and_changes_nothing(tmp_path):
+    async def check():
+        embedded = EmbeddedRedis(tmp_path)
+        url = embedded.start()
+        client = connect_async(url, max_retry_s=0.3, socket_timeout_s=0.5)
+        sim = SimulatedWorkerBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE)
+        plane = ControlPlane(config(), ControllerStore(client), sim)
+        await plane.start()
+        await until(lambda: len(plane.pool.ready_ids()) == 2)
+        await plane.place("a", 20, 200, 40)
+        before = plane.ledger.reserved_by_worker()
+        embedded.stop()
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(Exception):
+            await plane.place("b", 20, 200, 40)
+        assert asyncio.get_running_loop().time() - started < 3.0
+        assert plane.ledger.reserved_by_worker() == before and plane.ledger.get("b") is None
+        assert not (await plane.status()).is_redis_ok
+    asyncio.run(check())
+
+
+def test_the_plan_is_the_worker_policy_rule(run):
+    async def check(plane, sim):
+        paged = await plane.place("p", 20, 200, 40)
+        assert paged.num_reserved_blocks == 2  # paged_greedy plans the prompt only: 20 tokens
+        resumed = await plane.place("r", 20, 200, None, num_resumed_tokens=30)
+        assert resumed.num_reserved_blocks == 4  # 20 + 30 known tokens (+ nothing planned ahead)
+    run(check, policy="paged_greedy")
+
+
+def test_records_are_replaced_not_duplicated_on_re_placement(run):
+    async def check(plane, sim):
+        first = await plane.place("a", 20, 200, 40)
+        sim.kill_worker(first.worker_id)
+        second = await plane.place("a", 20, 200, 40, num_resumed_tokens=5, exclude_worker_id=first.worker_id)
+        records = await plane.store.requests()
+        assert [dataclasses.astuple(r)[:2] for r in records] == [("a", second.worker_id)]
+    run(check)
