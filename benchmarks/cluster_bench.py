@@ -23,9 +23,10 @@ from pathlib import Path
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_results, write_plan
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
+from workers.policies import SERVING_POLICY_NAMES
 from benchmarks.traces import ReplayRequest, build_requests, load_prompt_texts, read_trace
 
-POLICIES = ("s3", "s3_peak", "max_reserve", "paged_greedy")
+POLICIES = SERVING_POLICY_NAMES
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 # 256 blocks of 16 tokens of SmolLM2-135M (720 KiB each): 4 worst-case 1024-token sequences, as in bench policies.
 DEFAULT_KV_CACHE_BYTES = 188_743_680

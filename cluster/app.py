@@ -2,7 +2,9 @@
 
 `s3serve serve`, `deploy/serve_config.yaml` (`import_path: cluster.app:build_app`) and a
 KubeRay RayService all go through here. The router creates the controller on first use,
-and the controller starts the workers; so one `serve.run` brings up everything.
+and the controller starts the workers; so one `serve.run` brings up everything. The
+length predictor runs inside the router unless `predictor_mode` asks for its own
+deployment (`cluster/ingress/predictor_client.py` says when each fits).
 """
 
 from cluster.config import ServiceConfig
@@ -16,5 +18,7 @@ def build_app(args: dict):
     config = ServiceConfig(**(args or {}))
     redis_url = config.redis_url_resolved or ensure_redis(config.data_dir)
     # Until the root holds a version (configured, or retrained from traffic) the shipped default is served.
-    predictor = PredictorDeployment.bind(config.predictor_root, config.quantile, 1024)
+    predictor = None
+    if config.predictor_mode == "deployment":
+        predictor = PredictorDeployment.bind(config.predictor_root, config.quantile, config.max_model_len)
     return build_router(config, redis_url, predictor)

@@ -11,9 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.control.controller import ClusterStatus
+from cluster.control.messages import ClusterStatus, WorkerRecord
 from cluster.ingress.dashboard import DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data, generated_tokens_by_worker
-from cluster.control.store import WorkerRecord
 from workers.work_types import WorkerStats
 
 CHROMIUM = Path("/usr/bin/chromium")

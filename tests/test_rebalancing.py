@@ -12,10 +12,10 @@ import ray
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig, worker_actor_name
 from cluster.control.controller import get_or_create_controller
-from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.control.redis_server import EmbeddedRedis
+from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from workers.models import chat_token_ids
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

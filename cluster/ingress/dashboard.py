@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the status is only read here; importing the controller would pull in Ray
-    from cluster.control.controller import ClusterStatus
+    from cluster.control.messages import ClusterStatus
 
 
 @dataclass(frozen=True, slots=True)

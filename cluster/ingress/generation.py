@@ -1,7 +1,9 @@
 """One request's trip through the cluster: predict, place, stream, survive moves and dead workers.
 
     predict (Serve handle) -> controller.place -> worker.generate (Ray streaming generator)
-        event "moved"      -> continue on event.moved_to with the tokens so far (and their KV)
+        event "moved"      -> continue on event.moved_to with the tokens so far, the bound the
+                              sequence left with, and a handle to its KV (an object ref: the
+                              target fetches the bytes from the source; they never pass here)
         worker died        -> controller.place(exclude=dead worker) -> continue with the tokens so far
         client went away   -> worker.abort, controller.finish
     the tokens already sent are never generated again: a continuation starts after them.
@@ -16,9 +18,9 @@ from dataclasses import dataclass
 import ray
 
 from cluster.config import RAY_NAMESPACE
-from cluster.control.controller import RequestOutcome
-from workers.engine_loop import WorkEvent, WorkRequest
-from workers.sampling import SamplingParams
+from cluster.control.messages import RequestOutcome
+from workers.sampling_params import SamplingParams
+from workers.work_types import WorkEvent, WorkRequest
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +81,11 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
     result.queued_s = placement.queued_s
     worker_id, actor_name = placement.worker_id, placement.actor_name
     kv = None
+    bound = job.predicted_output_tokens  # raised by overruns: a moved request continues with its current bound
     outcome_reason = None
     try:
         for _ in range(MAX_ATTEMPTS):
-            request = WorkRequest(job.request_id, job.prompt_token_ids, job.params, job.predicted_output_tokens,
+            request = WorkRequest(job.request_id, job.prompt_token_ids, job.params, bound,
                                   tuple(result.output_token_ids), kv)
             kv = None
             try:
@@ -97,6 +100,7 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
                     if event.finish_reason == "moved":
                         result.num_moves += 1
                         worker_id, actor_name, kv = event.moved_to, worker_name_of(event.moved_to), event.kv
+                        bound = event.predicted_output_tokens or bound
                         break
                     if event.finish_reason == "error":
                         raise RuntimeError(f"worker {worker_id} failed the request: {event.error}")
@@ -114,7 +118,7 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
                 result.num_failovers += 1
                 workers.forget(worker_id)
                 placement = await controller.place.remote(
-                    job.request_id, len(job.prompt_token_ids), job.params.max_tokens, job.predicted_output_tokens,
+                    job.request_id, len(job.prompt_token_ids), job.params.max_tokens, bound,
                     len(result.output_token_ids), worker_id)
                 worker_id, actor_name = placement.worker_id, placement.actor_name
         raise RuntimeError(f"request {job.request_id} was moved or failed over {MAX_ATTEMPTS} times")

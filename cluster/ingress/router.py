@@ -23,16 +23,18 @@ from ray import serve
 
 from cluster.ingress import openai_protocol as protocol
 from cluster.config import ServiceConfig, worker_actor_name
-from cluster.control.controller import PlacementTimeoutError, QueueFullError, get_or_create_controller
+from cluster.control.controller import get_or_create_controller
+from cluster.control.messages import PlacementTimeoutError, QueueFullError
 from cluster.ingress.dashboard import (DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data,
                                generated_tokens_by_worker)
 from cluster.ingress.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
                             not_found_model, prompt_too_long, queue_full, unavailable)
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.ingress.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
+from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.text_stream import TextStream
 from workers.models import chat_token_ids, load_tokenizer, resolve_model_dir
-from workers.sampling import SamplingParams
+from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +83,14 @@ class Router:
     Args:
         config: `ServiceConfig.model_dump()`.
         redis_url: where the controller keeps its state.
-        predictor: handle of the predictor deployment.
+        predictor: handle of the predictor deployment, or None to predict in this replica.
     """
 
-    def __init__(self, config: dict, redis_url: str, predictor) -> None:
+    def __init__(self, config: dict, redis_url: str, predictor=None) -> None:
         self.config = ServiceConfig(**config)
-        self.predictor = predictor
+        self.predictor = (DeploymentPredictor(predictor) if predictor is not None else
+                          InRouterPredictor(self.config.predictor_root, self.config.quantile,
+                                            self.config.max_model_len))
         model_dir = resolve_model_dir(self.config.model, self.config.model_cache_dir)
         self.tokenizer = load_tokenizer(model_dir)
         self.controller = get_or_create_controller(self.config, redis_url)
@@ -166,7 +170,7 @@ class Router:
     async def _predict(self, request_id: str, text: str, num_prompt_tokens: int, params: SamplingParams):
         payload = {"prompt_id": request_id, "prompt_text": text, "num_prompt_tokens": num_prompt_tokens,
                    "max_tokens": params.max_tokens, "temperature": params.temperature}
-        prediction = await self.predictor.predict.remote(payload)
+        prediction = await self.predictor.predict(payload)
         return prediction["upper_bound_tokens"], prediction["point_tokens"]
 
     # -- generation ----------------------------------------------------------------
@@ -366,7 +370,7 @@ class Router:
         return JSONResponse(dashboard_data(status, numbers), headers={"Cache-Control": "no-store"})
 
 
-def build_router(config: ServiceConfig, redis_url: str, predictor_app):
-    """The router bound to its predictor; `serve.run` it as the ingress."""
+def build_router(config: ServiceConfig, redis_url: str, predictor_app=None):
+    """The router bound to its predictor deployment (None: predictions in the router); `serve.run` it."""
     return Router.options(max_ongoing_requests=config.max_concurrent_requests + 64).bind(
         config.model_dump(), redis_url, predictor_app)

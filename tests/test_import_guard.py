@@ -1,0 +1,102 @@
+"""The layering holds: pure decision modules and cross-process messages import with torch, Ray and Redis absent,
+the router and controller modules load no torch, and the serving packages never import the CLI or the
+benchmarks.
+
+Each check runs in a fresh interpreter whose import system refuses the named packages, so a
+new top-level import anywhere on the path fails here with the chain that pulled it in.
+"""
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+# Decisions (pure: no Ray, Redis or torch), and the messages the router and controller read.
+PURE_MODULES = [
+    "workers.policies",
+    "workers.scheduler",
+    "workers.kv_cache_manager",
+    "workers.sequence",
+    "workers.sampling_params",
+    "workers.engine_config",
+    "workers.work_types",
+    "cluster.control.placement",
+    "cluster.control.scaling",
+    "cluster.control.messages",
+]
+# Processes that never run a model: Ray and Redis are fine there, torch is not.
+NO_TORCH_MODULES = [
+    "cluster.config",
+    "cluster.control.controller",
+    "cluster.ingress.router",
+    "cluster.ingress.generation",
+    "workers.worker_actor",  # the controller imports it to start workers
+]
+
+
+def _import_refusing(modules: list[str], refused: list[str]) -> subprocess.CompletedProcess:
+    program = textwrap.dedent(f"""
+        import importlib, importlib.abc, sys, traceback
+        REFUSED = {refused!r}
+
+        class Refuse(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in REFUSED:
+                    raise ImportError(f"refused import of {{name}}")
+                return None
+
+        sys.meta_path.insert(0, Refuse())
+        failed = False
+        for module in {modules!r}:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                failed = True
+                print(f"--- {{module}}:")
+                traceback.print_exc(file=sys.stdout)
+        sys.exit(1 if failed else 0)
+    """)
+    return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+
+
+def test_pure_modules_import_without_torch_ray_or_redis():
+    result = _import_refusing(PURE_MODULES, ["torch", "ray", "redis", "transformers", "triton", "deepspeed"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_router_and_controller_modules_import_without_torch():
+    result = _import_refusing(NO_TORCH_MODULES, ["torch", "transformers", "triton", "deepspeed"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("module", ["workers.engine", "kv_kernels.reference"])
+def test_the_guard_does_catch_a_module_that_needs_torch(module):
+    result = _import_refusing([module], ["torch"])
+    assert result.returncode == 1 and "refused import of torch" in result.stdout
+
+
+SERVING_PACKAGES = ["cluster", "workers", "kv_kernels", "predictor_service", "deploy"]
+TOOL_PACKAGES = {"benchmarks", "s3serve_cli"}
+
+
+def _imported_top_levels(path: Path) -> set[str]:
+    """Top-level packages a file imports anywhere (inside functions too)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_serving_packages_never_import_the_cli_or_the_benchmarks():
+    root = Path(__file__).resolve().parents[1]
+    offenders = {str(path.relative_to(root)): sorted(_imported_top_levels(path) & TOOL_PACKAGES)
+                 for package in SERVING_PACKAGES for path in (root / package).rglob("*.py")}
+    offenders = {path: names for path, names in offenders.items() if names}
+    assert not offenders, f"serving code imports the CLI or the benchmarks: {offenders}"
+    assert _imported_top_levels(root / "s3serve_cli" / "bench.py") & TOOL_PACKAGES  # the scan sees such imports

@@ -1,0 +1,31 @@
+"""The README tells the truth about the repository's layout and links only inside it."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def _layout_rows() -> list[str]:
+    section = README.split("## Layout", 1)[1]
+    return re.findall(r"^\| `([^`]+)/` \|", section, flags=re.MULTILINE)
+
+
+def test_layout_table_lists_every_package_and_folder_that_exists():
+    listed = _layout_rows()
+    assert listed, "no layout table found"
+    missing = [folder for folder in listed if not (ROOT / folder).is_dir()]
+    assert not missing, f"the layout table names folders that do not exist: {missing}"
+    packages = {path.parent.relative_to(ROOT).as_posix() for path in ROOT.glob("*/__init__.py")}
+    packages |= {path.parent.relative_to(ROOT).as_posix() for path in ROOT.glob("cluster/*/__init__.py")}
+    unlisted = sorted(packages - set(listed))
+    assert not unlisted, f"packages missing from the README's layout table: {unlisted}"
+
+
+def test_readme_links_the_architecture_document_inside_the_repository():
+    assert "(docs/architecture.md)" in README and (ROOT / "docs" / "architecture.md").is_file()
+    assert "../shared/docs/DESIGN.md" not in README
+    for path in re.findall(r"`((?:cluster|workers|kv_kernels|benchmarks|predictor_service|s3serve_cli)/[\w/]+\.py)`",
+                           README + (ROOT / "docs" / "architecture.md").read_text()):
+        assert (ROOT / path).is_file(), f"a named module does not exist: {path}"
