@@ -18,7 +18,7 @@ from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.policy_plots import plot_runs
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
-from benchmarks.traces import build_requests, load_prompt_texts, read_trace
+from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, build_requests, load_prompt_texts, read_trace, select_sessions
 from predictor_service.artifacts import load_predictor
 from predictor_service.length_example import TextOf
 from predictor_service.length_predictor import LengthPredictor, LengthQuery
@@ -30,7 +30,9 @@ from workers.policies import POLICY_NAMES, PreemptionCostModel, make_policy
 from workers.sampling_params import SamplingParams
 
 POLICIES = POLICY_NAMES
-MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
+MAX_REPORTED_EVENTS = 50
+NO_CACHE_SUFFIX = "/no-cache"  # a run with the prefix cache off, e.g. "paged_greedy/no-cache"
+CACHE_COMPARED = ("paged_greedy", "s3", "s3_peak")  # run with the cache off too when the trace shares prefixes  # misprediction events listed per policy in the JSON
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 
 
@@ -53,6 +55,11 @@ class PolicyBenchConfig:
         max_num_seqs: engine cap on running sequences (high: memory should bind).
         max_num_batched_tokens: engine tokens per step.
         seed: predictor noise seed.
+        prefix_caching: the engines' prefix cache (on by default, as in the service).
+        tokens_per_hash_id: with a trace that has Mooncake hash ids, prompts are built from them
+            (each id this many tokens of shared text) and whole sessions are replayed
+            (`benchmarks.traces.select_sessions`); paged_greedy, s3 and s3_peak then also run with
+            the prefix cache off.
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -70,6 +77,8 @@ class PolicyBenchConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
     seed: int = 0
+    prefix_caching: bool = True
+    tokens_per_hash_id: int = 16
 
 
 def quick_config(**overrides) -> PolicyBenchConfig:
@@ -96,6 +105,9 @@ class PolicyRun:
     misprediction_events: list[dict] = field(default_factory=list)
     num_blocks: int = 0
     outputs_ok: bool = True
+    prefix_caching: bool = True
+    num_prompt_tokens: int = 0  # at first admission
+    num_prefix_hit_tokens: int = 0  # of those, taken from the prefix cache
 
 
 def _percentile(values: list[float], q: float) -> float | None:
@@ -127,16 +139,19 @@ def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed:
 
 
 def run_policy(model, name: str, requests, bounds: dict[str, int], config: PolicyBenchConfig,
-               kv_cache_bytes: int, cost_model: PreemptionCostModel, progress: tqdm) -> PolicyRun:
+               kv_cache_bytes: int, cost_model: PreemptionCostModel, progress: tqdm,
+               prefix_caching: bool = True) -> PolicyRun:
     """Replay the requests through a fresh engine with one policy."""
     kwargs = {"cost_model": cost_model} if name.startswith("s3") else {}
     engine = Engine(
         model,
         EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
-                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len),
+                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len,
+                     enable_prefix_caching=prefix_caching),
         policy=make_policy(name, max_model_len=config.max_len, **kwargs),
     )
-    run = PolicyRun(policy=name, num_blocks=engine.allocator.num_blocks)
+    run = PolicyRun(policy=name if prefix_caching else f"{name}{NO_CACHE_SUFFIX}", num_blocks=engine.allocator.num_blocks,
+                    prefix_caching=prefix_caching)
     pending = sorted(requests, key=lambda r: r.arrival_s)
     expected = {r.request_id: r.output_tokens for r in requests}
     start_s = time.monotonic()
@@ -180,6 +195,8 @@ def run_policy(model, name: str, requests, bounds: dict[str, int], config: Polic
     run.num_recomputed_tokens = stats.num_recomputed_tokens
     run.swapped_bytes = engine.swapped_bytes
     run.num_mispredictions = len(stats.mispredictions)
+    run.num_prompt_tokens = stats.num_prompt_tokens_admitted
+    run.num_prefix_hit_tokens = stats.num_prefix_hit_tokens
     run.misprediction_events = [
         {"request_id": e.seq_id, "predicted_output_tokens": e.predicted_output_tokens,
          "output_tokens_so_far": e.num_output_tokens, "step": e.step}
@@ -216,6 +233,8 @@ def summarize(run: PolicyRun, num_requests: int) -> dict:
         "ttft_p50_s": _percentile(run.ttft_s, 0.5),
         "ttft_p99_s": _percentile(run.ttft_s, 0.99),
         "tpot_p50_s": _percentile(run.tpot_s, 0.5),
+        "prefix_caching": run.prefix_caching,
+        "prefix_hit_rate": _ratio(run.num_prefix_hit_tokens, run.num_prompt_tokens),
     }
 
 
@@ -234,13 +253,22 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     for spec in [config.predictor] + [f"noisy-oracle:{sigma}" for sigma in config.sweep_sigmas]:
         parse_predictor(spec, {}, config.max_len, config.seed)  # fail on a bad spec before loading anything
     rows = read_trace(config.trace_path, config.num_requests)
+    shares_prefixes = any(row.hash_ids for row in rows)
+    if shares_prefixes:  # whole conversations: the first N rows of Mooncake barely share (traces docstring)
+        rows = select_sessions(read_trace(config.trace_path), config.num_requests)
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
     requests, capping = build_requests(
         rows, tokenizer, load_prompt_texts(config.prompts_path), max_len=config.max_len,
         max_prompt_tokens=config.max_prompt_tokens, mode=config.mode, time_scale=config.time_scale,
+        tokens_per_hash_id=config.tokens_per_hash_id if shares_prefixes else None,
     )
     print(f"trace {config.trace_path}: {capping.describe()}")
+    if shares_prefixes:
+        print(f"shared prefixes: {len(rows)} rows of the {len({r.hash_ids[0] for r in rows})} largest sessions; "
+              f"each hash id is {config.tokens_per_hash_id} tokens of shared text (trace: {MOONCAKE_BLOCK_TOKENS}, "
+              f"scale 1/{MOONCAKE_BLOCK_TOKENS // config.tokens_per_hash_id}), prompts capped at "
+              f"{config.max_prompt_tokens}")
     model = load_model(model_dir)
     pool = pool_shape_for(model.config, 1, 16, model.dtype)
     bytes_per_token = pool.bytes_per_block // pool.block_size
@@ -258,20 +286,22 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
         return {q.prompt_id: p.upper_bound_tokens for q, p in zip(queries, predictor.predict(queries))}
 
     bounds_by_spec = {config.predictor: bounds_for(config.predictor)}
-    # (policy, predictor spec, is a sweep run)
-    plan = [(name, config.predictor, False) for name in config.policies]
-    plan += [(name, f"noisy-oracle:{sigma}", True) for sigma in config.sweep_sigmas
+    # (policy, predictor spec, is a sweep run, prefix caching)
+    plan = [(name, config.predictor, False, config.prefix_caching) for name in config.policies]
+    if shares_prefixes and config.prefix_caching:
+        plan += [(name, config.predictor, False, False) for name in config.policies if name in CACHE_COMPARED]
+    plan += [(name, f"noisy-oracle:{sigma}", True, config.prefix_caching) for sigma in config.sweep_sigmas
              for name in ("s3", "s3_peak") if name in config.policies]
     runs: list[PolicyRun] = []
     sweep: list[dict] = []
     with tqdm(total=len(plan) * len(requests), desc="requests (all policies)", unit="req") as progress:
-        for name, spec, is_sweep in plan:
+        for name, spec, is_sweep, caching in plan:
             progress.set_postfix_str(f"{name} {spec}" if name.startswith("s3") else name)
             if spec not in bounds_by_spec:
                 bounds_by_spec[spec] = bounds_for(spec)
             # A fresh copy per run: each engine installs its own attention and DeepSpeed wrapper.
             result = run_policy(copy.deepcopy(model), name, requests, bounds_by_spec[spec], config, kv_cache_bytes,
-                                cost_model, progress)
+                                cost_model, progress, caching)
             if not is_sweep:
                 runs.append(result)
             else:
@@ -297,12 +327,20 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
                 mine["recomputed_tokens"], summaries["paged_greedy"]["recomputed_tokens"])
             ratios[f"{ours}_vs_paged_greedy_latency_p99"] = _ratio(
                 mine["latency_p99_s"], summaries["paged_greedy"]["latency_p99_s"])
+    on_vs_off = {name: _ratio(summaries[name]["tokens_per_s"], summaries[name + NO_CACHE_SUFFIX]["tokens_per_s"])
+                 for name in CACHE_COMPARED if name in summaries and name + NO_CACHE_SUFFIX in summaries}
+    if on_vs_off:
+        best = max(on_vs_off, key=lambda name: summaries[name]["tokens_per_s"])
+        ratios["prefix_cache_on_vs_off"] = on_vs_off[best]
+        ratios["prefix_cache_on_vs_off_policy"] = best
+        ratios.update({f"prefix_cache_on_vs_off_{name}": value for name, value in on_vs_off.items()})
     headers = ["policy", "tok/s", "req/s", "conc_mean", "conc_max", "kv_used", "kv_resv", "preempt",
-               "recomp_tok", "swap_MB", "lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50"]
+               "recomp_tok", "swap_MB", "lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50", "prefix_hit"]
     table_rows = [[name, s["tokens_per_s"], s["requests_per_s"], s["mean_concurrency"], s["max_concurrency"],
                    s["kv_used_fraction_mean"], s["kv_reserved_fraction_mean"], s["preemptions"],
                    s["recomputed_tokens"], s["swapped_bytes"] / 1e6, s["latency_p50_s"], s["latency_p99_s"],
-                   s["ttft_p50_s"], s["ttft_p99_s"], s["tpot_p50_s"]] for name, s in summaries.items()]
+                   s["ttft_p50_s"], s["ttft_p99_s"], s["tpot_p50_s"],
+                   s["prefix_hit_rate"] if s["prefix_caching"] else "off"] for name, s in summaries.items()]
     print(format_table(headers, table_rows))
     print(format_table(["ratio", "value"], [[k, v if v is not None else "n/a"] for k, v in ratios.items()]))
     if sweep:

@@ -21,12 +21,26 @@ distinct and spread out (no shared prefixes for a prefix cache to exploit):
 
     stream:  [text 0 tokens][text 1 tokens][text 2 tokens] ... [text n tokens] (wraps)
               ^req 0                ^req 2         ^req 1             ^req 3
+
+Shared prefixes (Mooncake's `hash_ids`). Each id names one 512-token block of a prompt
+(`MOONCAKE_BLOCK_TOKENS`); rows with the same ids share those blocks' text. With
+`tokens_per_hash_id` set, a prompt is built from its ids instead: id h becomes the same
+`tokens_per_hash_id` tokens of real text wherever it appears (cut at offset h * stride), so
+the replay shares exactly the prefixes the trace shares, scaled by
+tokens_per_hash_id / 512 (prompt lengths scale alike, then the prompt cap applies):
+
+    row a: ids [7, 8, 9]     ->  [text@7][text@8][text@9]
+    row b: ids [7, 8, 12]    ->  [text@7][text@8][text@12]     (two blocks shared with a)
+
+Mooncake's sharing is mostly between the turns of one conversation, spread over the whole
+trace (the first 200 rows share 6% of their blocks; all 3,993 rows share 64%).
+`select_sessions` therefore replays whole sessions (rows whose first id is the same).
 """
 
 import csv
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -36,6 +50,7 @@ REPLAY_MODES = ("offline", "online")
 _CSV_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _JSONL_KEYS = ("timestamp", "input_length", "output_length")
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+MOONCAKE_BLOCK_TOKENS = 512  # tokens one Mooncake hash id stands for
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,11 +61,13 @@ class TraceRow:
         arrival_s: seconds since the trace's first row.
         context_tokens: prompt length in the original serving system's tokens.
         generated_tokens: output length in the original serving system's tokens.
+        hash_ids: Mooncake's ids of the prompt's blocks (shared ids: shared text); () if the trace has none.
     """
 
     arrival_s: float
     context_tokens: int
     generated_tokens: int
+    hash_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +162,7 @@ def _count(value, where: str, name: str) -> int:
     return count
 
 
-def _read_csv(path: Path, num_requests: int | None) -> list[tuple[str, float, int, int]]:
+def _read_csv(path: Path, num_requests: int | None) -> list[tuple[str, float, int, int, tuple[int, ...]]]:
     """(where, timestamp_s relative to the first row, context, generated) per row."""
     rows = []
     first: datetime | None = None
@@ -170,13 +187,13 @@ def _read_csv(path: Path, num_requests: int | None) -> list[tuple[str, float, in
                 raise ValueError(f"{where}: TIMESTAMP {record['TIMESTAMP']!r} mixes time zones with row 1") from None
             context = _count(record["ContextTokens"].strip(), where, "ContextTokens")
             generated = _count(record["GeneratedTokens"].strip(), where, "GeneratedTokens")
-            rows.append((where, offset_s, context, generated))
+            rows.append((where, offset_s, context, generated, ()))
             if num_requests is not None and len(rows) == num_requests:
                 break
     return rows
 
 
-def _read_jsonl(path: Path, num_requests: int | None) -> list[tuple[str, float, int, int]]:
+def _read_jsonl(path: Path, num_requests: int | None) -> list[tuple[str, float, int, int, tuple[int, ...]]]:
     rows = []
     first_ms: float | None = None
     with path.open(encoding="utf-8-sig") as lines:
@@ -196,7 +213,11 @@ def _read_jsonl(path: Path, num_requests: int | None) -> list[tuple[str, float, 
             first_ms = stamp_ms if first_ms is None else first_ms
             context = _count(record["input_length"], where, "input_length")
             generated = _count(record["output_length"], where, "output_length")
-            rows.append((where, (stamp_ms - first_ms) / 1000.0, context, generated))
+            hash_ids = record.get("hash_ids", [])
+            if not isinstance(hash_ids, list) or any(isinstance(h, bool) or not isinstance(h, int) or h < 0
+                                                     for h in hash_ids):
+                raise ValueError(f"{where}: hash_ids must be a list of integers >= 0")
+            rows.append((where, (stamp_ms - first_ms) / 1000.0, context, generated, tuple(hash_ids)))
             if num_requests is not None and len(rows) == num_requests:
                 break
     return rows
@@ -220,13 +241,34 @@ def read_trace(path: Path | str, num_requests: int | None = None) -> list[TraceR
         raise ValueError(f"{path} holds no trace rows")
     rows = []
     previous_s = 0.0
-    for where, arrival_s, context, generated in raw:
+    for where, arrival_s, context, generated, hash_ids in raw:
         # Replay submits in file order at these times; a step back would be silently reordered.
         if arrival_s < previous_s:
             raise ValueError(f"{where}: arrival {arrival_s:.6f}s is earlier than the row before ({previous_s:.6f}s)")
         previous_s = arrival_s
-        rows.append(TraceRow(arrival_s, context, generated))
+        rows.append(TraceRow(arrival_s, context, generated, hash_ids))
     return rows
+
+
+def select_sessions(rows: list[TraceRow], num_requests: int) -> list[TraceRow]:
+    """The rows of the largest sessions (same first hash id), in trace order, `num_requests` at most.
+
+    Sessions are taken largest first until they hold `num_requests` rows; arrival times are
+    re-based to the first row kept. Rows without hash ids are each their own session.
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    sessions: dict[object, list[int]] = {}
+    for index, row in enumerate(rows):
+        sessions.setdefault(row.hash_ids[0] if row.hash_ids else ("row", index), []).append(index)
+    kept: list[int] = []
+    for members in sorted(sessions.values(), key=lambda m: (-len(m), m[0])):
+        if len(kept) >= num_requests:
+            break
+        kept += members
+    kept = sorted(kept)[:num_requests]
+    start_s = rows[kept[0]].arrival_s
+    return [replace(rows[i], arrival_s=rows[i].arrival_s - start_s) for i in kept]
 
 
 def load_prompt_texts(path: Path | str) -> list[str]:
@@ -274,6 +316,7 @@ def build_requests(
     max_prompt_tokens: int,
     mode: str = "offline",
     time_scale: float = 1.0,
+    tokens_per_hash_id: int | None = None,
 ) -> tuple[list[ReplayRequest], CappingReport]:
     """Requests with the trace's lengths, capped to fit `max_len`, and a report of the capping.
 
@@ -285,14 +328,27 @@ def build_requests(
         max_prompt_tokens: cap on prompt tokens, below `max_len`.
         mode: "offline" submits everything at 0 s; "online" keeps the trace's arrivals.
         time_scale: multiplies online arrival times (< 1 compresses the trace).
+        tokens_per_hash_id: build prompts from the rows' hash ids, each id this many tokens
+            (see the module docstring); None cuts them from the stream as usual.
     """
     _validate(rows, prompt_texts, max_len, max_prompt_tokens, mode, time_scale)
     stream = [token for text in prompt_texts for token in tokenizer.encode(text, add_special_tokens=False)]
     if not stream:
         raise ValueError(f"the {len(prompt_texts)} prompt texts tokenize to no tokens")
     stride = _spread_stride(len(stream))
+    if tokens_per_hash_id is not None and tokens_per_hash_id < 1:
+        raise ValueError(f"tokens_per_hash_id must be >= 1 or None, got {tokens_per_hash_id}")
     requests = []
     for index, row in enumerate(rows):
+        if tokens_per_hash_id is not None and row.hash_ids:
+            scaled = -(-row.context_tokens * tokens_per_hash_id // MOONCAKE_BLOCK_TOKENS)
+            num_prompt = max(1, min(scaled, max_prompt_tokens))
+            prompt = [token for h in row.hash_ids[:-(-num_prompt // tokens_per_hash_id)]
+                      for token in _cut(stream, (h * stride) % len(stream), tokens_per_hash_id)][:num_prompt]
+            num_output = max(1, min(row.generated_tokens, max_len - len(prompt)))
+            requests.append(ReplayRequest(f"trace-{index}", row.arrival_s * time_scale if mode == "online" else 0.0,
+                                          tuple(prompt), num_output, row.context_tokens, row.generated_tokens))
+            continue
         num_prompt = max(1, min(row.context_tokens, max_prompt_tokens))
         num_output = max(1, min(row.generated_tokens, max_len - num_prompt))
         requests.append(

@@ -55,6 +55,9 @@ def _bench_policies(args: argparse.Namespace) -> int:
         overrides["max_prompt_tokens"] = args.max_prompt_tokens
     if args.policies is not None:
         overrides["policies"] = tuple(args.policies)
+    overrides["prefix_caching"] = not args.no_prefix_caching
+    if args.tokens_per_hash_id is not None:
+        overrides["tokens_per_hash_id"] = args.tokens_per_hash_id
     policy_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.plot)
     return 0
 
@@ -186,6 +189,12 @@ def add_bench_parser(commands) -> None:
                           help="subset of max_reserve paged_greedy s3 s3_peak oracle (default: all five)")
     policies.add_argument("--sweep-sigma", type=float, nargs="+", default=None, metavar="SIGMA",
                           help="also run s3 and s3_peak with noisy-oracle predictors of these sigmas; reports tok/s and preemptions")
+    policies.add_argument("--no-prefix-caching", action="store_true",
+                          help="run every engine with its prefix cache off (on by default, as in the service)")
+    policies.add_argument("--tokens-per-hash-id", type=int, default=None, metavar="N",
+                          help="traces with Mooncake hash_ids: each id becomes N tokens of shared text (default 16; "
+                               "the trace's ids stand for 512) and whole sessions are replayed; paged_greedy, s3 "
+                               "and s3_peak then also run with the prefix cache off")
     policies.add_argument("--quick", action="store_true", help="32 requests, prompts capped at 128 tokens (< 10 min here)")
     policies.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     policies.add_argument("--plot", type=Path, default=None, metavar="DIR",

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.traces import CappingReport, TraceRow, build_requests, load_prompt_texts, read_trace
+from benchmarks.traces import (CappingReport, TraceRow, build_requests, load_prompt_texts, read_trace,
+                               select_sessions)
 
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
@@ -282,3 +283,37 @@ def test_load_prompt_texts_joins_message_contents(shared_data: Path, tmp_path: P
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
     chat.write_text(json.dumps({"messages": messages}) + "\n")
     assert load_prompt_texts(chat) == ["Be brief.\n\nHi?"]
+
+
+# --- shared prefixes (Mooncake hash ids) ------------------------------------------------------
+
+
+def test_mooncake_hash_ids_are_read_and_shared_ids_become_shared_text(traces: Path, prompt_texts: list[str]):
+    rows = read_trace(traces / "mooncake_synthetic_trace.jsonl")
+    assert all(row.hash_ids for row in rows) and rows[0].hash_ids[:3] == (0, 1, 2)
+    sessions = select_sessions(rows, 40)
+    assert len(sessions) == 40 and sessions[0].arrival_s == 0.0
+    assert [r.arrival_s for r in sessions] == sorted(r.arrival_s for r in sessions)
+    assert len({row.hash_ids[0] for row in sessions}) < 10  # a few long conversations, not 40 strangers
+    requests, _ = make_requests(sessions, prompt_texts, max_len=1024, max_prompt_tokens=256, tokens_per_hash_id=8)
+    by_first = {}
+    for row, request in zip(sessions, requests):
+        assert len(request.prompt_token_ids) == min(-(-row.context_tokens * 8 // 512), 256)
+        by_first.setdefault(row.hash_ids[0], []).append((row, request))
+    for members in by_first.values():
+        (row_a, a), (row_b, b) = members[0], members[-1]
+        shared_ids = next((i for i, (x, y) in enumerate(zip(row_a.hash_ids, row_b.hash_ids)) if x != y),
+                          min(len(row_a.hash_ids), len(row_b.hash_ids)))
+        shared_tokens = min(shared_ids * 8, len(a.prompt_token_ids), len(b.prompt_token_ids))
+        assert a.prompt_token_ids[:shared_tokens] == b.prompt_token_ids[:shared_tokens]
+    different = [r for r in requests if r.prompt_token_ids[:8] != requests[0].prompt_token_ids[:8]]
+    assert different  # other sessions start with other text
+
+
+def test_rows_without_hash_ids_are_their_own_sessions_and_bad_hash_ids_are_refused(tmp_path: Path):
+    rows = [TraceRow(5.0, 10, 2), TraceRow(6.0, 10, 2, (3, 4)), TraceRow(7.0, 10, 2, (3, 9))]
+    assert select_sessions(rows, 2) == [TraceRow(0.0, 10, 2, (3, 4)), TraceRow(1.0, 10, 2, (3, 9))]
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1, "x"]}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: hash_ids must be a list of integers"):
+        read_trace(path)
