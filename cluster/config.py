@@ -49,6 +49,9 @@ class ServiceConfig(BaseModel):
     dtype: str = Field(
         "auto", description="weights and KV dtype of the workers: auto (bf16 on CPUs with AVX512-BF16 or AMX and on "
                             "GPUs, else float32), float32, bfloat16 or float16")
+    prefix_caching: bool = Field(
+        True, description="workers share the KV of common prompt prefixes (full blocks) and keep it after requests "
+                          "finish until the blocks are needed")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request does not set it")
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(

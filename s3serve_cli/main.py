@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "model": args.model, "model_cache_dir": args.model_cache_dir,
         "num_workers": args.num_workers, "min_workers": args.min_workers, "max_workers": args.max_workers,
         "policy": args.policy, "kv_cache_bytes": args.kv_cache_bytes, "max_model_len": args.max_model_len,
-        "dtype": args.dtype,
+        "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None,
         "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
         "api_keys": tuple(args.api_key) if args.api_key else None,
     }
@@ -102,6 +102,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights and KV dtype of the workers (default auto: bfloat16 where the CPU has "
                             "AVX512-BF16 or AMX, float32 elsewhere)")
+    serve.add_argument("--no-prefix-caching", action="store_true",
+                       help="turn the workers' prefix cache off (on by default: requests that share a prompt prefix "
+                            "share its KV blocks, kept after they finish until the blocks are needed)")
     serve.add_argument("--kv-cache-bytes", type=int, default=None,
                        help="KV-cache budget of each worker in bytes (default 268435456)")
     serve.add_argument("--max-model-len", type=int, default=None,

@@ -76,3 +76,17 @@ def prefill_logits():
         return captured["logits"].float()
 
     return run
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny-model tests: the matmuls are too small to split; on a busy machine extra threads only spin.
+
+    Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`.
+    """
+    import torch
+
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)

@@ -33,7 +33,7 @@ def exposition() -> dict[str, list[dict[str, str]]]:
     for status in ("ok", "cancelled", "error", 400, 429, 503):
         metrics.observe_status(status)
     metrics.observe_finished(ttft_s=0.2, tpot_s=0.02, latency_s=3.0, predicted_tokens=90, true_tokens=120)
-    metrics.observe_finished(ttft_s=0.1, tpot_s=None, latency_s=0.1, predicted_tokens=8, true_tokens=1)
+    metrics.observe_finished(ttft_s=0.1, tpot_s=None, latency_s=0.1, predicted_tokens=8, true_tokens=1, priority=5)
     metrics.observe_overhead(0.004)
     metrics.set_cluster(ClusterSnapshot(
         workers=(WorkerGauge("w1", "ready", 512, 100, 300, 4, 1), WorkerGauge("w2", "starting", 0, 0, 0, 0, 0)),

@@ -120,3 +120,16 @@ def test_snapshot_validation():
         ClusterSnapshot(num_queued=-1)
     with pytest.raises(ValueError, match="repeat"):
         ClusterSnapshot(workers=(make_worker("w0"), make_worker("w0")))
+
+
+def test_latency_is_also_kept_per_priority_class():
+    metrics = ServiceMetrics()
+    metrics.observe_finished(ttft_s=0.1, tpot_s=0.01, latency_s=1.0, predicted_tokens=None, true_tokens=5)
+    metrics.observe_finished(ttft_s=0.5, tpot_s=0.01, latency_s=4.0, predicted_tokens=None, true_tokens=5, priority=5)
+    metrics.observe_finished(ttft_s=0.7, tpot_s=0.01, latency_s=6.0, predicted_tokens=None, true_tokens=5, priority=5)
+    values = samples(metrics)
+    assert values[("s3_class_request_latency_seconds_count", (("priority", "0"),))] == 1
+    assert values[("s3_class_request_latency_seconds_count", (("priority", "5"),))] == 2
+    assert values[("s3_class_request_latency_seconds_sum", (("priority", "5"),))] == pytest.approx(10.0)
+    assert values[("s3_class_ttft_seconds_sum", (("priority", "0"),))] == pytest.approx(0.1)
+    assert values[("s3_request_latency_seconds_count", ())] == 3  # the all-classes series is unchanged

@@ -70,6 +70,10 @@ def test_completion_request_defaults_and_prompt_forms():
         ({"best_of": 3}, "best_of"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"model": 5}, "model"),
+        ({"priority": 101}, "priority"),
+        ({"priority": -101}, "priority"),
+        ({"priority": "high"}, "priority"),
+        ({"priority": 1.5}, "priority"),
     ],
 )
 def test_completion_request_rejects(fields, field):
@@ -278,3 +282,10 @@ def test_official_client_sees_bad_request(client):
         client.completions.create(model=MODEL, prompt="x", n=2)
     assert exc_info.value.status_code == 400
     assert exc_info.value.body["param"] == "n"
+
+
+def test_priority_defaults_to_zero_and_is_read_on_both_endpoints():
+    assert completion().priority == 0
+    assert completion(priority=-3).priority == -3
+    chat = proto.ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], priority=7)
+    assert chat.priority == 7

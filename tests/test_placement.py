@@ -47,6 +47,15 @@ def test_largest_request_is_placed_first():
     assert placements == {"r1": "w0", "r2": "w0"}
 
 
+def test_a_more_urgent_class_is_placed_before_larger_or_older_requests():
+    requests = [PendingRequest("big", 8, 1.0), PendingRequest("urgent", 4, 9.0, priority=-1),
+                PendingRequest("batch", 2, 0.0, priority=5)]
+    # 10 free: the urgent 4 first, then the 8 no longer fits, the batch 2 does.
+    assert first_fit_decreasing(requests, make_workers(10)) == {"urgent": "w0", "batch": "w0"}
+    starved = [PendingRequest("old-batch", 6, 0.0, priority=5), PendingRequest("old-urgent", 6, 1.0)]
+    assert first_fit_decreasing(starved, make_workers(6), now_s=100.0) == {"old-urgent": "w0"}
+
+
 def test_ties_in_size_go_to_the_earliest_arrival():
     requests = [PendingRequest("late", 6, 10.0), PendingRequest("early", 6, 1.0)]
     assert first_fit_decreasing(requests, make_workers(6)) == {"early": "w0"}

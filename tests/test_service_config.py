@@ -39,3 +39,11 @@ def test_missing_or_malformed_yaml_is_a_clear_error(tmp_path):
     bad.write_text("- a\n- b\n")
     with pytest.raises(ValueError, match="mapping"):
         load_config(bad)
+
+
+def test_prefix_caching_is_on_by_default_and_reaches_the_worker_settings():
+    from cluster.control.controller import worker_settings
+
+    assert ServiceConfig().prefix_caching is True
+    assert worker_settings(ServiceConfig()).enable_prefix_caching is True
+    assert worker_settings(ServiceConfig(prefix_caching=False)).enable_prefix_caching is False

@@ -58,7 +58,10 @@ class Engine:
                 f"{model_config.max_position_embeddings}"
             )
         bytes_per_block = pool_shape_for(model_config, 1, config.block_size, model.dtype).bytes_per_block
-        self.allocator = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size)
+        # Blocks are named by their tokens and the model: the KV of another model (or dtype) never matches.
+        cache_salt = f"{getattr(model_config, '_name_or_path', '')}:{model_config.model_type}:{model.dtype}"
+        self.allocator = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size,
+                                                    config.enable_prefix_caching, cache_salt)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.allocator, policy
         )
@@ -93,6 +96,7 @@ class Engine:
         arrival_s: float | None = None,
         resumed_output_token_ids: list[int] | None = None,
         kv: ExportedKV | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue a request; raise ValueError (changing nothing) if it can never be served.
 
@@ -105,7 +109,8 @@ class Engine:
         lengths, stop strings) and generation continues after them. `kv` holds
         the KV of the first prompt + resumed tokens, exported by another engine;
         the sequence enters as if swapped out here, so admission copies it in
-        instead of recomputing it.
+        instead of recomputing it. `priority` is the request's class: lower is more
+        urgent (admitted first, preempted last; see `workers.scheduler`).
         """
         seq_id = seq_id if seq_id is not None else f"seq-{next(self._ids)}"
         if seq_id in self._sequences:
@@ -147,8 +152,11 @@ class Engine:
             or predicted_output_tokens < 1
         ):
             raise ValueError(f"predicted_output_tokens must be an integer >= 1 or None, got {predicted_output_tokens!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (lower is more urgent), got {priority!r}")
         seq = Sequence(
             seq_id=seq_id,
+            priority=priority,
             prompt_token_ids=prompt,
             params=params,
             arrival_s=time.monotonic() if arrival_s is None else arrival_s,
@@ -200,6 +208,11 @@ class Engine:
             return ExportedKV((), 0, block_size)
         return ExportedKV(tuple(layers), seq.num_computed_tokens, block_size)
 
+    def used_blocks(self) -> int:
+        """Blocks holding computed KV of running sequences (a block shared through the prefix cache counts once)."""
+        per_sequence = sum(self.allocator.blocks_for(s.num_computed_tokens) for s in self.scheduler.running)
+        return max(0, per_sequence - self.allocator.num_shared_holdings)
+
     def sequence(self, seq_id: str) -> Sequence | None:
         """The live sequence of a request (read only), or None once it finished or was aborted."""
         return self._sequences.get(seq_id)
@@ -239,8 +252,9 @@ class Engine:
         # step recomputes the same chunks (rewriting the same KV slots).
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.scheduler.commit(chunk.seq)
         # KV as this step left it, before finished sequences give blocks back.
-        self.last_used_blocks = sum(self.allocator.blocks_for(s.num_computed_tokens) for s in self.scheduler.running)
+        self.last_used_blocks = self.used_blocks()
         self.last_reserved_blocks = self.allocator.num_reserved_blocks
         self.num_steps += 1
         outputs = [self._append_token(seq, token_id) for seq, token_id in zip(seqs, token_ids)]

@@ -17,6 +17,9 @@ class EngineConfig:
         tensor_parallel_size: DeepSpeed tensor parallelism (CUDA only).
         use_fast_path: run Llama-family models on CPU through `FastLlama` (fused C++ kernels,
             packed bf16 weights); False keeps the Hugging Face module stack.
+        enable_prefix_caching: share the KV of full blocks of tokens between requests with the
+            same prefix, and keep it after they finish until the blocks are needed
+            (`workers.prefix_cache`).
     """
 
     kv_cache_bytes: int = 512 * 1024**2
@@ -26,6 +29,7 @@ class EngineConfig:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     use_fast_path: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes <= 0:

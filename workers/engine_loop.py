@@ -302,6 +302,7 @@ class EngineLoop:
                 arrival_s=request.arrival_s,
                 resumed_output_token_ids=list(request.resumed_output_token_ids),
                 kv=request.kv,
+                priority=request.priority,
             )
         except Exception as exc:  # reaches the caller of generate(); nothing else changed
             return exc
@@ -360,7 +361,7 @@ class EngineLoop:
             worker_id=self.worker_id,
             num_total_blocks=allocator.num_blocks,
             num_free_blocks=allocator.num_free_blocks,
-            num_used_blocks=sum(allocator.blocks_for(seq.num_computed_tokens) for seq in running),
+            num_used_blocks=engine.used_blocks(),
             num_reserved_blocks=allocator.num_reserved_blocks,
             block_size=allocator.block_size,
             bytes_per_block=engine.runner.pool_shape.bytes_per_block,

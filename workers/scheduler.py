@@ -3,6 +3,12 @@
 Pure (no torch): it decides which token chunks run in the next step, which
 sequences are swapped out or back in, and keeps the allocator in step with
 those decisions. The engine carries them out.
+
+Priority classes (`Sequence.priority`, lower is more urgent) come before the policy:
+waiting sequences are considered class by class (the policy's order within a class); a
+victim is always taken from the least urgent class present (the policy's choice within it),
+so a sequence never loses its blocks to a less urgent one; and a sequence that does not fit
+at admission preempts running sequences of less urgent classes until it does.
 """
 
 from dataclasses import dataclass, field
@@ -50,6 +56,8 @@ class SchedulerStats:
     num_swaps: int = 0
     num_swapped_blocks: int = 0
     num_recomputed_tokens: int = 0
+    num_prompt_tokens_admitted: int = 0  # prompts at their first admission
+    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed again)
     mispredictions: list[MispredictionEvent] = field(default_factory=list)
 
 
@@ -127,6 +135,10 @@ class Scheduler:
             self._admit(out, budget)
         return out
 
+    def commit(self, seq: Sequence) -> None:
+        """After a step: blocks the sequence filled with computed KV become shareable (prefix caching)."""
+        self.allocator.commit(seq.seq_id, seq.num_computed_tokens, seq.tokens_between)
+
     def finish(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence's blocks."""
         self.allocator.release(seq.seq_id)
@@ -136,14 +148,14 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        for seq in self.policy.admission_order(self.waiting):
+        # sorted() is stable: the policy's order holds within each class.
+        for seq in sorted(self.policy.admission_order(self.waiting), key=lambda s: s.priority):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
-            fits = self.policy.can_admit(
-                seq, self.running, self.allocator.num_blocks, self.allocator.block_size,
-                self.config.max_num_batched_tokens,
-            )
-            blocks = self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq)) if fits else None
+            blocks = self._try_allocate(seq)
+            while blocks is None and self._less_urgent_would_make_room(seq):
+                budget += self._preempt_less_urgent(seq, out)
+                blocks = self._try_allocate(seq)
             if blocks is None:
                 if self.policy.is_first_fit:
                     continue
@@ -151,6 +163,12 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            num_cached = self.allocator.num_cached_tokens(seq.seq_id)
+            if seq.num_preemptions == 0 and not seq.is_swapped:
+                self.stats.num_prompt_tokens_admitted += seq.num_prompt_tokens
+                self.stats.num_prefix_hit_tokens += min(num_cached, seq.num_prompt_tokens)
+            if num_cached > seq.num_computed_tokens:  # its prefill starts after the cached prefix
+                seq.num_computed_tokens = num_cached
             if seq.is_swapped:
                 out.swap_in.append((seq, blocks[: self.allocator.blocks_for(seq.num_computed_tokens)]))
                 seq.is_swapped = False
@@ -176,11 +194,53 @@ class Scheduler:
         while self.allocator.extend(seq.seq_id, target_tokens) is None:
             if self.allocator.extend(seq.seq_id, seq.num_tokens) is not None:
                 return True  # the full growth does not fit, but the next token does
-            victim = self.policy.choose_victim(seq, self.running)
+            victim = self._choose_victim(seq, self.running)
             self._preempt(victim, out)
             if victim is seq:
                 return False
         return True
+
+    def _try_allocate(self, seq: Sequence) -> list[int] | None:
+        """The blocks admitting `seq` takes now, if the policy admits it and they are free; else None."""
+        # A swapped-in sequence brings its own KV back; anyone else may share cached prefix blocks.
+        token_ids = None if seq.is_swapped or not self.allocator.enable_prefix_caching else (
+            seq.tokens_between(0, seq.num_tokens))
+        # Policies plan per sequence; blocks held by several sequences (or found cached) count once.
+        num_blocks = self.allocator.num_blocks
+        if token_ids is not None:
+            num_blocks += self.allocator.num_shared_holdings + self.allocator.cached_prefix_blocks(token_ids)
+        if not self.policy.can_admit(seq, self.running, num_blocks, self.allocator.block_size,
+                                     self.config.max_num_batched_tokens):
+            return None
+        return self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq), token_ids)
+
+    def _choose_victim(self, seq: Sequence, pool: list[Sequence]) -> Sequence:
+        """From the least urgent class in `pool`, whom the policy picks (the newest if it picks outside it)."""
+        worst = max(s.priority for s in pool)
+        candidates = [s for s in pool if s.priority == worst]
+        victim = self.policy.choose_victim(seq, candidates)
+        return victim if victim in candidates else candidates[-1]
+
+    def _less_urgent_would_make_room(self, seq: Sequence) -> bool:
+        """Some running sequence is less urgent than `seq`, and their blocks and the free ones would hold it."""
+        less_urgent = [s for s in self.running if s.priority > seq.priority]
+        if not less_urgent:
+            return False
+        reclaimable = self.allocator.num_free_blocks + sum(len(self.allocator.block_table(s.seq_id))
+                                                           for s in less_urgent)
+        return self.allocator.blocks_for(self.policy.reservation_tokens(seq)) <= reclaimable
+
+    def _preempt_less_urgent(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Preempt one running sequence less urgent than waiting `seq`; returns the step tokens it gave back."""
+        victim = self._choose_victim(seq, [s for s in self.running if s.priority > seq.priority])
+        freed = 0
+        for chunk in out.chunks:
+            if chunk.seq is victim:
+                out.chunks.remove(chunk)
+                freed = chunk.num_tokens
+                break
+        self._preempt(victim, out)
+        return freed
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         assert all(chunk.seq is not seq for chunk in out.chunks), f"{seq.seq_id} already runs this step"

@@ -33,6 +33,7 @@ class Sequence:
     num_preemptions: int = 0
     predicted_output_tokens: int | None = None  # the length predictor's upper bound, if any
     is_swapped: bool = False  # its computed KV waits in host memory
+    priority: int = 0  # class: lower is more urgent; admitted first, preempted last
     first_token_s: float | None = None
     finish_s: float | None = None
 

@@ -32,6 +32,7 @@ class WorkRequest:
         kv: handle to the KV of the first prompt + resumed tokens, exported by another worker (skips
             recomputing them); see `KVHandle`.
         arrival_s: `time.monotonic()` of this host when the request arrived; None means when the worker got it.
+        priority: the request's class, lower is more urgent (admitted first, preempted last).
     """
 
     request_id: str
@@ -41,6 +42,7 @@ class WorkRequest:
     resumed_output_token_ids: tuple[int, ...] = ()
     kv: KVHandle | None = None
     arrival_s: float | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ class WorkerSettings:
         dtype: weights and KV element type: "auto" (bf16 on CPUs with bf16 instructions, fp32 on
             others), float32, bfloat16 or float16.
         use_fast_path: run Llama-family models through the fused CPU fast path (EngineConfig.use_fast_path).
+        enable_prefix_caching: share and keep the KV of common prefixes (EngineConfig.enable_prefix_caching).
     """
 
     model: str = DEFAULT_MODEL
@@ -65,6 +66,7 @@ class WorkerSettings:
     bucket_tokens: int | None = None
     dtype: str = "auto"
     use_fast_path: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -110,6 +112,7 @@ def build_engine(settings: WorkerSettings):
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,
         use_fast_path=settings.use_fast_path,
+        enable_prefix_caching=settings.enable_prefix_caching,
     )
     return Engine(model, config, tokenizer=tokenizer, policy=settings.make_policy())
 

@@ -101,11 +101,12 @@ class ControlPlane:
 
     async def place(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                     predicted_output_tokens: int | None, num_resumed_tokens: int = 0,
-                    exclude_worker_id: str | None = None) -> Placement:
+                    exclude_worker_id: str | None = None, priority: int = 0) -> Placement:
         """Reserve KV for a request on a worker (waiting for room); idempotent per request id.
 
         `exclude_worker_id`: the worker a router lost the request's stream from; the request is
         re-placed elsewhere when it fits at once (after checking whether that worker is gone).
+        `priority`: the request's class; while requests wait for room, more urgent ones go first.
         """
         existing = self.ledger.get(request_id)
         if (existing is not None and existing.state == "placed" and existing.worker_id in self.pool.handles
@@ -123,7 +124,7 @@ class ControlPlane:
         attempts = existing.num_attempts + 1 if existing is not None else 1
         record = RequestRecord(request_id, None, num_prompt_tokens, max_tokens, predicted_output_tokens or 0,
                                num_blocks, "pending", attempts, time.time())
-        pending = PendingRequest(request_id, num_blocks, time.monotonic())
+        pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority)
         if not self.waiting:  # fast path: nobody queued ahead, one write if it fits now
             worker_id = self.rooms.roomiest(num_blocks, exclude=exclude_worker_id)
             if worker_id is not None:

@@ -31,7 +31,7 @@ def worker_settings(config: ServiceConfig) -> WorkerSettings:
         model=config.model, model_cache_dir=config.model_cache_dir, policy=config.policy,
         kv_cache_bytes=config.kv_cache_bytes, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-        num_torch_threads=threads, dtype=config.dtype)
+        num_torch_threads=threads, dtype=config.dtype, enable_prefix_caching=config.prefix_caching)
 
 
 class Controller:
@@ -81,10 +81,10 @@ class Controller:
 
     async def place(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                     predicted_output_tokens: int | None, num_resumed_tokens: int = 0,
-                    exclude_worker_id: str | None = None) -> Placement:
+                    exclude_worker_id: str | None = None, priority: int = 0) -> Placement:
         plane = await self._started()
         return await plane.place(request_id, num_prompt_tokens, max_tokens, predicted_output_tokens,
-                                 num_resumed_tokens, exclude_worker_id)
+                                 num_resumed_tokens, exclude_worker_id, priority)
 
     async def finish(self, request_id: str, outcome: RequestOutcome | None = None) -> None:
         await (await self._started()).finish(request_id, outcome)

@@ -58,11 +58,13 @@ class PendingRequest:
         request_id: the request's id.
         num_blocks: its reservation: prompt + predicted upper bound of the output, in blocks.
         arrival_s: when it started waiting (any clock, as long as `now_s` uses the same one).
+        priority: its class, lower is more urgent: placed before every less urgent request.
     """
 
     request_id: str
     num_blocks: int
     arrival_s: float
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -74,7 +76,8 @@ def first_fit_decreasing(pending: Sequence[PendingRequest], workers: Sequence[Wo
     """Place pending requests on workers by first-fit-decreasing of their reservations.
 
     Order of requests: first those *starved* (waiting at least `max_wait_s` at `now_s`),
-    oldest first; then the rest, largest reservation first, ties by arrival, then id.
+    oldest first; then the rest, largest reservation first, ties by arrival, then id. Both
+    groups go class by class (`priority`, most urgent first).
 
     Order of workers: ready workers only, sorted once per call by free blocks at the start of
     the call (most first), ties by worker id. The order is fixed during the call, so this is
@@ -192,9 +195,9 @@ def migration_target(num_blocks: int, workers: Sequence[WorkerBudget], exclude_w
 def _placement_order(pending: Sequence[PendingRequest], now_s: float | None,
                      max_wait_s: float) -> list[PendingRequest]:
     starved = sorted((r for r in pending if _is_starved(r, now_s, max_wait_s)),
-                     key=lambda r: (r.arrival_s, r.request_id))
+                     key=lambda r: (r.priority, r.arrival_s, r.request_id))
     fresh = sorted((r for r in pending if not _is_starved(r, now_s, max_wait_s)),
-                   key=lambda r: (-r.num_blocks, r.arrival_s, r.request_id))
+                   key=lambda r: (r.priority, -r.num_blocks, r.arrival_s, r.request_id))
     return starved + fresh
 
 

@@ -35,6 +35,7 @@ class GenerationJob:
     params: SamplingParams
     predicted_output_tokens: int | None
     point_output_tokens: int | None
+    priority: int = 0  # lower is more urgent
 
 
 @dataclass(slots=True)
@@ -75,7 +76,7 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
     """
     asked_s = time.monotonic()
     placement = await controller.place.remote(job.request_id, len(job.prompt_token_ids), job.params.max_tokens,
-                                              job.predicted_output_tokens)
+                                              job.predicted_output_tokens, priority=job.priority)
     result.placed_s = time.monotonic()
     result.place_call_s = result.placed_s - asked_s - placement.queued_s
     result.queued_s = placement.queued_s
@@ -86,7 +87,7 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
     try:
         for _ in range(MAX_ATTEMPTS):
             request = WorkRequest(job.request_id, job.prompt_token_ids, job.params, bound,
-                                  tuple(result.output_token_ids), kv)
+                                  tuple(result.output_token_ids), kv, priority=job.priority)
             kv = None
             try:
                 handle = workers.get(worker_id, actor_name)
@@ -119,7 +120,7 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
                 workers.forget(worker_id)
                 placement = await controller.place.remote(
                     job.request_id, len(job.prompt_token_ids), job.params.max_tokens, bound,
-                    len(result.output_token_ids), worker_id)
+                    len(result.output_token_ids), worker_id, job.priority)
                 worker_id, actor_name = placement.worker_id, placement.actor_name
         raise RuntimeError(f"request {job.request_id} was moved or failed over {MAX_ATTEMPTS} times")
     finally:

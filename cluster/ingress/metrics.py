@@ -150,6 +150,14 @@ class ServiceMetrics:
             "s3_request_latency_seconds", "Arrival to last token.", buckets=_LATENCY_BUCKETS_S,
             registry=self.registry,
         )
+        self._class_ttft_s = Histogram(
+            "s3_class_ttft_seconds", "Time to first token, per priority class (lower is more urgent).",
+            ["priority"], buckets=_TTFT_BUCKETS_S, registry=self.registry,
+        )
+        self._class_latency_s = Histogram(
+            "s3_class_request_latency_seconds", "Arrival to last token, per priority class (lower is more urgent).",
+            ["priority"], buckets=_LATENCY_BUCKETS_S, registry=self.registry,
+        )
         self._prediction_error_tokens = Histogram(
             "s3_prediction_error_tokens", "Predicted output length (point) minus the true one, in tokens.",
             buckets=_PREDICTION_ERROR_BUCKETS, registry=self.registry,
@@ -186,6 +194,7 @@ class ServiceMetrics:
         latency_s: float,
         predicted_tokens: int | None,
         true_tokens: int,
+        priority: int = 0,
     ) -> None:
         """Records one finished request's timings and, when it had one, its prediction error.
 
@@ -197,11 +206,14 @@ class ServiceMetrics:
             latency_s: arrival to last token.
             predicted_tokens: the predictor's point estimate; None when the policy used none.
             true_tokens: tokens actually generated.
+            priority: the request's class (also observed per class).
         """
         self._ttft_s.observe(ttft_s)
         if tpot_s is not None:
             self._tpot_s.observe(tpot_s)
         self._latency_s.observe(latency_s)
+        self._class_ttft_s.labels(priority=str(priority)).observe(ttft_s)
+        self._class_latency_s.labels(priority=str(priority)).observe(latency_s)
         if predicted_tokens is not None:
             self._prediction_error_tokens.observe(predicted_tokens - true_tokens)
 

@@ -81,6 +81,7 @@ MaxTokens = Annotated[StrictInt, Field(ge=1)]
 Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
 TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 Seed = Annotated[StrictInt, Field(**_SEED_BOUNDS)]
+Priority = Annotated[StrictInt, Field(ge=-100, le=100)]  # lower is more urgent
 
 
 def _reject_non_default(value: Any, info: ValidationInfo, table: dict[str, tuple[Any, ...]]) -> Any:
@@ -130,6 +131,7 @@ class _SamplingRequest(BaseModel):
     user: StrictStr | None = None
     ignore_eos: StrictBool = False
     forced_output_tokens: MaxTokens | None = None
+    priority: Priority = 0
 
     @field_validator("n")
     @classmethod
@@ -179,6 +181,8 @@ class CompletionRequest(_SamplingRequest):
         ignore_eos: extension: generate exactly max_tokens tokens (benchmarks).
         forced_output_tokens: extension: finish after exactly this many tokens (<= max_tokens), so
             a benchmark fixes the work while max_tokens (what max_reserve reserves) stays large.
+        priority: extension: the request's class, an integer in [-100, 100], lower is more urgent
+            (default 0): admitted first, preempted last, placed first.
         user: end-user id, recorded only.
     """
 

@@ -197,7 +197,8 @@ class Router:
             except Exception as error:  # noqa: BLE001 - any predictor failure is an outage, not bad input
                 logger.exception("predictor failed")
                 raise unavailable(f"length predictor ({type(error).__name__})") from None
-            job = GenerationJob(request_id, text, tuple(prompt_ids), params, min(bound, params.max_tokens), point)
+            job = GenerationJob(request_id, text, tuple(prompt_ids), params, min(bound, params.max_tokens), point,
+                                req.priority)
             result = GenerationResult([])
             stream = run_job(job, self.controller, self.workers, result, worker_actor_name)
             first = await self._first_chunk(stream)
@@ -236,7 +237,8 @@ class Router:
         finish_s = result.finish_s or time.monotonic()
         first_s = result.first_token_s or finish_s
         tpot = (finish_s - first_s) / (num_out - 1) if num_out > 1 else None
-        self.metrics.observe_finished(first_s - start_s, tpot, finish_s - start_s, job.point_output_tokens, num_out)
+        self.metrics.observe_finished(first_s - start_s, tpot, finish_s - start_s, job.point_output_tokens, num_out,
+                                      job.priority)
         self.metrics.observe_status("ok")
 
     async def _collect(self, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,

@@ -1,0 +1,195 @@
+"""Prefix caching in the engine, on the tiny random Llama: same greedy tokens as without it, less computed,
+shared blocks safe under abort, preemption (swap and recompute) and moves between engines."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+from workers.engine import Engine, EngineConfig
+from workers.models import make_tiny_model
+from workers.policies import PreemptionCostModel, make_policy
+from workers.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, fp32
+PREFIX = [random.Random(7).randrange(256) for _ in range(24)]  # 6 full blocks, e.g. a system prompt
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> torch.nn.Module:
+    return make_tiny_model(0, init_std=0.2)  # every token depends on the whole context
+
+
+def engine(model, caching: bool, num_blocks: int = 64, policy=None, max_num_seqs: int = 4) -> Engine:
+    config = EngineConfig(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=64, enable_prefix_caching=caching)
+    return Engine(copy.deepcopy(model), config, policy=policy)
+
+
+def suffix(seed: int, length: int = 5) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(length)]
+
+
+def run_all(eng: Engine, max_steps: int = 600) -> dict[str, list[int]]:
+    outputs = {}
+    for _ in range(max_steps):
+        if not eng.has_unfinished():
+            return outputs
+        for out in eng.step():
+            if out.is_finished:
+                outputs[out.seq_id] = list(out.output_token_ids)
+    raise AssertionError("the engine did not finish")
+
+
+def assert_nothing_held(eng: Engine) -> None:
+    assert not eng.has_unfinished()
+    assert eng.allocator.num_free_blocks == eng.allocator.num_blocks  # cached blocks are free to take
+    eng.allocator.check_invariants()
+
+
+def test_a_shared_prefix_gives_the_same_tokens_and_the_second_request_computes_only_its_new_tokens(tiny_model):
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first, second = PREFIX + suffix(1), PREFIX + suffix(2)
+    results = {}
+    for caching in (False, True):
+        eng = engine(tiny_model, caching)
+        eng.add_request(first, params, seq_id="first")
+        outputs = run_all(eng)
+        eng.add_request(second, params, seq_id="second")
+        eng.step()
+        computed_in_first_step = eng.last_times.num_tokens
+        outputs.update(run_all(eng))
+        results[caching] = (outputs, computed_in_first_step, eng.scheduler.stats)
+        assert_nothing_held(eng)
+    assert results[True][0] == results[False][0]
+    assert results[False][1] == len(second)
+    assert results[True][1] == len(second) - len(PREFIX)  # the prefix's 6 blocks came from the cache
+    stats = results[True][2]
+    assert stats.num_prefix_hit_tokens == len(PREFIX)
+    assert stats.num_prompt_tokens_admitted == len(first) + len(second)
+
+
+def test_shared_blocks_survive_the_abort_of_the_request_that_computed_them(tiny_model):
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    expected = run_all(_with(engine(tiny_model, False), "b", PREFIX + suffix(3), params))["b"]
+    eng = engine(tiny_model, True)
+    eng.add_request(PREFIX + suffix(4), params, seq_id="a")
+    eng.step()  # a's prompt is computed and its full blocks named
+    eng.add_request(PREFIX + suffix(3), params, seq_id="b")
+    eng.step()  # b shares them
+    assert eng.allocator.block_table("b")[:6] == eng.allocator.block_table("a")[:6]
+    assert eng.abort("a")
+    assert run_all(eng)["b"] == expected
+    assert_nothing_held(eng)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_requests_sharing_a_prefix_keep_their_tokens(tiny_model, mode):
+    cost = (PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18, swap_overhead_s=0.0)
+            if mode == "swap" else PreemptionCostModel(prefill_s_per_token=0.0, swap_bytes_per_s=1.0))
+    prompts = {f"r{i}": PREFIX + suffix(10 + i, 1 + 2 * i) for i in range(5)}
+    lengths = {f"r{i}": 8 + 4 * i for i in range(5)}
+    results = {}
+    for caching in (False, True):
+        # Room for the prefix plus a few blocks each: predictions of 2 tokens make everyone overrun.
+        eng = engine(tiny_model, caching, num_blocks=22, max_num_seqs=5,
+                     policy=make_policy("s3", bucket_tokens=4, cost_model=cost))
+        for seq_id, prompt in prompts.items():
+            eng.add_request(prompt, SamplingParams(max_tokens=40, forced_output_tokens=lengths[seq_id]),
+                            seq_id=seq_id, predicted_output_tokens=2)
+        results[caching] = run_all(eng)
+        if caching:
+            stats = eng.scheduler.stats
+            assert stats.num_preemptions > 0 and stats.num_prefix_hit_tokens >= 2 * len(PREFIX)
+            assert (eng.swapped_bytes > 0) == (mode == "swap")
+        assert_nothing_held(eng)
+    assert results[True] == results[False]
+
+
+def test_a_request_moved_between_caching_engines_continues_with_the_same_tokens(tiny_model):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt = PREFIX + suffix(5)
+    expected = run_all(_with(engine(tiny_model, False), "m", prompt, params))["m"]
+    source, target = engine(tiny_model, True), engine(tiny_model, True)
+    run_all(_with(target, "warm", PREFIX + suffix(6), SamplingParams(max_tokens=2, ignore_eos=True)))
+    source.add_request(prompt, params, seq_id="m")
+    outputs = []
+    for _ in range(4):
+        outputs += [out.token_id for out in source.step()]
+    kv = source.export_sequence("m")
+    assert source.abort("m")
+    target.add_request(prompt, params, seq_id="m", resumed_output_token_ids=outputs, kv=kv)
+    assert run_all(target)["m"] == expected
+    assert_nothing_held(source)
+    assert_nothing_held(target)
+
+
+def _with(eng: Engine, seq_id: str, prompt: list[int], params: SamplingParams) -> Engine:
+    eng.add_request(prompt, params, seq_id=seq_id)
+    return eng
+
+
+# --- priority classes ----------------------------------------------------------------------------
+
+
+def test_an_urgent_request_under_memory_pressure_preempts_a_less_urgent_one_never_the_reverse(tiny_model):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    expected = {}
+    for seq_id, seed in (("batch", 20), ("urgent", 21)):
+        expected[seq_id] = run_all(_with(engine(tiny_model, False), seq_id, suffix(seed, 10), params))[seq_id]
+    # 12 blocks of 4 tokens: one request (10 + 30 tokens) fits, not two.
+    eng = engine(tiny_model, True, num_blocks=12, policy=make_policy("max_reserve"))
+    eng.add_request(suffix(20, 10), params, seq_id="batch", priority=5)
+    eng.step()
+    eng.add_request(suffix(21, 10), params, seq_id="urgent", priority=0)
+    eng.step()
+    assert [s.seq_id for s in eng.scheduler.running] == ["urgent"]  # batch gave its blocks up
+    assert eng.sequence("batch").num_preemptions == 1
+    assert run_all(eng) == expected  # both still produce exactly their tokens
+    assert_nothing_held(eng)
+
+    # The reverse: a less urgent arrival waits; the running urgent request keeps its blocks.
+    eng = engine(tiny_model, True, num_blocks=12, policy=make_policy("max_reserve"))
+    eng.add_request(suffix(21, 10), params, seq_id="urgent", priority=0)
+    eng.step()
+    eng.add_request(suffix(20, 10), params, seq_id="batch", priority=5)
+    for _ in range(5):
+        eng.step()
+        assert [s.seq_id for s in eng.scheduler.running] == ["urgent"]
+    assert eng.sequence("urgent").num_preemptions == 0
+    assert run_all(eng) == expected
+
+
+@pytest.mark.parametrize("policy_name", ["paged_greedy", "s3"])
+def test_growth_preempts_the_least_urgent_class_first(tiny_model, policy_name):
+    # Three on-demand sequences outgrow 14 blocks; the priority-9 one must be the one that yields.
+    eng = engine(tiny_model, True, num_blocks=14,
+                 policy=make_policy(policy_name, **({"bucket_tokens": 4} if policy_name == "s3" else {})))
+    for index, priority in enumerate((0, 9, 3)):
+        eng.add_request(suffix(30 + index, 6), SamplingParams(max_tokens=30, ignore_eos=True), seq_id=f"p{priority}",
+                        priority=priority, predicted_output_tokens=2)
+    first_victim = None
+    for _ in range(200):
+        if not eng.has_unfinished():
+            break
+        before = {s.seq_id: s.num_preemptions for s in (*eng.scheduler.running, *eng.scheduler.waiting)}
+        eng.step()
+        for seq_id, count in before.items():
+            seq = eng.sequence(seq_id)
+            if first_victim is None and seq is not None and seq.num_preemptions > count:
+                first_victim = seq_id
+    assert first_victim == "p9"
+    assert_nothing_held(eng)
+
+
+def test_a_priority_that_is_not_an_integer_is_refused(tiny_model):
+    eng = engine(tiny_model, True)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        eng.add_request([1, 2, 3], SamplingParams(max_tokens=2), priority="high")
+    assert not eng.has_unfinished()
