@@ -30,9 +30,9 @@ from workers.policies import POLICY_NAMES, PreemptionCostModel, make_policy
 from workers.sampling_params import SamplingParams
 
 POLICIES = POLICY_NAMES
-MAX_REPORTED_EVENTS = 50
+MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
 NO_CACHE_SUFFIX = "/no-cache"  # a run with the prefix cache off, e.g. "paged_greedy/no-cache"
-CACHE_COMPARED = ("paged_greedy", "s3", "s3_peak")  # run with the cache off too when the trace shares prefixes  # misprediction events listed per policy in the JSON
+CACHE_COMPARED = ("paged_greedy", "s3", "s3_peak")  # run with the cache off too when the trace shares prefixes
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 
 
@@ -265,7 +265,7 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     )
     print(f"trace {config.trace_path}: {capping.describe()}")
     if shares_prefixes:
-        print(f"shared prefixes: {len(rows)} rows of the {len({r.hash_ids[0] for r in rows})} largest sessions; "
+        print(f"shared prefixes: {len(rows)} rows of the {len({r.hash_ids[0] for r in rows if r.hash_ids})} largest sessions; "
               f"each hash id is {config.tokens_per_hash_id} tokens of shared text (trace: {MOONCAKE_BLOCK_TOKENS}, "
               f"scale 1/{MOONCAKE_BLOCK_TOKENS // config.tokens_per_hash_id}), prompts capped at "
               f"{config.max_prompt_tokens}")

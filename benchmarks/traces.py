@@ -34,7 +34,10 @@ tokens_per_hash_id / 512 (prompt lengths scale alike, then the prompt cap applie
 
 Mooncake's sharing is mostly between the turns of one conversation, spread over the whole
 trace (the first 200 rows share 6% of their blocks; all 3,993 rows share 64%).
-`select_sessions` therefore replays whole sessions (rows whose first id is the same).
+`select_sessions` therefore replays whole sessions: rows whose first id is the same (one
+conversation, or requests opening with the same system prompt), the largest first, so it
+picks the rows that share the most. A prompt cap keeps the first ids, the part a session
+shares; outputs keep the trace's lengths (only prompts are scaled).
 """
 
 import csv
@@ -339,9 +342,11 @@ def build_requests(
     if tokens_per_hash_id is not None and tokens_per_hash_id < 1:
         raise ValueError(f"tokens_per_hash_id must be >= 1 or None, got {tokens_per_hash_id}")
     requests = []
+    wanted_prompt_tokens = []  # the row's length, scaled when built from hash ids: what a cap cuts
     for index, row in enumerate(rows):
         if tokens_per_hash_id is not None and row.hash_ids:
             scaled = -(-row.context_tokens * tokens_per_hash_id // MOONCAKE_BLOCK_TOKENS)
+            wanted_prompt_tokens.append(scaled)
             num_prompt = max(1, min(scaled, max_prompt_tokens))
             prompt = [token for h in row.hash_ids[:-(-num_prompt // tokens_per_hash_id)]
                       for token in _cut(stream, (h * stride) % len(stream), tokens_per_hash_id)][:num_prompt]
@@ -349,6 +354,7 @@ def build_requests(
             requests.append(ReplayRequest(f"trace-{index}", row.arrival_s * time_scale if mode == "online" else 0.0,
                                           tuple(prompt), num_output, row.context_tokens, row.generated_tokens))
             continue
+        wanted_prompt_tokens.append(row.context_tokens)
         num_prompt = max(1, min(row.context_tokens, max_prompt_tokens))
         num_output = max(1, min(row.generated_tokens, max_len - num_prompt))
         requests.append(
@@ -363,7 +369,7 @@ def build_requests(
         )
     report = CappingReport(
         num_requests=len(requests),
-        num_prompt_capped=sum(len(r.prompt_token_ids) < r.original_context_tokens for r in requests),
+        num_prompt_capped=sum(len(r.prompt_token_ids) < wanted for r, wanted in zip(requests, wanted_prompt_tokens)),
         num_output_capped=sum(r.output_tokens < r.original_generated_tokens for r in requests),
         max_prompt_tokens=max_prompt_tokens,
         max_len=max_len,

@@ -193,3 +193,32 @@ def test_a_priority_that_is_not_an_integer_is_refused(tiny_model):
     with pytest.raises(ValueError, match="priority must be an integer"):
         eng.add_request([1, 2, 3], SamplingParams(max_tokens=2), priority="high")
     assert not eng.has_unfinished()
+
+
+@pytest.mark.parametrize("policy_name", ["paged_greedy", "s3"])
+def test_an_urgent_sequence_admitted_later_grows_at_the_expense_of_an_earlier_less_urgent_one(tiny_model,
+                                                                                          policy_name):
+    # "batch" runs first, "urgent" joins; 9 blocks cannot hold both to the end, so growth must take from batch
+    # (already running, earlier in the running list) within one step, and both still produce exact tokens.
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = {"batch": suffix(40, 6), "urgent": suffix(41, 6)}
+    expected = {seq_id: run_all(_with(engine(tiny_model, False), seq_id, prompt, params))[seq_id]
+                for seq_id, prompt in prompts.items()}
+    kwargs = {"bucket_tokens": 4} if policy_name == "s3" else {}
+    eng = engine(tiny_model, True, num_blocks=9, policy=make_policy(policy_name, **kwargs))
+    eng.add_request(prompts["batch"], params, seq_id="batch", priority=5, predicted_output_tokens=2)
+    eng.step()
+    eng.add_request(prompts["urgent"], params, seq_id="urgent", priority=0, predicted_output_tokens=2)
+    outputs, batch_preempted = {}, False
+    for _ in range(300):
+        if not eng.has_unfinished():
+            break
+        for out in eng.step():
+            assert out.finish_reason != "error"
+            if out.is_finished:
+                outputs[out.seq_id] = list(out.output_token_ids)
+        urgent, batch = eng.sequence("urgent"), eng.sequence("batch")
+        assert urgent is None or urgent.num_preemptions == 0  # never the urgent one
+        batch_preempted = batch_preempted or (batch is not None and batch.num_preemptions > 0)
+    assert batch_preempted and outputs == expected
+    assert_nothing_held(eng)

@@ -295,7 +295,9 @@ def test_mooncake_hash_ids_are_read_and_shared_ids_become_shared_text(traces: Pa
     assert len(sessions) == 40 and sessions[0].arrival_s == 0.0
     assert [r.arrival_s for r in sessions] == sorted(r.arrival_s for r in sessions)
     assert len({row.hash_ids[0] for row in sessions}) < 10  # a few long conversations, not 40 strangers
-    requests, _ = make_requests(sessions, prompt_texts, max_len=1024, max_prompt_tokens=256, tokens_per_hash_id=8)
+    requests, report = make_requests(sessions, prompt_texts, max_len=1024, max_prompt_tokens=256,
+                                     tokens_per_hash_id=8)
+    assert report.num_prompt_capped == sum(-(-row.context_tokens * 8 // 512) > 256 for row in sessions)
     by_first = {}
     for row, request in zip(sessions, requests):
         assert len(request.prompt_token_ids) == min(-(-row.context_tokens * 8 // 512), 256)

@@ -106,12 +106,24 @@ class BlockAllocator:
         """Tokens of the sequence's prefix found in the cache when it was allocated (0 without caching)."""
         return self._num_cached_tokens.get(seq_id, 0)
 
-    def cached_prefix_blocks(self, token_ids: list[int]) -> int:
-        """Full blocks at the start of `token_ids` the cache holds now (a lookup; changes nothing)."""
+    def cached_prefix_blocks(self, token_ids: list[int], held_only: bool = False) -> int:
+        """Full blocks at the start of `token_ids` the cache holds now (a lookup; changes nothing).
+
+        `held_only`: count only those some sequence holds (not the parked ones).
+        """
         if not self.enable_prefix_caching:
             return 0
-        return len(self.cache.lookup(block_hashes(token_ids, self.block_size, self.root_hash,
-                                                  self._max_shared_blocks(len(token_ids)))))
+        blocks = self.cache.lookup(block_hashes(token_ids, self.block_size, self.root_hash,
+                                                self._max_shared_blocks(len(token_ids))))
+        return sum(1 for block in blocks if self._holders[block] > 0) if held_only else len(blocks)
+
+    def num_blocks_freed_by(self, seq_ids: list[Hashable]) -> int:
+        """Blocks that releasing all of `seq_ids` would return (those no other sequence holds)."""
+        counts: dict[int, int] = {}
+        for seq_id in seq_ids:
+            for block in self._tables.get(seq_id, ()):
+                counts[block] = counts.get(block, 0) + 1
+        return sum(1 for block, count in counts.items() if count == self._holders[block])
 
     def allocate(self, seq_id: Hashable, num_tokens: int, token_ids: list[int] | None = None) -> list[int] | None:
         """Reserve blocks for a new sequence holding `num_tokens`; None if they are not free.

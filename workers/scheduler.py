@@ -118,12 +118,15 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.stats.num_preemptions
-        # Decodes first (one token each, in admission order), then prefill
+        # Most urgent class first (a victim is taken from the least urgent, so it is rarely scheduled
+        # yet); within a class decodes first (one token each, in admission order), then prefill
         # chunks: a long prompt must not take the step's budget from decodes.
-        for seq in sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1):
+        for seq in sorted(self.running, key=lambda s: (s.priority, s.num_uncomputed_tokens > 1)):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if not self._ensure_capacity(seq, out):
+            fits, freed_tokens = self._ensure_capacity(seq, out)
+            budget += freed_tokens
+            if not fits:
                 continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if num_tokens > 0:
@@ -177,13 +180,14 @@ class Scheduler:
                 out.chunks.append(ScheduledChunk(seq, num_tokens))
                 budget -= num_tokens
 
-    def _ensure_capacity(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def _ensure_capacity(self, seq: Sequence, out: SchedulerOutput) -> tuple[bool, int]:
         """Make room for all of `seq`'s known tokens, preempting as the policy says.
 
-        Returns False when `seq` itself was preempted.
+        Returns (False when `seq` itself was preempted, the step tokens victims already
+        scheduled this step gave back).
         """
         if self.allocator.num_reserved_tokens(seq.seq_id) >= seq.num_tokens:
-            return True
+            return True, 0
         predicted = seq.predicted_output_tokens
         self.policy.on_overrun(seq)
         if seq.predicted_output_tokens != predicted:
@@ -191,24 +195,39 @@ class Scheduler:
                 MispredictionEvent(seq.seq_id, predicted, seq.num_output_tokens, self.num_steps)
             )
         target_tokens = max(self.policy.growth_tokens(seq), seq.num_tokens)
+        freed_tokens = 0
         while self.allocator.extend(seq.seq_id, target_tokens) is None:
             if self.allocator.extend(seq.seq_id, seq.num_tokens) is not None:
-                return True  # the full growth does not fit, but the next token does
+                return True, freed_tokens  # the full growth does not fit, but the next token does
             victim = self._choose_victim(seq, self.running)
+            freed_tokens += self._unschedule(victim, out)
             self._preempt(victim, out)
             if victim is seq:
-                return False
-        return True
+                return False, freed_tokens
+        return True, freed_tokens
+
+    @staticmethod
+    def _unschedule(seq: Sequence, out: SchedulerOutput) -> int:
+        """Take `seq`'s chunk out of this step (it is about to be preempted); returns its tokens."""
+        for chunk in out.chunks:
+            if chunk.seq is seq:
+                out.chunks.remove(chunk)
+                return chunk.num_tokens
+        return 0
 
     def _try_allocate(self, seq: Sequence) -> list[int] | None:
         """The blocks admitting `seq` takes now, if the policy admits it and they are free; else None."""
         # A swapped-in sequence brings its own KV back; anyone else may share cached prefix blocks.
         token_ids = None if seq.is_swapped or not self.allocator.enable_prefix_caching else (
             seq.tokens_between(0, seq.num_tokens))
-        # Policies plan per sequence; blocks held by several sequences (or found cached) count once.
+        # Policies plan per sequence; a block several running sequences hold (now, or once `seq` shares
+        # it) is in several plans but in the pool once. An approximation: the credit is today's sharing,
+        # applied to the whole horizon of the plan (s3_peak may admit a little early; overruns still
+        # preempt). Cached blocks nobody holds are free blocks already and get no credit.
         num_blocks = self.allocator.num_blocks
         if token_ids is not None:
-            num_blocks += self.allocator.num_shared_holdings + self.allocator.cached_prefix_blocks(token_ids)
+            num_blocks += self.allocator.num_shared_holdings + self.allocator.cached_prefix_blocks(token_ids,
+                                                                                                  held_only=True)
         if not self.policy.can_admit(seq, self.running, num_blocks, self.allocator.block_size,
                                      self.config.max_num_batched_tokens):
             return None
@@ -222,23 +241,25 @@ class Scheduler:
         return victim if victim in candidates else candidates[-1]
 
     def _less_urgent_would_make_room(self, seq: Sequence) -> bool:
-        """Some running sequence is less urgent than `seq`, and their blocks and the free ones would hold it."""
-        less_urgent = [s for s in self.running if s.priority > seq.priority]
+        """Preempting every running sequence less urgent than `seq` would let it in (blocks and policy alike).
+
+        Conservative: only blocks no more urgent sequence also holds count as reclaimable, and
+        the policy must admit `seq` beside the sequences that would stay.
+        """
+        less_urgent = [s.seq_id for s in self.running if s.priority > seq.priority]
         if not less_urgent:
             return False
-        reclaimable = self.allocator.num_free_blocks + sum(len(self.allocator.block_table(s.seq_id))
-                                                           for s in less_urgent)
-        return self.allocator.blocks_for(self.policy.reservation_tokens(seq)) <= reclaimable
+        reclaimable = self.allocator.num_free_blocks + self.allocator.num_blocks_freed_by(less_urgent)
+        if self.allocator.blocks_for(self.policy.reservation_tokens(seq)) > reclaimable:
+            return False
+        staying = [s for s in self.running if s.priority <= seq.priority]
+        return self.policy.can_admit(seq, staying, self.allocator.num_blocks, self.allocator.block_size,
+                                     self.config.max_num_batched_tokens)
 
     def _preempt_less_urgent(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Preempt one running sequence less urgent than waiting `seq`; returns the step tokens it gave back."""
         victim = self._choose_victim(seq, [s for s in self.running if s.priority > seq.priority])
-        freed = 0
-        for chunk in out.chunks:
-            if chunk.seq is victim:
-                out.chunks.remove(chunk)
-                freed = chunk.num_tokens
-                break
+        freed = self._unschedule(victim, out)
         self._preempt(victim, out)
         return freed
 
