@@ -10,6 +10,11 @@ length, and the trace's output length forced through the service's
 (max_len - prompt), as a real client would send. max_reserve then reserves what it
 would in production (prompt + max_tokens); forcing the length with `max_tokens`
 alone would hand it each request's true length, making it an oracle.
+
+A trace with Mooncake hash ids is replayed as `bench policies` does (whole sessions, each id
+`tokens_per_hash_id` tokens of shared text), and the first policy runs a second time with
+prefix-aware placement off (`<policy>/ffd-only`), so the table shows the workers' prefix-cache
+hit rate with and without it.
 """
 
 import math
@@ -23,8 +28,8 @@ from pathlib import Path
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_results, write_plan
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
+from benchmarks.traces import ReplayRequest, build_requests, load_prompt_texts, read_trace, select_sessions
 from workers.policies import SERVING_POLICY_NAMES
-from benchmarks.traces import ReplayRequest, build_requests, load_prompt_texts, read_trace
 
 POLICIES = SERVING_POLICY_NAMES
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
@@ -33,7 +38,8 @@ DEFAULT_KV_CACHE_BYTES = 188_743_680
 STATS_SETTLE_S = 1.5
 TABLE_KEYS = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s",
               "worker_balance_min_max", "migrations", "requeues", "preemptions", "overruns", "overhead_p50_ms",
-              "overhead_p99_ms")  # the controller polls worker stats every 0.5 s; let the last poll land
+              "overhead_p99_ms", "prefix_hit_rate")
+FFD_ONLY_SUFFIX = "/ffd-only"  # the same policy with prefix-aware placement off  # the controller polls worker stats every 0.5 s; let the last poll land
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,10 @@ class ClusterBenchConfig:
             lookup artifact: the replayed prompt texts carry no information about those lengths),
             "default" (the service's shipped predictor) or a predictor artifact directory.
         quantile: coverage of the noisy oracle's upper bound.
+        tokens_per_hash_id: traces with Mooncake hash ids: tokens of shared text per id (see the module docstring).
+        urgent_share: share of requests sent as priority 0 (urgent), the rest as priority 5 (batch),
+            spread evenly over the replay; 0 sends every request at the default priority 0. Latency is
+            then also reported per class.
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -77,6 +87,8 @@ class ClusterBenchConfig:
     ready_timeout_s: float = 900.0
     predictor: str = "noisy-oracle:0.3"
     quantile: float = 0.9
+    tokens_per_hash_id: int = 16
+    urgent_share: float = 0.0
 
     def check(self) -> None:
         """ValueError/FileNotFoundError showing the bad value, before anything starts."""
@@ -103,6 +115,8 @@ class ClusterBenchConfig:
                 raise ValueError(f"--predictor {self.predictor!r}: SIGMA must be >= 0")
         elif self.predictor != "default" and not Path(self.predictor).is_dir():
             raise FileNotFoundError(f"--predictor {self.predictor}: not noisy-oracle:SIGMA, default, or a directory")
+        if not 0.0 <= self.urgent_share <= 1.0:
+            raise ValueError(f"--urgent-share must be in [0, 1], got {self.urgent_share}")
         if not 1 <= self.max_prompt_tokens < self.max_len:
             raise ValueError(
                 f"--max-prompt-tokens must be in [1, --max-len={self.max_len}), got {self.max_prompt_tokens}")
@@ -120,7 +134,18 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def build_load_requests(requests: list[ReplayRequest], tokenizer, max_len: int) -> tuple[list[LoadRequest], int]:
+BATCH_PRIORITY = 5  # the class of the requests not sent as urgent (priority 0) when urgent_share > 0
+
+
+def priority_of(index: int, urgent_share: float) -> int:
+    """0 (urgent) for an evenly spread `urgent_share` of request indices, else BATCH_PRIORITY; 0 for all at share 0."""
+    if urgent_share <= 0.0:
+        return 0
+    return 0 if int((index + 1) * urgent_share) > int(index * urgent_share) else BATCH_PRIORITY
+
+
+def build_load_requests(requests: list[ReplayRequest], tokenizer, max_len: int,
+                        urgent_share: float = 0.0) -> tuple[list[LoadRequest], int]:
     """Prompt text and limits per replayed request, and how many prompts changed length through text.
 
     The router tokenizes the text it receives; decoding a cut of tokens and encoding
@@ -129,7 +154,7 @@ def build_load_requests(requests: list[ReplayRequest], tokenizer, max_len: int) 
     """
     out = []
     num_retokenized = 0
-    for request in requests:
+    for index, request in enumerate(requests):
         text = tokenizer.decode(list(request.prompt_token_ids))
         num_prompt = len(tokenizer.encode(text, add_special_tokens=False))
         if not text or num_prompt < 1 or num_prompt >= max_len:
@@ -137,7 +162,7 @@ def build_load_requests(requests: list[ReplayRequest], tokenizer, max_len: int) 
         num_retokenized += num_prompt != len(request.prompt_token_ids)
         max_tokens = max_len - num_prompt
         out.append(LoadRequest(request.request_id, request.arrival_s, text, num_prompt, max_tokens,
-                               min(request.output_tokens, max_tokens)))
+                               min(request.output_tokens, max_tokens), priority_of(index, urgent_share)))
     return out, num_retokenized
 
 
@@ -167,13 +192,35 @@ def summarize_results(results: list[RequestResult], plan: list[LoadRequest]) -> 
         "overhead_p50_ms": percentile(overhead, 0.5),
         "overhead_p99_ms": percentile(overhead, 0.99),
         "errors": errors[:10],
+        "by_priority": _by_priority(ok, plan),
     }
 
 
-def summarize_cluster(generated_tokens_by_worker: dict[str, int], counters: dict[str, int]) -> dict:
-    """Per-worker balance (min/max generated tokens; 1.0 is even) and the controller's event counters."""
+def _by_priority(ok: list[RequestResult], plan: list[LoadRequest]) -> dict[str, dict]:
+    """TTFT and latency percentiles per priority class (empty when every request had the same class)."""
+    priority = {r.request_id: r.priority for r in plan}
+    classes = sorted({r.priority for r in plan})
+    if len(classes) < 2:
+        return {}
+    out = {}
+    for cls in classes:
+        mine = [r for r in ok if priority[r.request_id] == cls]
+        out[str(cls)] = {"completed": len(mine),
+                         "ttft_p50_s": percentile([r.first_token_s - r.sent_s for r in mine
+                                                   if r.first_token_s is not None], 0.5),
+                         "latency_p50_s": percentile([r.finished_s - r.sent_s for r in mine], 0.5),
+                         "latency_p99_s": percentile([r.finished_s - r.sent_s for r in mine], 0.99)}
+    return out
+
+
+def summarize_cluster(generated_tokens_by_worker: dict[str, int], counters: dict[str, int],
+                      prompt_and_hit_tokens: tuple[int, int] = (0, 0)) -> dict:
+    """Per-worker balance (min/max generated tokens; 1.0 is even), the controller's event counters, and the
+    workers' prefix-cache hit rate (hit / prompt tokens, summed over workers)."""
     tokens = list(generated_tokens_by_worker.values())
+    num_prompt, num_hit = prompt_and_hit_tokens
     return {
+        "prefix_hit_rate": num_hit / num_prompt if num_prompt else None,
         "generated_tokens_by_worker": dict(generated_tokens_by_worker),
         "worker_balance_min_max": min(tokens) / max(tokens) if tokens and max(tokens) else None,
         **{name: int(counters.get(name, 0)) for name in ("migrations", "requeues", "preemptions", "overruns")},
@@ -225,7 +272,7 @@ def predictor_artifact(config: ClusterBenchConfig, plan: list[LoadRequest], work
 
 
 def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, model_cache_dir: Path | None,
-                    data_dir: str, artifact: str | None = None):
+                    data_dir: str, artifact: str | None = None, prefix_aware_placement: bool = True):
     from cluster.config import ServiceConfig
 
     return ServiceConfig(
@@ -234,22 +281,25 @@ def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, mo
         num_workers=config.num_workers, policy=policy, kv_cache_bytes=config.kv_cache_bytes,
         max_model_len=config.max_len, max_num_seqs=config.max_num_seqs,
         default_max_tokens=min(256, config.max_len - 1), data_dir=data_dir, num_cpus=config.num_cpus,
-        num_torch_threads=config.num_torch_threads,
+        num_torch_threads=config.num_torch_threads, prefix_aware_placement=prefix_aware_placement,
         # The bench measures throughput under a backlog: nothing may be refused or time out waiting for room.
         max_concurrent_requests=max(256, config.concurrency), max_pending_placements=max(128, config.concurrency),
         placement_timeout_s=24 * 3600.0)
 
 
 def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest], model_name: str,
-               model_cache_dir: Path | None, work_dir: Path, artifact: str | None = None) -> dict:
+               model_cache_dir: Path | None, work_dir: Path, artifact: str | None = None,
+               prefix_aware_placement: bool = True) -> dict:
     """One service with `policy`, the load from a separate process, the controller's counters; then stop."""
     import ray
 
     from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
     from s3serve_cli.serve import start_service, stop_service
 
-    data_dir = work_dir / f"data-{policy}"
-    service_config = _service_config(config, policy, model_name, model_cache_dir, str(data_dir), artifact)
+    label = policy if prefix_aware_placement else f"{policy}-ffd-only"
+    data_dir = work_dir / f"data-{label}"
+    service_config = _service_config(config, policy, model_name, model_cache_dir, str(data_dir), artifact,
+                                     prefix_aware_placement)
     print(f"{policy}: starting the service ({config.num_workers} workers, {config.kv_cache_bytes} KV bytes each)",
           flush=True)
     # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
@@ -257,7 +307,7 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
              log_to_driver=False)
     running = start_service(service_config, config.ready_timeout_s, progress=lambda _msg: None)
     try:
-        plan_path, results_path = work_dir / f"plan-{policy}.json", work_dir / f"results-{policy}.json"
+        plan_path, results_path = work_dir / f"plan-{label}.json", work_dir / f"results-{label}.json"
         write_plan(plan_path, LoadPlan(running.base_url, service_config.model_id, config.concurrency, tuple(plan)))
         load = subprocess.run([sys.executable, "-m", "benchmarks.http_load", "--plan", str(plan_path),
                                "--out", str(results_path), "--desc", f"{policy} requests"])
@@ -268,7 +318,9 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     finally:
         stop_service(running)
     summary = summarize_results(read_results(results_path), plan)
-    summary.update(summarize_cluster({s.worker_id: s.num_generated_tokens for s in status.stats}, status.counters))
+    summary.update(summarize_cluster({s.worker_id: s.num_generated_tokens for s in status.stats}, status.counters,
+                                     (sum(s.num_prompt_tokens for s in status.stats),
+                                      sum(s.num_prefix_hit_tokens for s in status.stats))))
     return summary
 
 
@@ -279,12 +331,16 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
 
     config.check()
     rows = read_trace(config.trace_path, config.num_requests)
+    shares_prefixes = any(row.hash_ids for row in rows)
+    if shares_prefixes:  # whole sessions, as bench policies replays them
+        rows = select_sessions(read_trace(config.trace_path), config.num_requests)
     tokenizer = load_tokenizer(resolve_model_dir(model_name, model_cache_dir))
     mode = "offline" if config.time_scale == 0 else "online"
     requests, capping = build_requests(
         rows, tokenizer, load_prompt_texts(config.prompts_path), max_len=config.max_len,
-        max_prompt_tokens=config.max_prompt_tokens, mode=mode, time_scale=config.time_scale or 1.0)
-    plan, num_retokenized = build_load_requests(requests, tokenizer, config.max_len)
+        max_prompt_tokens=config.max_prompt_tokens, mode=mode, time_scale=config.time_scale or 1.0,
+        tokens_per_hash_id=config.tokens_per_hash_id if shares_prefixes else None)
+    plan, num_retokenized = build_load_requests(requests, tokenizer, config.max_len, config.urgent_share)
     print(f"trace {config.trace_path}: {capping.describe()}; {num_retokenized} prompts changed length "
           f"through text ({mode}, time scale {config.time_scale})")
     summaries = {}
@@ -294,14 +350,28 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
         for policy in config.policies:
             summaries[policy] = run_policy(config, policy, plan, model_name, model_cache_dir, Path(work_dir),
                                            artifact)
+        if shares_prefixes:
+            first = config.policies[0]
+            summaries[first + FFD_ONLY_SUFFIX] = run_policy(config, first, plan, model_name, model_cache_dir,
+                                                            Path(work_dir), artifact, prefix_aware_placement=False)
+            ratios_extra = {"prefix_hit_rate_with_prefix_placement": summaries[first]["prefix_hit_rate"],
+                            "prefix_hit_rate_ffd_only": summaries[first + FFD_ONLY_SUFFIX]["prefix_hit_rate"]}
+        else:
+            ratios_extra = {}
     ratios = ratios_of(summaries)
     headers = ["policy", "done", "failed", "tok/s", "req/s", "ttft_p50", "ttft_p99", "lat_p50", "lat_p99",
-               "balance", "migr", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms"]
+               "balance", "migr", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms", "prefix_hit"]
     table_rows = [[name, s["completed"], s["failed"], *(_cell(s[key]) for key in TABLE_KEYS)]
                   for name, s in summaries.items()]
     print(format_table(headers, table_rows))
     if ratios:
         print(format_table(["ratio", "value"], [[k, _cell(v)] for k, v in ratios.items()]))
+    by_class = [[name, cls, c["completed"], _cell(c["ttft_p50_s"]), _cell(c["latency_p50_s"]),
+                 _cell(c["latency_p99_s"])] for name, s in summaries.items() for cls, c in s["by_priority"].items()]
+    if by_class:
+        print(format_table(["policy", "priority", "done", "ttft_p50", "lat_p50", "lat_p99"], by_class))
+    if ratios_extra:
+        print(format_table(["prefix-cache hit rate", "value"], [[k, _cell(v)] for k, v in ratios_extra.items()]))
     for name, s in summaries.items():
         if s["failed"] or not s["all_outputs_exact_length"]:
             print(f"{name}: {s['failed']} failed, exact lengths: {s['all_outputs_exact_length']}; {s['errors'][:3]}")
@@ -322,6 +392,7 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
                     "mean_output_tokens": capping.mean_output_tokens, "num_prompts_retokenized": num_retokenized},
         "policies": summaries,
         "ratios": ratios,
+        "prefix_placement": ratios_extra,
         "environment": environment(),
     }
     write_json(json_path, result)

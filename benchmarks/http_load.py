@@ -46,6 +46,7 @@ class LoadRequest:
         num_prompt_tokens: the prompt's length in the served model's tokens.
         max_tokens: the request's limit (what max_reserve reserves).
         forced_output_tokens: the service's benchmark extension: finish after exactly this many.
+        priority: the request's class (lower is more urgent).
     """
 
     request_id: str
@@ -54,6 +55,7 @@ class LoadRequest:
     num_prompt_tokens: int
     max_tokens: int
     forced_output_tokens: int
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,7 @@ def request_body(plan: LoadPlan, request: LoadRequest) -> dict:
     """The completions body: streamed with usage, greedy, length fixed by the forced-length extension."""
     return {"model": plan.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
             "forced_output_tokens": request.forced_output_tokens, "ignore_eos": True, "temperature": 0.0,
+            "priority": request.priority,
             "stream": True, "stream_options": {"include_usage": True}}
 
 

@@ -30,6 +30,7 @@ class SimulatedWorker:
     num_overruns: int = 0
     is_alive: bool = True
     is_hung: bool = False
+    prefix_hashes: tuple[int, ...] = ()  # what it reports as cached (set by tests)
 
     def stats(self) -> WorkerStats:
         reserved = sum(self.held.values())
@@ -40,7 +41,8 @@ class SimulatedWorker:
             num_running=len(self.held), num_waiting=len(self.overruns), num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens, num_overruns=self.num_overruns, num_preemptions=0,
             num_migrated_in=0, num_migrated_out=0, overruns=tuple(self.overruns),
-            request_ids=tuple(self.held) + tuple(r.request_id for r in self.overruns))
+            request_ids=tuple(self.held) + tuple(r.request_id for r in self.overruns),
+            prefix_hashes=self.prefix_hashes)
 
 
 class SimulatedWorkerBackend(WorkerBackend):

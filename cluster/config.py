@@ -52,6 +52,9 @@ class ServiceConfig(BaseModel):
     prefix_caching: bool = Field(
         True, description="workers share the KV of common prompt prefixes (full blocks) and keep it after requests "
                           "finish until the blocks are needed")
+    prefix_aware_placement: bool = Field(
+        True, description="place a request on the worker that caches the longest prefix of its prompt, unless that "
+                          "worker's KV is more than 25 points fuller than the emptiest's (needs prefix_caching)")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request does not set it")
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(

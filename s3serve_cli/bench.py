@@ -72,7 +72,8 @@ def _bench_cluster(args: argparse.Namespace) -> int:
                  "concurrency": args.concurrency}
     for field, value in (("num_workers", args.workers), ("num_requests", args.num_requests),
                          ("time_scale", args.time_scale), ("kv_cache_bytes", args.kv_cache_bytes),
-                         ("max_prompt_tokens", args.max_prompt_tokens), ("predictor", args.predictor)):
+                         ("max_prompt_tokens", args.max_prompt_tokens), ("predictor", args.predictor),
+                         ("urgent_share", args.urgent_share)):
         if value is not None:
             overrides[field] = value
     if args.policy is not None:
@@ -238,6 +239,9 @@ def add_bench_parser(commands) -> None:
                          help="noisy-oracle:SIGMA (default noisy-oracle:0.3: the trace's true lengths with seeded "
                               "log-normal error, served as a lookup artifact, since replayed prompt text says "
                               "nothing about forced lengths), 'default' (the shipped predictor), or an artifact dir")
+    cluster.add_argument("--urgent-share", type=float, default=None, metavar="SHARE",
+                         help="send this share of the requests as priority 0 and the rest as priority 5, and report "
+                              "TTFT and latency per class (default 0: every request at priority 0)")
     cluster.add_argument("--concurrency", type=int, default=64,
                          help="most requests the client keeps in flight (default: %(default)s)")
     cluster.add_argument("--quick", action="store_true",

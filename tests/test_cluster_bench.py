@@ -76,6 +76,8 @@ def test_summarize_cluster_balance_and_counters():
     assert summary["worker_balance_min_max"] == pytest.approx(1 / 3)
     assert (summary["migrations"], summary["overruns"], summary["requeues"], summary["preemptions"]) == (2, 5, 0, 0)
     assert summarize_cluster({}, {})["worker_balance_min_max"] is None
+    assert summarize_cluster({}, {})["prefix_hit_rate"] is None
+    assert summarize_cluster({"w1": 1}, {}, (400, 300))["prefix_hit_rate"] == 0.75
     assert summarize_cluster({"w1": 0, "w2": 0}, {})["worker_balance_min_max"] is None
 
 
@@ -252,3 +254,23 @@ def test_bad_predictor_spec_is_a_clear_error():
         ClusterBenchConfig(predictor="noisy-oracle:x").check()
     with pytest.raises(FileNotFoundError, match="not noisy-oracle"):
         ClusterBenchConfig(predictor="/nope").check()
+
+
+def test_urgent_share_spreads_priority_0_evenly_and_latency_is_reported_per_class():
+    from benchmarks.cluster_bench import BATCH_PRIORITY, priority_of
+
+    classes = [priority_of(i, 0.25) for i in range(20)]
+    assert classes.count(0) == 5 and classes.count(BATCH_PRIORITY) == 15
+    assert all(0 in classes[i:i + 4] for i in range(0, 20, 4))  # one urgent request in every 4
+    assert {priority_of(i, 0.0) for i in range(10)} == {0} and {priority_of(i, 1.0) for i in range(10)} == {0}
+
+    plan = [LoadRequest("u", 0.0, "t", 5, 100, 10, priority=0), LoadRequest("b1", 0.0, "t", 5, 100, 10, priority=5),
+            LoadRequest("b2", 0.0, "t", 5, 100, 10, priority=5)]
+    results = [make_result("u", first_s=0.1, finished_s=1.0), make_result("b1", first_s=0.5, finished_s=3.0),
+               make_result("b2", first_s=0.7, finished_s=5.0)]
+    by_class = summarize_results(results, plan)["by_priority"]
+    assert by_class["0"]["completed"] == 1 and by_class["0"]["latency_p50_s"] == pytest.approx(1.0)
+    assert by_class["5"]["completed"] == 2 and by_class["5"]["latency_p99_s"] == pytest.approx(5.0)
+    assert summarize_results(results[:1], plan[:1])["by_priority"] == {}  # one class: nothing per class
+    with pytest.raises(ValueError, match="urgent-share"):
+        ClusterBenchConfig(urgent_share=1.5).check()

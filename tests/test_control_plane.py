@@ -215,3 +215,21 @@ def test_records_are_replaced_not_duplicated_on_re_placement(run):
         records = await plane.store.requests()
         assert [dataclasses.astuple(r)[:2] for r in records] == [("a", second.worker_id)]
     run(check)
+
+
+def test_a_request_goes_where_its_prefix_is_cached_and_by_room_when_that_is_off(run):
+    async def check(plane, sim):
+        warm = await plane.place("warm", 10, 200, 6)  # 1 block of 10: that worker is now the fuller one
+        sim.workers[warm.worker_id].prefix_hashes = (11, 12, 13)
+        await plane.tick()  # the stats poll brings the reported hashes
+        placement = await plane.place("shared", 20, 200, 40, prefix_hashes=(11, 12, 99))
+        assert placement.worker_id == warm.worker_id  # not the roomier one: its prefix is cached there
+        other = await plane.place("stranger", 20, 200, 40, prefix_hashes=(55,))
+        assert other.worker_id != warm.worker_id  # nothing cached anywhere: by room
+        for request_id in ("warm", "shared", "stranger"):
+            await plane.finish(request_id, outcome())
+        plane.adopt(plane.config.model_copy(update={"prefix_aware_placement": False}))
+        await plane.place("warm2", 10, 200, 6)
+        again = await plane.place("shared2", 20, 200, 40, prefix_hashes=(11, 12, 99))
+        assert again.worker_id != plane.ledger.get("warm2").worker_id  # by room only
+    run(check)

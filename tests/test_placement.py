@@ -5,7 +5,7 @@ import random
 import pytest
 
 from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, blocks_for, first_fit_decreasing,
-                                       migration_target, roomiest_fit)
+                                       longest_cached_prefix, migration_target, prefix_affinity, roomiest_fit)
 from cluster.control.scaling import ScalingPolicy
 
 
@@ -295,3 +295,22 @@ def test_room_index_answers_like_roomiest_fit_through_random_changes():
         exclude = worker_id if rng.random() < 0.2 else None
         free = {w: f for w, f in index.free().items() if w != exclude}
         assert index.roomiest(blocks, exclude=exclude) == roomiest_fit(blocks, free)
+
+
+# --- prefix affinity -----------------------------------------------------------------------------
+
+
+def test_the_worker_with_the_longest_cached_prefix_wins_when_it_is_not_much_fuller():
+    free, total = {"w0": 60, "w1": 80, "w2": 70}, {"w0": 100, "w1": 100, "w2": 100}
+    cached = {"w0": {1, 2, 3}, "w1": {1}, "w2": {9}}
+    assert longest_cached_prefix([1, 2, 3, 4], cached["w0"]) == 3 and longest_cached_prefix([2, 3], cached["w0"]) == 2
+    assert longest_cached_prefix([9, 1], cached["w1"]) == 0
+    assert prefix_affinity([1, 2, 3, 4], 10, free, total, cached) == "w0"  # 20 points fuller than w1: allowed
+    assert prefix_affinity([1, 2, 3, 4], 10, {**free, "w0": 50}, total, cached) is None  # 30 points: too loaded
+    assert prefix_affinity([1, 2, 3, 4], 10, free, total, cached, max_load_gap=0.1) is None
+    assert prefix_affinity([1, 2, 3, 4], 65, free, total, cached) == "w1"  # w0 has no room for 65
+    assert prefix_affinity([7, 8], 10, free, total, cached) is None  # cached nowhere: place by room
+    assert prefix_affinity([], 10, free, total, cached) is None
+    tie = {"w0": {1}, "w1": {1}, "w2": {1}}
+    assert prefix_affinity([1], 10, free, total, tie) == "w1"  # equal prefixes: the most free blocks
+    assert prefix_affinity([1], 10, {"w1": 80, "w0": 80}, total, tie) == "w0"  # then the lower id

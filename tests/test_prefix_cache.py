@@ -152,3 +152,14 @@ def test_prefix_cache_names_a_hash_once():
     cache = PrefixCache()
     assert cache.name(3, 111) and not cache.name(4, 111) and not cache.name(3, 222)
     assert cache.lookup([111, 222]) == [3] and cache.hash_of(4) is None
+
+
+def test_reported_hashes_are_the_most_recently_used_and_forget_evicted_blocks():
+    cache = PrefixCache()
+    for block, block_hash in enumerate((100, 101, 102)):
+        cache.name(block, block_hash)
+    assert cache.recent_hashes(2) == [101, 102] and cache.recent_hashes(0) == []
+    cache.lookup([100])  # found again: most recent now
+    assert cache.recent_hashes(3) == [101, 102, 100]
+    cache.park(1)
+    assert cache.evict() == 1 and cache.recent_hashes(10) == [102, 100]

@@ -222,3 +222,19 @@ def test_an_urgent_sequence_admitted_later_grows_at_the_expense_of_an_earlier_le
         batch_preempted = batch_preempted or (batch is not None and batch.num_preemptions > 0)
     assert batch_preempted and outputs == expected
     assert_nothing_held(eng)
+
+
+def test_a_router_computes_the_hashes_its_workers_report(tiny_model):
+    from workers.prefix_cache import block_hashes, prefix_cache_salt, salt_hash
+    from workers.work_types import MAX_REPORTED_PREFIX_HASHES
+
+    salt = prefix_cache_salt("smollm2-135m-instruct", "auto")  # what router and worker settings both build
+    config = EngineConfig(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_batched_tokens=64,
+                          cache_salt=salt)
+    eng = Engine(copy.deepcopy(tiny_model), config)
+    prompt = PREFIX + suffix(8)
+    run_all(_with(eng, "r", prompt, SamplingParams(max_tokens=3, ignore_eos=True)))
+    reported = set(eng.allocator.cache.recent_hashes(MAX_REPORTED_PREFIX_HASHES))
+    router_side = block_hashes(prompt, BLOCK_SIZE, salt_hash(salt))
+    assert len(router_side) == 7 and set(router_side) <= reported
+    assert not set(block_hashes(prompt, BLOCK_SIZE, salt_hash(prefix_cache_salt("other-model", "auto")))) & reported

@@ -59,7 +59,8 @@ class Engine:
             )
         bytes_per_block = pool_shape_for(model_config, 1, config.block_size, model.dtype).bytes_per_block
         # Blocks are named by their tokens and the model: the KV of another model (or dtype) never matches.
-        cache_salt = f"{getattr(model_config, '_name_or_path', '')}:{model_config.model_type}:{model.dtype}"
+        cache_salt = config.cache_salt or (
+            f"{getattr(model_config, '_name_or_path', '')}:{model_config.model_type}:{model.dtype}")
         self.allocator = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size,
                                                     config.enable_prefix_caching, cache_salt)
         self.scheduler = Scheduler(

@@ -20,6 +20,8 @@ class EngineConfig:
         enable_prefix_caching: share the KV of full blocks of tokens between requests with the
             same prefix, and keep it after they finish until the blocks are needed
             (`workers.prefix_cache`).
+        cache_salt: names the model and dtype in every cached block's hash; None derives it from
+            the model (the service passes `prefix_cache_salt(model, dtype)`, which routers share).
     """
 
     kv_cache_bytes: int = 512 * 1024**2
@@ -30,6 +32,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     use_fast_path: bool = True
     enable_prefix_caching: bool = True
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes <= 0:

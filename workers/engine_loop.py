@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, replace
 
 from workers.engine import Engine
 from workers.kv_transfer import ExportedKV
-from workers.work_types import OverrunReport, WorkEvent, WorkerStats, WorkMetrics, WorkRequest
+from workers.work_types import (MAX_REPORTED_PREFIX_HASHES, OverrunReport, WorkEvent, WorkerStats, WorkMetrics,
+                                WorkRequest)
 
 __all__ = ["EngineLoop", "ExportedKV", "OverrunReport", "WorkEvent", "WorkerStats", "WorkMetrics", "WorkRequest"]
 
@@ -375,6 +376,9 @@ class EngineLoop:
             num_migrated_out=self._num_migrated_out,
             overruns=overruns,
             request_ids=tuple(seq.seq_id for seq in running + waiting),
+            prefix_hashes=tuple(allocator.cache.recent_hashes(MAX_REPORTED_PREFIX_HASHES)),
+            num_prompt_tokens=scheduler.stats.num_prompt_tokens_admitted,
+            num_prefix_hit_tokens=scheduler.stats.num_prefix_hit_tokens,
         )
 
 

@@ -5,8 +5,9 @@ over every token before it and the model (the salt), so equal hashes mean equal 
 
     salt --> h0 = H(salt, tokens[0:16]) --> h1 = H(h0, tokens[16:32]) --> ...
 
-The hash is stable across processes (blake2b, 63 bits), so workers can report the hashes
-they hold and a router or controller can compute a request's own.
+The hash is stable across processes (blake2b, 63 bits), so workers report the hashes they
+hold (the most recently used first to go, bounded) and a router computes a request's own
+with the same salt (`prefix_cache_salt`) to place it where its prefix is cached.
 
     by_hash:   hash  -> block id     (blocks whose KV is computed and named)
     evictable: block ids, least recently used first: cached blocks no sequence holds.
@@ -24,6 +25,11 @@ def chain_hash(previous: int, block_token_ids: Sequence[int]) -> int:
     """The hash of one full block after the block hashed `previous` (a stable 63-bit integer)."""
     digest = hashlib.blake2b(previous.to_bytes(8, "little") + array("q", block_token_ids).tobytes(), digest_size=8)
     return int.from_bytes(digest.digest(), "little") >> 1
+
+
+def prefix_cache_salt(model: str, dtype: str) -> str:
+    """The salt a service's workers and routers share: the model setting and the dtype setting."""
+    return f"{model}|{dtype}"
 
 
 def salt_hash(salt: str) -> int:
@@ -48,6 +54,7 @@ class PrefixCache:
         self._block_of: dict[int, int] = {}  # hash -> block id
         self._hash_of: dict[int, int] = {}  # block id -> hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # block ids, oldest first
+        self._recent: OrderedDict[int, None] = OrderedDict()  # hashes, least recently named or found first
 
     def __len__(self) -> int:
         return len(self._block_of)
@@ -56,9 +63,11 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return len(self._evictable)
 
-    def hashes(self) -> list[int]:
-        """Every hash held (for reporting what this worker caches)."""
-        return list(self._block_of)
+    def recent_hashes(self, limit: int) -> list[int]:
+        """The `limit` hashes most recently named or found (what a worker reports; most recent last)."""
+        if limit <= 0:
+            return []
+        return list(self._recent)[-limit:]
 
     def lookup(self, hashes: Sequence[int]) -> list[int]:
         """Blocks of the longest run of `hashes`, from the first, that is cached."""
@@ -68,6 +77,7 @@ class PrefixCache:
             if block is None:
                 break
             blocks.append(block)
+            self._recent.move_to_end(block_hash)
         return blocks
 
     def hash_of(self, block: int) -> int | None:
@@ -79,6 +89,7 @@ class PrefixCache:
             return False
         self._block_of[block_hash] = block
         self._hash_of[block] = block_hash
+        self._recent[block_hash] = None
         return True
 
     def park(self, block: int) -> None:
@@ -95,5 +106,7 @@ class PrefixCache:
     def evict(self) -> int:
         """Forget the least recently used parked block and return it (for reuse); KeyError if none."""
         block, _ = self._evictable.popitem(last=False)
-        del self._block_of[self._hash_of.pop(block)]
+        block_hash = self._hash_of.pop(block)
+        del self._block_of[block_hash]
+        del self._recent[block_hash]
         return block

@@ -18,6 +18,8 @@ from workers.sampling_params import SamplingParams
 KVHandle = Any  # ExportedKV, or an awaitable (Ray ObjectRef) resolving to one
 
 
+MAX_REPORTED_PREFIX_HASHES = 2048  # cached prefix blocks a worker reports with its stats (most recent)
+
 @dataclass(frozen=True, slots=True)
 class WorkRequest:
     """One request for a worker.
@@ -142,6 +144,10 @@ class WorkerStats:
         num_migrated_out: requests moved out.
         overruns: waiting sequences that were preempted: candidates to move elsewhere.
         request_ids: every request the engine holds (running, then waiting).
+        prefix_hashes: hashes of cached prefix blocks, the most recently used last (at most
+            `MAX_REPORTED_PREFIX_HASHES`), for prefix-aware placement.
+        num_prompt_tokens: prompt tokens of requests at their first admission, so far.
+        num_prefix_hit_tokens: of those, tokens found in the prefix cache.
     """
 
     worker_id: str
@@ -161,3 +167,6 @@ class WorkerStats:
     num_migrated_out: int
     overruns: tuple[OverrunReport, ...]
     request_ids: tuple[str, ...]
+    prefix_hashes: tuple[int, ...] = ()
+    num_prompt_tokens: int = 0
+    num_prefix_hit_tokens: int = 0

@@ -24,6 +24,7 @@ import ray
 from workers.engine_config import EngineConfig
 from workers.models import DEFAULT_MODEL
 from workers.policies import POLICIES, S3Policy, SchedulingPolicy, make_policy
+from workers.prefix_cache import prefix_cache_salt
 from workers.runtime import DTYPE_CHOICES, resolve_dtype, tune_cpu_runtime
 from workers.work_types import WorkEvent, WorkerStats, WorkRequest
 
@@ -113,6 +114,7 @@ def build_engine(settings: WorkerSettings):
         max_model_len=settings.max_model_len,
         use_fast_path=settings.use_fast_path,
         enable_prefix_caching=settings.enable_prefix_caching,
+        cache_salt=prefix_cache_salt(settings.model, settings.dtype),
     )
     return Engine(model, config, tokenizer=tokenizer, policy=settings.make_policy())
 

@@ -25,7 +25,7 @@ from cluster.control.ledger import Ledger
 from cluster.control.messages import (ClusterStatus, Placement, PlacementTimeoutError, QueueFullError, RequestOutcome,
                                       RequestRecord)
 from cluster.control.placement import (PendingRequest, RoomIndex, blocks_for, first_fit_decreasing,
-                                       migration_target)
+                                       migration_target, prefix_affinity)
 from cluster.control.scaling import ScalingPolicy
 from cluster.control.store import ControllerStore
 from cluster.control.worker_pool import WorkerBackend, WorkerPool
@@ -68,6 +68,7 @@ class ControlPlane:
         self.moving: dict[str, str] = {}  # request id -> target worker, until the target holds it
         self.counters: dict[str, int] = {}
         self._placed_s: dict[str, float] = {}  # request id -> when this controller placed it
+        self._prefix_sets: dict[str, tuple[WorkerStats, frozenset[int]]] = {}  # reported hashes, as sets
         self._last_reconcile_s = time.monotonic()
         self._idle_since_s = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
@@ -101,12 +102,15 @@ class ControlPlane:
 
     async def place(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                     predicted_output_tokens: int | None, num_resumed_tokens: int = 0,
-                    exclude_worker_id: str | None = None, priority: int = 0) -> Placement:
+                    exclude_worker_id: str | None = None, priority: int = 0,
+                    prefix_hashes: tuple[int, ...] = ()) -> Placement:
         """Reserve KV for a request on a worker (waiting for room); idempotent per request id.
 
         `exclude_worker_id`: the worker a router lost the request's stream from; the request is
         re-placed elsewhere when it fits at once (after checking whether that worker is gone).
         `priority`: the request's class; while requests wait for room, more urgent ones go first.
+        `prefix_hashes`: the prompt's chained block hashes; with nobody waiting, the request goes
+        where its longest prefix is cached unless that worker is much fuller (`prefix_affinity`).
         """
         existing = self.ledger.get(request_id)
         if (existing is not None and existing.state == "placed" and existing.worker_id in self.pool.handles
@@ -126,7 +130,8 @@ class ControlPlane:
                                num_blocks, "pending", attempts, time.time())
         pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority)
         if not self.waiting:  # fast path: nobody queued ahead, one write if it fits now
-            worker_id = self.rooms.roomiest(num_blocks, exclude=exclude_worker_id)
+            worker_id = (self._prefix_target(prefix_hashes, num_blocks, exclude_worker_id)
+                         or self.rooms.roomiest(num_blocks, exclude=exclude_worker_id))
             if worker_id is not None:
                 placed = replace(record, worker_id=worker_id, state="placed")
                 await self.ledger.put(placed)
@@ -144,6 +149,24 @@ class ControlPlane:
                 await self.ledger.remove(request_id)
             raise PlacementTimeoutError(
                 f"no worker had {num_blocks} free KV blocks within {self.config.placement_timeout_s:.0f} s") from None
+
+    def _prefix_target(self, prefix_hashes: tuple[int, ...], num_blocks: int, exclude: str | None) -> str | None:
+        """Prefix-aware choice among ready workers (O(workers): only for requests that carry hashes)."""
+        if not prefix_hashes or not self.config.prefix_aware_placement:
+            return None
+        free = {w: f for w, f in self.rooms.free().items() if w != exclude}
+        total, cached = {}, {}
+        for worker_id in list(free):
+            stats = self.pool.latest.get(worker_id)
+            if stats is None:
+                del free[worker_id]
+                continue
+            total[worker_id] = stats.num_total_blocks
+            known = self._prefix_sets.get(worker_id)
+            if known is None or known[0] is not stats:  # rebuilt once per stats report
+                known = self._prefix_sets[worker_id] = (stats, frozenset(stats.prefix_hashes))
+            cached[worker_id] = known[1]
+        return prefix_affinity(prefix_hashes, num_blocks, free, total, cached)
 
     def _placement(self, record: RequestRecord, queued_s: float) -> Placement:
         self._placed_s[record.request_id] = time.monotonic()
@@ -245,6 +268,7 @@ class ControlPlane:
     async def _worker_died(self, worker_id: str) -> None:
         await self.pool.mark_dead(worker_id)
         self.rooms.remove(worker_id)
+        self._prefix_sets.pop(worker_id, None)
         requeued = 0
         for record in self.ledger.on_worker(worker_id):
             if record.state == "placed":

@@ -6,7 +6,7 @@ the answer. Sizes are KV blocks throughout; `blocks_for` converts tokens.
 """
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
 DEFAULT_MAX_WAIT_S = 5.0
@@ -138,6 +138,55 @@ def roomiest_fit(num_blocks: int, free_blocks: Mapping[str, int]) -> str | None:
         if free > best_free or (free == best_free and worker_id < best):
             best, best_free = worker_id, free
     return best if best is not None and best_free >= num_blocks else None
+
+
+PREFIX_MAX_LOAD_GAP = 0.25  # prefix affinity wins unless its worker's KV is this much fuller than the emptiest's
+
+
+def longest_cached_prefix(prefix_hashes: Sequence[int], cached: Set[int]) -> int:
+    """How many of a request's leading block hashes a worker reports as cached."""
+    count = 0
+    for block_hash in prefix_hashes:
+        if block_hash not in cached:
+            break
+        count += 1
+    return count
+
+
+def prefix_affinity(prefix_hashes: Sequence[int], num_blocks: int, free_blocks: Mapping[str, int],
+                    total_blocks: Mapping[str, int], cached: Mapping[str, Set[int]],
+                    max_load_gap: float = PREFIX_MAX_LOAD_GAP) -> str | None:
+    """The worker holding the longest cached prefix of a request, if that is not much more loaded.
+
+    Among ready workers with `num_blocks` free, take the one whose reported cache holds the most
+    leading blocks of the request (ties: most free blocks, then worker id). It wins unless its
+    load (reserved / total blocks) exceeds the least loaded candidate's by more than
+    `max_load_gap`: then, and when no worker holds any of the prefix, the answer is None and the
+    caller places by room as usual (`roomiest_fit`).
+
+    Args:
+        prefix_hashes: the request's chained block hashes (`workers.prefix_cache.block_hashes`).
+        num_blocks: its reservation.
+        free_blocks: free blocks per ready worker.
+        total_blocks: total blocks per worker.
+        cached: prefix hashes each worker reported.
+        max_load_gap: the documented threshold, a share of a worker's blocks.
+    """
+    candidates = [w for w, free in free_blocks.items() if free >= num_blocks and total_blocks.get(w, 0) > 0]
+    if not prefix_hashes or not candidates:
+        return None
+
+    def load(worker_id: str) -> float:
+        return 1.0 - free_blocks[worker_id] / total_blocks[worker_id]
+
+    # max() keeps the first of equals: sorted ids make the lower id win a tie.
+    best = max(sorted(candidates), key=lambda w: (longest_cached_prefix(prefix_hashes, cached.get(w, frozenset())),
+                                                  free_blocks[w]))
+    if longest_cached_prefix(prefix_hashes, cached.get(best, frozenset())) == 0:
+        return None
+    if load(best) - min(load(w) for w in candidates) > max_load_gap:
+        return None
+    return best
 
 
 class RoomIndex:

@@ -36,6 +36,7 @@ class GenerationJob:
     predicted_output_tokens: int | None
     point_output_tokens: int | None
     priority: int = 0  # lower is more urgent
+    prefix_hashes: tuple[int, ...] = ()  # leading prompt block hashes, for prefix-aware placement
 
 
 @dataclass(slots=True)
@@ -76,7 +77,8 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
     """
     asked_s = time.monotonic()
     placement = await controller.place.remote(job.request_id, len(job.prompt_token_ids), job.params.max_tokens,
-                                              job.predicted_output_tokens, priority=job.priority)
+                                              job.predicted_output_tokens, priority=job.priority,
+                                              prefix_hashes=job.prefix_hashes)
     result.placed_s = time.monotonic()
     result.place_call_s = result.placed_s - asked_s - placement.queued_s
     result.queued_s = placement.queued_s

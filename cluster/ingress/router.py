@@ -34,10 +34,12 @@ from cluster.ingress.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.text_stream import TextStream
 from workers.models import chat_token_ids, load_tokenizer, resolve_model_dir
+from workers.prefix_cache import block_hashes, prefix_cache_salt, salt_hash
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+MAX_PLACEMENT_PREFIX_BLOCKS = 64  # leading prompt blocks whose hashes go with a placement
 OVERHEAD_HEADER = "x-s3-overhead-ms"  # router + predictor + placement, without time queued for KV room
 PREDICT_HEADER = "x-s3-predict-ms"  # the predictor call
 PLACE_HEADER = "x-s3-place-ms"  # the controller call, without time queued for KV room
@@ -93,6 +95,8 @@ class Router:
                                             self.config.max_model_len))
         model_dir = resolve_model_dir(self.config.model, self.config.model_cache_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        # Workers name cached blocks with the same salt, so these hashes match what they report.
+        self._prefix_root = salt_hash(prefix_cache_salt(self.config.model, self.config.dtype))
         self.controller = get_or_create_controller(self.config, redis_url)
         # A running controller keeps the config it was created with; a rollout brings the new one.
         self.controller.reconfigure.remote(self.config.model_dump())
@@ -198,7 +202,7 @@ class Router:
                 logger.exception("predictor failed")
                 raise unavailable(f"length predictor ({type(error).__name__})") from None
             job = GenerationJob(request_id, text, tuple(prompt_ids), params, min(bound, params.max_tokens), point,
-                                req.priority)
+                                req.priority, self._prefix_hashes(prompt_ids))
             result = GenerationResult([])
             stream = run_job(job, self.controller, self.workers, result, worker_actor_name)
             first = await self._first_chunk(stream)
@@ -216,6 +220,12 @@ class Router:
             return StreamingResponse(self._sse(req, is_chat, job, stream, first, result, start_s),
                                      media_type="text/event-stream", headers=headers)
         return JSONResponse(await self._collect(is_chat, job, stream, first, result, start_s), headers=headers)
+
+    def _prefix_hashes(self, prompt_ids: list[int]) -> tuple[int, ...]:
+        """The prompt's leading block hashes, for prefix-aware placement (none when it is off)."""
+        if not (self.config.prefix_caching and self.config.prefix_aware_placement):
+            return ()
+        return tuple(block_hashes(prompt_ids, self.config.block_size, self._prefix_root, MAX_PLACEMENT_PREFIX_BLOCKS))
 
     async def _first_chunk(self, stream) -> list[int] | None:
         """Wait for placement and the first tokens, so admission errors are HTTP errors, not broken streams."""
