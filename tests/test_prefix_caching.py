@@ -238,3 +238,21 @@ def test_a_router_computes_the_hashes_its_workers_report(tiny_model):
     router_side = block_hashes(prompt, BLOCK_SIZE, salt_hash(salt))
     assert len(router_side) == 7 and set(router_side) <= reported
     assert not set(block_hashes(prompt, BLOCK_SIZE, salt_hash(prefix_cache_salt("other-model", "auto")))) & reported
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(tiny_model):
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = {"a": PREFIX + suffix(50), "b": PREFIX + suffix(51), "c": suffix(52, 30)}
+    results = {}
+    for caching in (False, True):
+        eng = engine(tiny_model, caching)
+        for seq_id, prompt in prompts.items():
+            eng.add_request(prompt, params, seq_id=seq_id)
+        eng.step()
+        first_step = {s.seq_id for s in eng.scheduler.running}
+        results[caching] = (run_all(eng), first_step, eng.scheduler.stats.num_prefix_hit_tokens)
+        assert_nothing_held(eng)
+    assert results[True][0] == results[False][0]
+    assert results[False][1] == {"a", "b", "c"}
+    assert results[True][1] == {"a", "c"}  # b waits one step for a's prefix instead of computing it too
+    assert results[True][2] == len(PREFIX)

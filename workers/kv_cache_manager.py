@@ -117,6 +117,15 @@ class BlockAllocator:
                                                 self._max_shared_blocks(len(token_ids))))
         return sum(1 for block in blocks if self._holders[block] > 0) if held_only else len(blocks)
 
+    def first_block_hash(self, token_ids: list[int]) -> int | None:
+        """The hash of the first block a sequence with these known tokens could share (None: too short)."""
+        if not self.enable_prefix_caching or self._max_shared_blocks(len(token_ids)) < 1:
+            return None
+        return block_hashes(token_ids, self.block_size, self.root_hash, 1)[0]
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self.cache
+
     def num_blocks_freed_by(self, seq_ids: list[Hashable]) -> int:
         """Blocks that releasing all of `seq_ids` would return (those no other sequence holds)."""
         counts: dict[int, int] = {}

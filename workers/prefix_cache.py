@@ -80,6 +80,9 @@ class PrefixCache:
             self._recent.move_to_end(block_hash)
         return blocks
 
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._block_of
+
     def hash_of(self, block: int) -> int | None:
         return self._hash_of.get(block)
 

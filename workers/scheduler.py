@@ -9,6 +9,10 @@ waiting sequences are considered class by class (the policy's order within a cla
 victim is always taken from the least urgent class present (the policy's choice within it),
 so a sequence never loses its blocks to a less urgent one; and a sequence that does not fit
 at admission preempts running sequences of less urgent classes until it does.
+
+With prefix caching, a waiting sequence whose first block a running sequence is computing
+right now waits (others may go ahead): a step later that block is cached and it shares the
+prefix instead of computing it a second time.
 """
 
 from dataclasses import dataclass, field
@@ -101,6 +105,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
         self.num_steps = 0
+        self._first_block: dict[str, int] = {}  # running sequence -> hash of its first full block
 
     @property
     def num_preemptions(self) -> int:
@@ -145,6 +150,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence's blocks."""
         self.allocator.release(seq.seq_id)
+        self._first_block.pop(seq.seq_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -155,6 +161,8 @@ class Scheduler:
         for seq in sorted(self.policy.admission_order(self.waiting), key=lambda s: s.priority):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 return
+            if self._first_block_in_progress(seq):
+                continue
             blocks = self._try_allocate(seq)
             while blocks is None and self._less_urgent_would_make_room(seq):
                 budget += self._preempt_less_urgent(seq, out)
@@ -166,6 +174,9 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            first = None if seq.is_swapped else self.allocator.first_block_hash(seq.prompt_token_ids)
+            if first is not None:
+                self._first_block[seq.seq_id] = first
             num_cached = self.allocator.num_cached_tokens(seq.seq_id)
             if seq.num_preemptions == 0 and not seq.is_swapped:
                 self.stats.num_prompt_tokens_admitted += seq.num_prompt_tokens
@@ -214,6 +225,16 @@ class Scheduler:
                 out.chunks.remove(chunk)
                 return chunk.num_tokens
         return 0
+
+    def _first_block_in_progress(self, seq: Sequence) -> bool:
+        """A running sequence is computing the (uncached) first block `seq` would share."""
+        if seq.is_swapped:
+            return False
+        first = self.allocator.first_block_hash(seq.prompt_token_ids)
+        if first is None or self.allocator.is_cached(first):
+            return False
+        return any(self._first_block.get(s.seq_id) == first and s.num_computed_tokens < self.allocator.block_size
+                   for s in self.running)
 
     def _try_allocate(self, seq: Sequence) -> list[int] | None:
         """The blocks admitting `seq` takes now, if the policy admits it and they are free; else None."""
@@ -275,6 +296,7 @@ class Scheduler:
             self.stats.num_recomputed_tokens += seq.num_computed_tokens
             seq.num_computed_tokens = 0
         self.allocator.release(seq.seq_id)
+        self._first_block.pop(seq.seq_id, None)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
