@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from workers.device import check_device
 from workers.models import DEFAULT_MODEL
 from workers.policies import SERVING_POLICY_NAMES
 
@@ -78,6 +79,12 @@ class ServiceConfig(BaseModel):
     placement_timeout_s: float = Field(300.0, gt=0, description="how long a request may wait for KV room")
     num_cpus: int | None = Field(None, ge=1, description="logical CPUs of the local Ray cluster (default: 2 x cores)")
     worker_num_cpus: float = Field(0.5, gt=0, description="Ray CPUs each worker actor asks for")
+    device: str = Field(
+        "auto", description="where workers run their engine: auto (CUDA when the worker actor got a GPU, see "
+                            "worker_num_gpus), cpu, cuda or cuda:N")
+    kv_cache_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="on CUDA: each worker's KV budget as this share of the GPU memory free "
+                                          "after its model is loaded (instead of kv_cache_bytes)")
     worker_num_gpus: float = Field(
         0.0, ge=0, description="Ray GPUs each worker actor asks for (1 on GPU clusters: the autoscaler adds GPU nodes)")
     num_torch_threads: int | None = Field(
@@ -94,6 +101,7 @@ class ServiceConfig(BaseModel):
             raise ValueError(f"policy must be one of {', '.join(SERVING_POLICY_NAMES)}, got {self.policy!r}")
         if self.predictor_mode not in ("router", "deployment"):
             raise ValueError(f"predictor_mode must be router or deployment, got {self.predictor_mode!r}")
+        check_device(self.device)
         if self.dtype not in {"auto", "float32", "bfloat16", "float16"}:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.block_size & (self.block_size - 1):

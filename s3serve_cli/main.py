@@ -73,6 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
         "num_workers": args.num_workers, "min_workers": args.min_workers, "max_workers": args.max_workers,
         "policy": args.policy, "kv_cache_bytes": args.kv_cache_bytes, "max_model_len": args.max_model_len,
         "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None,
+        "device": args.device, "kv_cache_fraction": args.kv_cache_fraction,
         "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
         "api_keys": tuple(args.api_key) if args.api_key else None,
     }
@@ -102,6 +103,11 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights and KV dtype of the workers (default auto: bfloat16 where the CPU has "
                             "AVX512-BF16 or AMX, float32 elsewhere)")
+    serve.add_argument("--device", default=None, help="where workers run the engine: auto (default: CUDA when a "
+                       "worker actor got a GPU, see worker_num_gpus in the config file), cpu, cuda or cuda:N")
+    serve.add_argument("--kv-cache-fraction", type=float, default=None, metavar="SHARE",
+                       help="on CUDA: KV budget per worker as this share of the GPU memory free after loading the "
+                            "model (instead of --kv-cache-bytes)")
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn the workers' prefix cache off (on by default: requests that share a prompt prefix "
                             "share its KV blocks, kept after they finish until the blocks are needed)")

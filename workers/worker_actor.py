@@ -21,6 +21,7 @@ from pathlib import Path
 
 import ray
 
+from workers.device import check_device, free_device_bytes, kv_budget_bytes, probe_cuda, resolve_device
 from workers.engine_config import EngineConfig
 from workers.models import DEFAULT_MODEL
 from workers.policies import POLICIES, S3Policy, SchedulingPolicy, make_policy
@@ -51,6 +52,10 @@ class WorkerSettings:
             others), float32, bfloat16 or float16.
         use_fast_path: run Llama-family models through the fused CPU fast path (EngineConfig.use_fast_path).
         enable_prefix_caching: share and keep the KV of common prefixes (EngineConfig.enable_prefix_caching).
+        device: auto (CUDA when the actor was given a GPU and torch sees one, else CPU), cpu, cuda or
+            cuda:N (`workers.device`).
+        kv_cache_fraction: on CUDA, the KV budget as this share of the GPU memory free after the model
+            is loaded, instead of kv_cache_bytes.
     """
 
     model: str = DEFAULT_MODEL
@@ -68,12 +73,17 @@ class WorkerSettings:
     dtype: str = "auto"
     use_fast_path: bool = True
     enable_prefix_caching: bool = True
+    device: str = "auto"
+    kv_cache_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.num_torch_threads is not None and self.num_torch_threads < 1:
             raise ValueError(f"num_torch_threads must be >= 1 or None, got {self.num_torch_threads}")
+        check_device(self.device)
+        if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1] or None, got {self.kv_cache_fraction}")
         if self.tiny_model_init_std is not None and self.tiny_model_init_std <= 0:
             raise ValueError(f"tiny_model_init_std must be > 0 or None, got {self.tiny_model_init_std}")
         if self.policy not in POLICIES:
@@ -97,17 +107,19 @@ def build_engine(settings: WorkerSettings):
     from workers.engine import Engine
     from workers.models import load_model, load_tokenizer, make_tiny_model, resolve_model_dir
 
-    dtype = resolve_dtype(settings.dtype, "cpu")
+    device = resolve_device(settings.device, *probe_cuda())
+    dtype = resolve_dtype(settings.dtype, device)
     tokenizer = None
     if settings.tiny_model_seed is not None:
-        model = make_tiny_model(settings.tiny_model_seed, init_std=settings.tiny_model_init_std).to(dtype)
+        model = make_tiny_model(settings.tiny_model_seed, init_std=settings.tiny_model_init_std).to(device, dtype)
     else:
         cache_dir = None if settings.model_cache_dir is None else Path(settings.model_cache_dir)
         model_dir = resolve_model_dir(settings.model, cache_dir)
-        model = load_model(model_dir, dtype=dtype)
+        model = load_model(model_dir, dtype=dtype, device=device)
         tokenizer = load_tokenizer(model_dir)
     config = EngineConfig(
-        kv_cache_bytes=settings.kv_cache_bytes,
+        kv_cache_bytes=kv_budget_bytes(settings.kv_cache_bytes, settings.kv_cache_fraction, device,
+                                       free_device_bytes(device)),
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
