@@ -109,6 +109,22 @@ async def measure_placements(redis_url: str, num_workers: int, config: ControlPl
     counter = itertools.count()
     num_queued = [0, 0]  # placements that waited for KV room: capacity run, latency run
     failed: list[str] = []  # placements that raised (e.g. Redis overloaded), by error type
+    placed_at_s = [0.0]  # when the latest placement returned
+
+    async def place_one(request_id: str, run: int):
+        """Draw a request and place it, recording its place latency; (placement, output tokens), or None if
+        placing raised (counted in `failed`; the run goes on). `run`: 0 capacity, 1 latency."""
+        num_prompt, num_output = rng.randint(16, 256), rng.randint(16, 256)
+        start_s = time.perf_counter()
+        try:
+            placement = await plane.place(request_id, num_prompt, 1024 - num_prompt, num_output)
+        except Exception as error:  # noqa: BLE001 - counted and reported; the run goes on
+            failed.append(type(error).__name__)
+            return None
+        placed_at_s[0] = time.perf_counter()
+        latencies.append(placed_at_s[0] - start_s - placement.queued_s)
+        num_queued[run] += placement.queued_s > 0
+        return placement, num_output
 
     async def serve(request_id: str, placement, num_output: int) -> None:
         await sim.generate(placement.worker_id, request_id, placement.num_reserved_blocks, num_output)
@@ -116,16 +132,10 @@ async def measure_placements(redis_url: str, num_workers: int, config: ControlPl
 
     async def simulated_router() -> None:
         while (index := next(counter)) < config.num_placements:
-            num_prompt, num_output = rng.randint(16, 256), rng.randint(16, 256)
-            start_s = time.perf_counter()
-            try:
-                placement = await plane.place(f"r{index}", num_prompt, 1024 - num_prompt, num_output)
-            except Exception as error:  # noqa: BLE001 - counted and reported; the run goes on
-                failed.append(type(error).__name__)
+            placed = await place_one(f"r{index}", 0)
+            if placed is None:
                 continue
-            latencies.append(time.perf_counter() - start_s - placement.queued_s)
-            num_queued[0] += placement.queued_s > 0
-            task = asyncio.get_running_loop().create_task(serve(f"r{index}", placement, num_output))
+            task = asyncio.get_running_loop().create_task(serve(f"r{index}", *placed))
             background.add(task)
             task.add_done_callback(background.discard)
             if index % 1000 == 0:
@@ -144,20 +154,12 @@ async def measure_placements(redis_url: str, num_workers: int, config: ControlPl
     arrivals = random.Random(num_workers + 1)
     offered_start_s = time.perf_counter()
     placing: set[asyncio.Task] = set()
-    placed_at_s = [offered_start_s]  # when the latest placement returned
+    placed_at_s[0] = offered_start_s
 
     async def arrive(index: int) -> None:
-        num_prompt, num_output = rng.randint(16, 256), rng.randint(16, 256)
-        start = time.perf_counter()
-        try:
-            placement = await plane.place(f"o{index}", num_prompt, 1024 - num_prompt, num_output)
-        except Exception as error:  # noqa: BLE001 - counted and reported; the run goes on
-            failed.append(type(error).__name__)
-            return
-        placed_at_s[0] = time.perf_counter()
-        latencies.append(placed_at_s[0] - start - placement.queued_s)
-        num_queued[1] += placement.queued_s > 0
-        await serve(f"o{index}", placement, num_output)
+        placed = await place_one(f"o{index}", 1)
+        if placed is not None:
+            await serve(f"o{index}", *placed)
 
     next_s = offered_start_s
     for index in range(config.num_placements):

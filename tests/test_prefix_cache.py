@@ -14,6 +14,11 @@ def caching(num_blocks: int = 16) -> BlockAllocator:
     return BlockAllocator(num_blocks, BS, enable_prefix_caching=True, cache_salt="tiny:fp32")
 
 
+def share(allocator: BlockAllocator, tokens: list[int]) -> list[int]:
+    """What the scheduler passes to allocate: the block hashes the tokens could share."""
+    return allocator.prefix_hashes(tokens)
+
+
 def computed(allocator: BlockAllocator, seq_id: str, tokens: list[int]) -> None:
     """As the engine does after a step that computed every known token."""
     allocator.commit(seq_id, len(tokens), lambda start, end: tokens[start:end])
@@ -34,10 +39,10 @@ def test_a_second_request_shares_the_computed_prefix_and_counts_it_once():
     allocator = caching()
     prefix = list(range(100, 112))  # 3 full blocks
     first = prefix + [1, 2]
-    assert len(allocator.allocate("a", 20, first)) == 5 and allocator.num_cached_tokens("a") == 0
+    assert len(allocator.allocate("a", 20, share(allocator, first))) == 5 and allocator.num_cached_tokens("a") == 0
     computed(allocator, "a", first)
     second = prefix + [7, 8, 9]
-    table = allocator.allocate("b", 20, second)
+    table = allocator.allocate("b", 20, share(allocator, second))
     assert table[:3] == allocator.block_table("a")[:3] and allocator.num_cached_tokens("b") == 12
     assert allocator.num_reserved_blocks == 5 + 2  # b took only the blocks it does not share
     assert allocator.num_shared_holdings == 3
@@ -47,24 +52,24 @@ def test_a_second_request_shares_the_computed_prefix_and_counts_it_once():
 def test_the_last_known_token_is_never_taken_from_the_cache():
     allocator = caching()
     tokens = list(range(8))  # exactly 2 full blocks
-    allocator.allocate("a", 8, tokens)
+    allocator.allocate("a", 8, share(allocator, tokens))
     computed(allocator, "a", tokens)
-    allocator.allocate("b", 8, tokens)
+    allocator.allocate("b", 8, share(allocator, tokens))
     assert allocator.num_cached_tokens("b") == 4  # the second block is computed again (its logits)
 
 
 def test_shared_blocks_survive_the_first_holder_and_stay_cached_after_the_last():
     allocator = caching(num_blocks=8)
     tokens = list(range(9))
-    allocator.allocate("a", 9, tokens)
+    allocator.allocate("a", 9, share(allocator, tokens))
     computed(allocator, "a", tokens)
-    allocator.allocate("b", 9, tokens)
+    allocator.allocate("b", 9, share(allocator, tokens))
     shared = allocator.block_table("a")[:2]
     allocator.release("a")  # abort or preemption of the first holder
     assert allocator.block_table("b")[:2] == shared
     allocator.release("b")
     assert allocator.num_free_blocks == 8 and allocator.num_cached_blocks == 2  # free, but still named
-    allocator.allocate("c", 9, tokens)
+    allocator.allocate("c", 9, share(allocator, tokens))
     assert allocator.block_table("c")[:2] == shared and allocator.num_cached_tokens("c") == 8
     allocator.check_invariants()
 
@@ -73,26 +78,26 @@ def test_cached_blocks_are_evicted_least_recently_used_and_only_when_needed():
     allocator = caching(num_blocks=6)
     for seq_id, base in (("old", 0), ("new", 50)):
         tokens = list(range(base, base + 9))
-        allocator.allocate(seq_id, 9, tokens)
+        allocator.allocate(seq_id, 9, share(allocator, tokens))
         computed(allocator, seq_id, tokens)
         allocator.release(seq_id)
     assert allocator.num_cached_blocks == 4 and allocator.num_free_blocks == 6
     allocator.allocate("x", 8)  # 2 truly free blocks exist (each release freed its partial third block)
     assert allocator.num_cached_blocks == 4
     allocator.allocate("y", 4)  # now one cached block must go: the oldest, old's tail
-    assert allocator.cached_prefix_blocks(list(range(9))) == 1
-    assert allocator.cached_prefix_blocks(list(range(50, 59))) == 2
+    assert allocator.cached_prefix_blocks(share(allocator, list(range(9)))) == 1
+    assert allocator.cached_prefix_blocks(share(allocator, list(range(50, 59)))) == 2
     allocator.check_invariants()
 
 
 def test_a_request_that_does_not_fit_changes_nothing():
     allocator = caching(num_blocks=4)
     tokens = list(range(9))
-    allocator.allocate("a", 9, tokens)
+    allocator.allocate("a", 9, share(allocator, tokens))
     computed(allocator, "a", tokens)
     allocator.release("a")
     allocator.allocate("b", 4)
-    assert allocator.allocate("c", 40, tokens) is None
+    assert allocator.allocate("c", 40, share(allocator, tokens)) is None
     assert not allocator.has("c") and allocator.num_free_blocks == 3 and allocator.num_cached_blocks == 2
     allocator.check_invariants()
 
@@ -100,9 +105,9 @@ def test_a_request_that_does_not_fit_changes_nothing():
 def test_without_prefix_caching_nothing_is_shared_or_kept():
     allocator = BlockAllocator(8, BS)
     tokens = list(range(9))
-    allocator.allocate("a", 9, tokens)
+    allocator.allocate("a", 9, share(allocator, tokens))
     computed(allocator, "a", tokens)
-    allocator.allocate("b", 9, tokens)
+    allocator.allocate("b", 9, share(allocator, tokens))
     assert allocator.num_cached_tokens("b") == 0 and allocator.num_reserved_blocks == 6
     allocator.release("a")
     allocator.release("b")
@@ -121,7 +126,7 @@ def test_random_allocate_grow_commit_release_never_leaks_or_frees_a_shared_block
         if action < 0.4 or not live:
             tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
             seq_id = f"s{step}"
-            if allocator.allocate(seq_id, len(tokens), tokens) is not None:
+            if allocator.allocate(seq_id, len(tokens), share(allocator, tokens)) is not None:
                 assert allocator.num_cached_tokens(seq_id) % BS == 0
                 num_hits += allocator.num_cached_tokens(seq_id) > 0
                 live[seq_id] = tokens

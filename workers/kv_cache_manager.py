@@ -106,15 +106,23 @@ class BlockAllocator:
         """Tokens of the sequence's prefix found in the cache when it was allocated (0 without caching)."""
         return self._num_cached_tokens.get(seq_id, 0)
 
-    def cached_prefix_blocks(self, token_ids: list[int], held_only: bool = False) -> int:
-        """Full blocks at the start of `token_ids` the cache holds now (a lookup; changes nothing).
+    def prefix_hashes(self, token_ids: list[int]) -> list[int]:
+        """Chained hashes of the full blocks a sequence with these known tokens could share ([] without caching).
+
+        All but its last token count: that one is always computed (its logits pick the next token).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        return block_hashes(token_ids, self.block_size, self.root_hash, self._max_shared_blocks(len(token_ids)))
+
+    def cached_prefix_blocks(self, prefix_hashes: list[int], held_only: bool = False) -> int:
+        """Blocks of `prefix_hashes` (from `prefix_hashes`), from the first, the cache holds now; changes nothing.
 
         `held_only`: count only those some sequence holds (not the parked ones).
         """
         if not self.enable_prefix_caching:
             return 0
-        blocks = self.cache.lookup(block_hashes(token_ids, self.block_size, self.root_hash,
-                                                self._max_shared_blocks(len(token_ids))))
+        blocks = self.cache.lookup(prefix_hashes)
         return sum(1 for block in blocks if self._holders[block] > 0) if held_only else len(blocks)
 
     def first_block_hash(self, token_ids: list[int]) -> int | None:
@@ -134,12 +142,12 @@ class BlockAllocator:
                 counts[block] = counts.get(block, 0) + 1
         return sum(1 for block, count in counts.items() if count == self._holders[block])
 
-    def allocate(self, seq_id: Hashable, num_tokens: int, token_ids: list[int] | None = None) -> list[int] | None:
+    def allocate(self, seq_id: Hashable, num_tokens: int, prefix_hashes: list[int] | None = None) -> list[int] | None:
         """Reserve blocks for a new sequence holding `num_tokens`; None if they are not free.
 
-        `token_ids`: the sequence's known tokens. With prefix caching on, the longest cached run
-        of its full blocks (all but its last token: that one is computed here, for the logits)
-        is shared instead of taken, and `num_cached_tokens` says how many tokens it covers.
+        `prefix_hashes`: `prefix_hashes(its known tokens)`. With prefix caching on, the longest
+        cached run of those blocks is shared instead of taken, and `num_cached_tokens` says how
+        many tokens it covers.
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
@@ -147,9 +155,8 @@ class BlockAllocator:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         needed = self.blocks_for(num_tokens)
         hashes, shared = [], []
-        if self.enable_prefix_caching and token_ids is not None:
-            hashes = block_hashes(token_ids, self.block_size, self.root_hash,
-                                  min(needed, self._max_shared_blocks(len(token_ids))))
+        if self.enable_prefix_caching and prefix_hashes:
+            hashes = prefix_hashes[:needed]
             shared = self.cache.lookup(hashes)
         num_parked_shared = sum(1 for block in shared if self._holders[block] == 0)
         if needed - len(shared) > self.num_free_blocks - num_parked_shared:

@@ -106,6 +106,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.num_steps = 0
         self._first_block: dict[str, int] = {}  # running sequence -> hash of its first full block
+        # waiting sequence -> (its known tokens, the block hashes it could share): hashed once while it waits
+        self._prefix_hashes: dict[str, tuple[int, list[int]]] = {}
 
     @property
     def num_preemptions(self) -> int:
@@ -151,6 +153,7 @@ class Scheduler:
         """Free a finished or aborted sequence's blocks."""
         self.allocator.release(seq.seq_id)
         self._first_block.pop(seq.seq_id, None)
+        self._prefix_hashes.pop(seq.seq_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -172,6 +175,7 @@ class Scheduler:
                     continue
                 return  # FCFS: nobody overtakes the head of the queue
             self.waiting.remove(seq)
+            self._prefix_hashes.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             first = None if seq.is_swapped else self.allocator.first_block_hash(seq.prompt_token_ids)
@@ -238,21 +242,30 @@ class Scheduler:
 
     def _try_allocate(self, seq: Sequence) -> list[int] | None:
         """The blocks admitting `seq` takes now, if the policy admits it and they are free; else None."""
-        # A swapped-in sequence brings its own KV back; anyone else may share cached prefix blocks.
-        token_ids = None if seq.is_swapped or not self.allocator.enable_prefix_caching else (
-            seq.tokens_between(0, seq.num_tokens))
+        hashes = self._shareable_hashes(seq)
         # Policies plan per sequence; a block several running sequences hold (now, or once `seq` shares
         # it) is in several plans but in the pool once. An approximation: the credit is today's sharing,
         # applied to the whole horizon of the plan (s3_peak may admit a little early; overruns still
         # preempt). Cached blocks nobody holds are free blocks already and get no credit.
         num_blocks = self.allocator.num_blocks
-        if token_ids is not None:
-            num_blocks += self.allocator.num_shared_holdings + self.allocator.cached_prefix_blocks(token_ids,
+        if hashes is not None:
+            num_blocks += self.allocator.num_shared_holdings + self.allocator.cached_prefix_blocks(hashes,
                                                                                                   held_only=True)
         if not self.policy.can_admit(seq, self.running, num_blocks, self.allocator.block_size,
                                      self.config.max_num_batched_tokens):
             return None
-        return self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq), token_ids)
+        return self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq), hashes)
+
+    def _shareable_hashes(self, seq: Sequence) -> list[int] | None:
+        """The block hashes waiting `seq` could share; None when it brings its own KV back (swapped in)
+        or caching is off. Hashed once per length while it waits, not at every admission attempt."""
+        if seq.is_swapped or not self.allocator.enable_prefix_caching:
+            return None
+        known = self._prefix_hashes.get(seq.seq_id)
+        if known is None or known[0] != seq.num_tokens:
+            hashes = self.allocator.prefix_hashes(seq.tokens_between(0, seq.num_tokens))
+            known = self._prefix_hashes[seq.seq_id] = (seq.num_tokens, hashes)
+        return known[1]
 
     def _choose_victim(self, seq: Sequence, pool: list[Sequence]) -> Sequence:
         """From the least urgent class in `pool`, whom the policy picks (the newest if it picks outside it)."""
