@@ -56,7 +56,7 @@ class RunningService:
     config: ServiceConfig
     base_url: str
     redis_url: str
-    redis: "EmbeddedRedis | None"
+    redis: "RedisSupervisor | None"  # the embedded Redis and its watchdog; None with a remote Redis
     health: dict
 
 
@@ -67,6 +67,7 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
 
     from cluster.app import build_app
     from cluster.control.redis_server import EmbeddedRedis
+    from cluster.control.redis_supervisor import RedisSupervisor
 
     data_dir = Path(config.data_dir).expanduser().resolve()
     config = config.model_copy(update={"data_dir": str(data_dir)})
@@ -78,7 +79,7 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
     try:
         redis_url = config.redis_url_resolved
         if redis_url is None:
-            redis = EmbeddedRedis(data_dir / "redis")
+            redis = RedisSupervisor(EmbeddedRedis(data_dir / "redis"))  # restarted if it dies
             redis_url = redis.start()
             progress(f"s3serve: embedded Redis at {redis_url} (data in {data_dir / 'redis'})")
         config = config.model_copy(update={"redis_url": redis_url})

@@ -198,6 +198,44 @@ def test_with_redis_down_placement_fails_fast_and_changes_nothing(tmp_path):
     asyncio.run(check())
 
 
+def test_after_redis_comes_back_empty_the_controller_writes_its_memory_back(tmp_path):
+    """Redis dies, a request finishes meanwhile, and Redis comes back with nothing (worse than a lost second
+    of writes): the release is kept, Redis gets the ledger, workers and counters back, the finish counts once."""
+    async def check():
+        first = EmbeddedRedis(tmp_path / "before")
+        url = first.start()
+        client = connect_async(url, max_retry_s=0.3, socket_timeout_s=0.5)
+        sim = SimulatedWorkerBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE)
+        plane = ControlPlane(config(), ControllerStore(client), sim)
+        await plane.start()
+        await until(lambda: len(plane.pool.ready_ids()) == 2)
+        await plane.place("a", 20, 200, 40)
+        b = await plane.place("b", 20, 200, 40)
+        first.stop()
+        await plane.finish("a", outcome())  # released in memory, queued for Redis
+        assert plane.ledger.get("a") is None and plane.ledger.num_unwritten == 1
+        await plane.tick()  # Redis still down: the tick goes on without it
+        second = EmbeddedRedis(tmp_path / "after", port=first.port)
+        second.start()
+        try:
+            await plane.tick()
+            store = plane.store
+            assert [r.request_id for r in await store.requests()] == ["b"]
+            assert (await store.get_request("b")).worker_id == b.worker_id
+            assert {w.worker_id for w in await store.workers()} == {"w1", "w2"}
+            counters = await store.counters()
+            assert counters["finished_stop"] == 1 and counters["worker_ids"] == 2
+            assert await store.client.xlen("s3:predictor:samples") == 1  # the training sample was kept
+            assert plane.resync.num_redis_restarts == 1 and not plane.ledger.needs_sync
+            await plane.tick()
+            assert (await store.counters())["finished_stop"] == 1  # nothing twice
+            assert (await plane.place("c", 20, 200, 40)).num_reserved_blocks == 4  # and placement works again
+        finally:
+            await client.aclose()
+            second.stop()
+    asyncio.run(check())
+
+
 def test_the_plan_is_the_worker_policy_rule(run):
     async def check(plane, sim):
         paged = await plane.place("p", 20, 200, 40)

@@ -162,9 +162,10 @@ def test_queue_full_has_retry_after(client):
     assert response.headers["Retry-After"] == "3"
 
 
-def test_unavailable(client):
-    error = assert_error(client.get("/down"), 503, code="unavailable")
-    assert "controller" in error["message"]
+def test_unavailable_says_when_to_retry(client):
+    response = client.get("/down")
+    error = assert_error(response, 503, code="unavailable")
+    assert "controller" in error["message"] and int(response.headers["Retry-After"]) >= 1
 
 
 def test_unknown_route_and_method(client):

@@ -102,8 +102,47 @@ def test_delete_with_counter_and_sample_leaves_no_index_behind(run):
         assert await store.counters() == {"finished_stop": 1}
         assert await store.client.xlen("s3:test:samples") == 1
         keys = set(await store.client.keys("s3:ctl:*"))
-        assert keys == {"s3:ctl:counters"}, keys
+        assert keys == {"s3:ctl:counters", "s3:ctl:finished:r0"}, keys
+        assert 0 < await store.client.ttl("s3:ctl:finished:r0") <= 24 * 3600
     run(check)
+
+
+def test_a_finish_retried_or_replayed_counts_once(run):
+    """A release whose reply was lost is sent again; one replayed after a Redis restart finds no record: one count."""
+    async def check(store):
+        sample = ("s3:test:samples", {"n": 1}, 10)
+        await store.put_request(make_request("r0", worker_id="w0", state="placed", num_reserved_blocks=4))
+        for _ in range(3):
+            await store.delete_request("r0", counter="finished_stop", stream=sample)
+        await store.delete_request("r1", counter="finished_length", stream=sample)  # never stored: still counted
+        await store.delete_request("r1", counter="finished_length", stream=sample)
+        assert await store.counters() == {"finished_stop": 1, "finished_length": 1}
+        assert await store.client.xlen("s3:test:samples") == 2
+    run(check)
+
+
+def test_counters_are_raised_never_lowered(run):
+    async def check(store):
+        await store.incr("worker_ids", 5)
+        await store.incr("requeues", 1)
+        await store.raise_counters({"worker_ids": 3, "requeues": 4, "finished_stop": 2})
+        assert await store.counters() == {"worker_ids": 5, "requeues": 4, "finished_stop": 2}
+    run(check)
+
+
+def test_run_id_changes_when_redis_restarts(tmp_path):
+    async def run_ids(url):
+        client = connect_async(url)
+        try:
+            return await ControllerStore(client).run_id()
+        finally:
+            await client.aclose()
+
+    with EmbeddedRedis(tmp_path) as server:
+        first = asyncio.run(run_ids(server.url))
+        assert asyncio.run(run_ids(server.url)) == first
+        server.restart()
+        assert asyncio.run(run_ids(server.url)) != first
 
 
 def test_each_state_change_is_one_round_trip(run, server):
@@ -226,16 +265,49 @@ def test_ledger_reads_memory_writes_through_and_rebuilds_from_redis(run):
     run(check)
 
 
-def test_a_failed_write_leaves_the_ledger_as_it_was(tmp_path):
+def test_a_failed_placement_write_is_undone_and_a_failed_release_is_queued_until_sync(tmp_path):
+    """Redis down: a placement is refused (memory as before); a release stays done and reaches Redis, counted
+    once, when it is back."""
     async def check():
-        embedded = EmbeddedRedis(tmp_path)
+        embedded = EmbeddedRedis(tmp_path, appendfsync="always")
         url = embedded.start()
-        ledger = Ledger(ControllerStore(connect_async(url, max_retry_s=0.2, socket_timeout_s=0.5)))
+        store = ControllerStore(connect_async(url, max_retry_s=0.2, socket_timeout_s=0.5))
+        ledger = Ledger(store)
         await ledger.put(make_request("a", worker_id="w0", state="placed", num_reserved_blocks=5))
+        await ledger.put(make_request("c", worker_id="w1", state="placed", num_reserved_blocks=2))
         embedded.stop()
         with pytest.raises(Exception):
             await ledger.put(make_request("b", worker_id="w0", state="placed", num_reserved_blocks=9))
+        sample = ("s3:test:samples", {"n": 1}, 10)
+        assert (await ledger.remove("a", counter="finished_stop", stream=sample)).request_id == "a"
+        assert ledger.reserved_by_worker() == {"w1": 2} and ledger.get("b") is None and ledger.get("a") is None
+        assert ledger.needs_sync and ledger.num_unwritten == 1
         with pytest.raises(Exception):
-            await ledger.remove("a")
-        assert ledger.reserved_by_worker() == {"w0": 5} and ledger.get("b") is None and ledger.get("a") is not None
+            await ledger.sync()  # still down: nothing lost, still queued
+        assert ledger.num_unwritten == 1
+        embedded.start()  # same port and data: "a" and "c" are still in Redis
+        assert await ledger.sync() == (0, 0)
+        assert await ledger.sync() == (0, 0) and not ledger.needs_sync
+        assert [r.request_id for r in await store.requests()] == ["c"]
+        assert await store.counters() == {"finished_stop": 1}
+        assert await store.client.xlen("s3:test:samples") == 1
+        await store.client.aclose()
+        embedded.stop()
     asyncio.run(check())
+
+
+def test_sync_makes_redis_equal_to_memory_after_redis_lost_writes(run):
+    """A Redis restarted without its last writes: sync rewrites what memory has and drops what it has not."""
+    async def check(store):
+        ledger = Ledger(store)
+        await ledger.put(make_request("a", worker_id="w0", state="placed", num_reserved_blocks=5))
+        await ledger.put(make_request("b", worker_id="w0", state="placed", num_reserved_blocks=3))
+        await store.delete_request("a")  # lost from Redis
+        await store.put_request(make_request("stale", worker_id="w1", state="placed", num_reserved_blocks=4))
+        await store.put_request(dataclasses.replace(ledger.get("b"), num_reserved_blocks=1))  # an older version
+        assert await ledger.sync() == (1, 2)
+        rebuilt = Ledger(store)
+        await rebuilt.load()
+        assert {r.request_id: r for r in rebuilt.records()} == {r.request_id: r for r in ledger.records()}
+        assert rebuilt.reserved_by_worker() == {"w0": 8}
+    run(check)

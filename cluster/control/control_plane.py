@@ -13,12 +13,15 @@ data between them, the ledger, the worker pool and Redis, and never blocks its l
                    --overrun----> plan its next bound, migration_target --> source.move_out(target)
                    --load-------> ScalingPolicy --> start or retire workers
         every 10 s: reconcile ledger entries no router or worker will release
+        Redis restarted or a write failed: write memory back (`StoreResync`)
 """
 
 import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
+
+import redis
 
 from cluster.config import ServiceConfig
 from cluster.control.ledger import Ledger
@@ -28,6 +31,7 @@ from cluster.control.placement import (PendingRequest, RoomIndex, blocks_for, fi
                                        migration_target, prefix_affinity)
 from cluster.control.scaling import ScalingPolicy
 from cluster.control.store import ControllerStore
+from cluster.control.store_resync import StoreResync
 from cluster.control.worker_pool import WorkerBackend, WorkerPool
 from predictor_service.sample_stream import DEFAULT_STREAM_KEY, TrainingSample, sample_fields
 from workers.policies import make_policy
@@ -64,6 +68,7 @@ class ControlPlane:
         self.rooms = RoomIndex()  # free blocks per ready worker, for the one-request fast path
         self.ledger = Ledger(store, on_change=self._refresh_room)
         self.pool = WorkerPool(backend, store, config.block_size, on_ready=self._worker_ready)
+        self.resync = StoreResync(store, self.ledger, self.pool)
         self.waiting: dict[str, _Waiting] = {}
         self.moving: dict[str, str] = {}  # request id -> target worker, until the target holds it
         self.counters: dict[str, int] = {}
@@ -87,6 +92,7 @@ class ControlPlane:
         for worker_id in await self.pool.recover():
             await self._worker_died(worker_id)
         self.counters = await self.store.counters()
+        await self.resync.check(self.counters)
         await self._replace_missing_workers()
 
     async def run(self) -> None:
@@ -248,6 +254,11 @@ class ControlPlane:
     # -- the loop -----------------------------------------------------------------------
 
     async def tick(self) -> None:
+        try:
+            await self.resync.check(self.counters)
+        except redis.RedisError as error:  # still down: the workers are polled all the same
+            logger.warning("Redis unavailable (%s); %d releases queued", type(error).__name__,
+                           self.ledger.num_unwritten)
         # Each phase walks every worker; yielding between them keeps placements from waiting behind all of them.
         previous, failed = await self.pool.poll()
         for worker_id in failed:

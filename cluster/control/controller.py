@@ -23,6 +23,8 @@ from workers.worker_actor import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
+REDIS_RETRY_S = 2.0
+
 
 def worker_settings(config: ServiceConfig) -> WorkerSettings:
     """What a new worker is built with, from the config in force."""
@@ -46,7 +48,9 @@ class Controller:
     def __init__(self, config: dict, redis_url: str) -> None:
         config = ServiceConfig(**config)
         self.redis_url = redis_url
-        self.store = ControllerStore(connect_async(redis_url))
+        # A placement waits at most ~2 s for Redis (the supervisor restarts a dead one in well under that),
+        # then the router answers 503 with Retry-After; releases are queued meanwhile (`Ledger.remove`).
+        self.store = ControllerStore(connect_async(redis_url, max_retry_s=REDIS_RETRY_S))
         # /health must answer fast while Redis is down; the main client retries for seconds.
         health_store = ControllerStore(connect_async(redis_url, max_retry_s=0.5, socket_timeout_s=1.0))
         backend = RayWorkerBackend(lambda: worker_settings(self.plane.config), config.worker_num_cpus,

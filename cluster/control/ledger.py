@@ -4,17 +4,26 @@ Placement reads only this memory (no Redis read on the request path). A change i
 applied in memory first, so two placements interleaving on the event loop never
 promise the same blocks, then written with one store call (one round trip); if the
 write fails the memory is put back and the error reaches the caller (a 503 for the
-router). A restarted controller rebuilds the ledger from Redis with `load()`.
+router). A release is the exception: a request that finished is gone whatever Redis
+says, so a release that cannot be written stays done in memory and is queued; `sync()`
+writes the queue and then makes Redis equal to memory (after Redis came back, possibly
+restarted without its last second of writes). A restarted controller rebuilds the ledger
+from Redis with `load()`.
 
     records:  request_id -> RequestRecord          (pending and placed)
     reserved: worker_id  -> sum of num_reserved_blocks of its placed requests
 """
 
 import asyncio
+import logging
 from collections.abc import Callable
+
+import redis
 
 from cluster.control.messages import RequestRecord
 from cluster.control.store import ControllerStore
+
+logger = logging.getLogger(__name__)
 
 
 class Ledger:
@@ -30,6 +39,8 @@ class Ledger:
         self.on_change = on_change
         self._records: dict[str, RequestRecord] = {}
         self._reserved: dict[str, int] = {}
+        self._unwritten_removals: dict[str, tuple[str | None, tuple | None]] = {}  # id -> (counter, stream)
+        self.needs_sync = False  # a write failed: Redis may differ from memory until `sync()`
 
     async def load(self) -> None:
         """Replace the memory with what Redis holds (at start-up)."""
@@ -72,6 +83,7 @@ class Ledger:
         try:
             await asyncio.shield(self.store.put_request(record))
         except BaseException:
+            self.needs_sync = True  # the write may have reached Redis before the error
             if self._records.get(record.request_id) is record:
                 self._apply(record, old)
             raise
@@ -82,15 +94,51 @@ class Ledger:
 
     async def remove(self, request_id: str, counter: str | None = None,
                      stream: tuple[str, dict, int] | None = None) -> RequestRecord | None:
-        """Delete a record (with one counter increment and one stream entry in the same round trip); returns it."""
+        """Delete a record (with one counter increment and one stream entry in the same round trip); returns it.
+
+        With Redis unreachable the record stays deleted in memory (its blocks are free for placement)
+        and the write waits for `sync()`.
+        """
         old = self._records.get(request_id)
         self._apply(old, None)
         try:
             await asyncio.shield(self.store.delete_request(request_id, counter=counter, stream=stream))
+        except redis.RedisError as error:
+            logger.warning("release of %s not written (%s); queued until Redis answers", request_id,
+                           type(error).__name__)
+            self._unwritten_removals[request_id] = (counter, stream)
+            self.needs_sync = True
         except BaseException:
             self._apply(None, old)
             raise
         return old
+
+    @property
+    def num_unwritten(self) -> int:
+        """Releases done in memory and not yet in Redis."""
+        return len(self._unwritten_removals)
+
+    async def sync(self) -> tuple[int, int]:
+        """Write the queued releases, then make Redis's records equal to memory; returns (removed, written).
+
+        The queued releases carry their counter and training sample; the store counts each request
+        once, so one replayed after its first try did reach Redis counts nothing more.
+        """
+        for request_id, (counter, stream) in list(self._unwritten_removals.items()):
+            await self.store.delete_request(request_id, counter=counter, stream=stream)
+            self._unwritten_removals.pop(request_id, None)
+        stored = {record.request_id: record for record in await self.store.requests()}
+        num_removed = num_written = 0
+        for request_id in stored.keys() - self._records.keys():
+            if request_id not in self._records:  # still gone after the awaits above
+                await self.store.delete_request(request_id)
+                num_removed += 1
+        for request_id, record in list(self._records.items()):
+            if stored.get(request_id) != record and self._records.get(request_id) is record:
+                await self.store.put_request(record)
+                num_written += 1
+        self.needs_sync = bool(self._unwritten_removals)
+        return num_removed, num_written
 
     def _apply(self, old: RequestRecord | None, new: RequestRecord | None) -> None:
         if old is not None:

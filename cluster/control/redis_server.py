@@ -76,6 +76,16 @@ class EmbeddedRedis:
         return self._process is not None and self._process.poll() is None
 
     @property
+    def pid(self) -> int | None:
+        """The redis-server's process id while it runs (for supervision and fault injection)."""
+        return self._process.pid if self.is_running else None
+
+    @property
+    def exit_status(self) -> int | None:
+        """The exit status of a server that stopped on its own (negative: killed by that signal)."""
+        return None if self._process is None else self._process.poll()
+
+    @property
     def log_path(self) -> Path:
         return self.data_dir / _LOG_FILE_NAME
 

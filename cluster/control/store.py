@@ -13,6 +13,7 @@ Key layout (`prefix` defaults to "s3"; every key starts with it, so services can
     s3:ctl:requests:worker:<worker_id> SET   request_ids whose worker_id is that worker
 
     s3:ctl:counters                    HASH  counter name -> integer (migrations, requeues, overruns, ...)
+    s3:ctl:finished:<request_id>       STR   "1" once the request was counted (expires after a day)
     s3:ctl:config                      STR   the controller's ServiceConfig as JSON (written by the controller
                                              itself; read back when Ray restarts it after a rollout)
 
@@ -42,8 +43,10 @@ return 1
 """
 
 # KEYS[1] request hash; ARGV: base, request_id, counter ("" = none), stream key ("" = none), stream maxlen,
-# then the stream entry's field, value pairs. Returns 1 if the request existed. Everything or nothing: a
-# missing script (Redis restarted) runs nothing, so retrying after loading it cannot count twice.
+# marker ttl in seconds, then the stream entry's field, value pairs. Returns 1 if the request existed.
+# Everything or nothing; the counter and the stream entry are written once per request id (a marker key
+# remembers it for the ttl), so a call retried after a lost reply, or replayed after a Redis restart,
+# never counts a request twice.
 _DELETE_REQUEST = """
 redis.replicate_commands()
 local old = redis.call('HMGET', KEYS[1], 'state', 'worker_id')
@@ -52,11 +55,25 @@ if old[1] then
   redis.call('SREM', ARGV[1] .. ':requests:state:' .. old[1], ARGV[2])
   if old[2] and old[2] ~= '' then redis.call('SREM', ARGV[1] .. ':requests:worker:' .. old[2], ARGV[2]) end
 end
-if ARGV[3] ~= '' then redis.call('HINCRBY', ARGV[1] .. ':counters', ARGV[3], 1) end
-if ARGV[4] ~= '' then redis.call('XADD', ARGV[4], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 6)) end
+if (ARGV[3] ~= '' or ARGV[4] ~= '') and
+   redis.call('SET', ARGV[1] .. ':finished:' .. ARGV[2], '1', 'NX', 'EX', ARGV[6]) then
+  if ARGV[3] ~= '' then redis.call('HINCRBY', ARGV[1] .. ':counters', ARGV[3], 1) end
+  if ARGV[4] ~= '' then redis.call('XADD', ARGV[4], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 7)) end
+end
 if old[1] then return 1 end
 return 0
 """
+
+# KEYS[1] counters hash; ARGV: counter, value pairs. Raises each counter to at least its value.
+_RAISE_COUNTERS = """
+for i = 1, #ARGV, 2 do
+  local current = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if current < tonumber(ARGV[i + 1]) then redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+return 1
+"""
+
+FINISHED_MARKER_TTL_S = 24 * 3600  # how long a counted request id is remembered
 
 
 class ControllerStore:
@@ -75,6 +92,7 @@ class ControllerStore:
         self._base = f"{prefix}:ctl"
         self._put_request = client.register_script(_PUT_REQUEST)
         self._delete_request = client.register_script(_DELETE_REQUEST)
+        self._raise_counters = client.register_script(_RAISE_COUNTERS)
 
     # -- workers ----------------------------------------------------------------
 
@@ -115,10 +133,10 @@ class ControllerStore:
         trip, atomic), add one to `counter` and an entry (key, fields, maxlen) to a stream."""
         args = [self._base, request_id, counter or ""]
         if stream is None:
-            args += ["", 0]
+            args += ["", 0, FINISHED_MARKER_TTL_S]
         else:
             key, fields, maxlen = stream
-            args += [key, maxlen, *[item for pair in _encode(fields).items() for item in pair]]
+            args += [key, maxlen, FINISHED_MARKER_TTL_S, *[item for pair in _encode(fields).items() for item in pair]]
         await self._delete_request(keys=[self._request_key(request_id)], args=args)
 
     async def get_request(self, request_id: str) -> RequestRecord | None:
@@ -143,6 +161,16 @@ class ControllerStore:
 
     async def counters(self) -> dict[str, int]:
         return {_text(k): int(v) for k, v in (await self.client.hgetall(self._counters_key())).items()}
+
+    async def raise_counters(self, counters: dict[str, int]) -> None:
+        """Raise each stored counter to at least the given value (after a Redis restart lost recent increments)."""
+        if counters:
+            await self._raise_counters(keys=[self._counters_key()],
+                                       args=[item for pair in counters.items() for item in pair])
+
+    async def run_id(self) -> str:
+        """The Redis server's run id: a new one means the server restarted (and may have lost its last writes)."""
+        return str((await self.client.info("server"))["run_id"])
 
     async def get_config(self) -> str | None:
         value = await self.client.get(self._config_key())

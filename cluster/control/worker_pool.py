@@ -17,6 +17,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import redis
+
 from cluster.control.messages import WorkerRecord
 from cluster.control.placement import WorkerBudget
 from cluster.control.store import ControllerStore
@@ -135,6 +137,7 @@ class WorkerPool:
         self._starting: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
         self._largest: int | None = None
+        self.needs_sync = False  # a record write failed (Redis down): `sync()` writes them all
 
     async def recover(self) -> list[str]:
         """Find the live workers a previous controller started; returns the ids of those that are gone."""
@@ -191,7 +194,7 @@ class WorkerPool:
         self.handles[worker_id] = handle
         self._starting.add(worker_id)
         self.records[worker_id] = record
-        await self.store.put_worker(record)
+        await self._write(record)
         task = asyncio.get_running_loop().create_task(self._await_ready(worker_id, handle))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -214,7 +217,7 @@ class WorkerPool:
         record = WorkerRecord(worker_id, self.backend.actor_name(worker_id), stats.num_total_blocks,
                               stats.block_size, "ready", time.time())
         self.records[worker_id] = record
-        await self.store.put_worker(record)
+        await self._write(record)
         logger.info("worker %s ready: %d KV blocks", worker_id, stats.num_total_blocks)
         self.on_ready(worker_id)
 
@@ -233,8 +236,22 @@ class WorkerPool:
             dead = WorkerRecord(record.worker_id, record.actor_name, record.num_total_blocks, record.block_size,
                                 "dead", record.started_s)
             self.records[worker_id] = dead
-            await self.store.put_worker(dead)
+            await self._write(dead)
         return handle is not None
+
+    async def sync(self) -> None:
+        """Write every worker record (after Redis came back, possibly without its last writes)."""
+        for record in list(self.records.values()):
+            await self.store.put_worker(record)
+        self.needs_sync = False
+
+    async def _write(self, record: WorkerRecord) -> None:
+        """Keep the record in Redis; with Redis down the memory is right and `sync()` writes it later."""
+        try:
+            await self.store.put_worker(record)
+        except redis.RedisError as error:
+            logger.warning("worker record %s not written (%s)", record.worker_id, type(error).__name__)
+            self.needs_sync = True
 
     async def poll(self, timeout_s: float = 10.0) -> tuple[dict[str, WorkerStats], list[str]]:
         """Stats of every started worker: (worker id -> previous stats of those that answered, ids that did not).

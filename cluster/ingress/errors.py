@@ -102,9 +102,12 @@ def queue_full(retry_after_s: int) -> APIError:
     )
 
 
-def unavailable(what: str) -> APIError:
-    """503: a part the service needs (`what`: "controller", "Redis", ...) is unreachable."""
-    return APIError(503, f"The {what} is unavailable; retry later.", type="service_unavailable", code="unavailable")
+def unavailable(what: str, retry_after_s: int = 2) -> APIError:
+    """503: a part the service needs (`what`: "controller", "Redis", ...) is unreachable; retry after a while."""
+    if retry_after_s < 0:
+        raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s}")
+    return APIError(503, f"The {what} is unavailable; retry after {retry_after_s} s.", type="service_unavailable",
+                    code="unavailable", headers={"Retry-After": str(retry_after_s)})
 
 
 def body_too_large(limit_bytes: int) -> APIError:

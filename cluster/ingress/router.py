@@ -132,8 +132,16 @@ class Router:
             payload = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise bad_request(f"request body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise bad_request("request body is nested too deeply") from None
         if not isinstance(payload, dict):
             raise bad_request("request body must be a JSON object")
+        try:  # JSON may escape (or Python's decoder pass through) lone UTF-16 surrogates; no tokenizer takes them
+            json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("request body contains an unpaired UTF-16 surrogate (not valid Unicode text)") from None
+        except (ValueError, RecursionError):
+            raise bad_request("request body is nested too deeply") from None
         try:
             return model_cls.model_validate(payload)
         except ValidationError as error:
