@@ -64,6 +64,16 @@ def _train_predictor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> int:
     from cluster.config import load_config
     from s3serve_cli.serve import run_service
@@ -82,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = load_config(args.config, overrides)
     except Exception as error:  # pydantic's ValidationError lists every bad field
         raise ValueError(f"bad service config: {_one_line(error)}") from None
-    return run_service(config)
+    return run_service(config, ready_timeout_s=args.start_timeout)
 
 
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
@@ -124,6 +134,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="accept this Bearer key (repeat for several); without it, no authentication. The "
                             "/dashboard page then reads its data with the key given as /dashboard#key=KEY or typed in")
     serve.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray cluster")
+    serve.add_argument("--start-timeout", type=_positive_seconds, default=900.0, metavar="SECONDS",
+                       help="how long start-up may take (Ray, Redis, HTTP proxy, model loading) before giving up "
+                            "with the reason; a busy or slow machine needs longer (default: %(default).0f)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,11 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         from workers.runtime import tune_cpu_runtime
 
         tune_cpu_runtime()  # these run engines in this process
+    from s3serve_cli.serve import ServiceStartError
+
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, TimeoutError) as error:
+    except (ValueError, FileNotFoundError, TimeoutError, ServiceStartError) as error:
         print(f"{command}: error: {_one_line(error)}", file=sys.stderr)
-        hint = ("the service's own logs are under /tmp/ray/session_latest/logs" if isinstance(error, TimeoutError)
+        hint = ("the service's own logs are under /tmp/ray/session_latest/logs"
+                if isinstance(error, (TimeoutError, ServiceStartError))
                 else f"run `{command} --help` for the options")
         print(f"hint: {hint}", file=sys.stderr)
         return 2

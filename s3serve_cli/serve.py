@@ -21,11 +21,14 @@ from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
 APP_NAME = "s3serve"
 
 
-def wait_until_healthy(base_url: str, timeout_s: float, api_key: str | None = None, progress=print) -> dict:
-    """Poll /health until it answers 200; raise TimeoutError with its last answer otherwise."""
-    deadline = time.monotonic() + timeout_s
+def wait_until_healthy(base_url: str, timeout_s: float, api_key: str | None = None, progress=print,
+                       progress_every_s: float = 15.0) -> dict:
+    """Poll /health until it answers 200, saying what it waits for (again every `progress_every_s`);
+    raise TimeoutError with its last answer otherwise."""
+    start_s = time.monotonic()
+    deadline = start_s + timeout_s
     last = "no answer yet"
-    announced = set()
+    last_note, last_said_s = None, start_s
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"{base_url}/health", timeout=5) as response:
@@ -35,11 +38,13 @@ def wait_until_healthy(base_url: str, timeout_s: float, api_key: str | None = No
         except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
             last = str(error)
         note = "loading the model on the workers" if "workers_ready" in last else "starting the HTTP server"
-        if note not in announced:
-            progress(f"  ... {note}")
-            announced.add(note)
+        now_s = time.monotonic()
+        if note != last_note or now_s - last_said_s >= progress_every_s:
+            progress(f"  ... {note} ({now_s - start_s:.0f} s of at most {timeout_s:.0f} s)")
+            last_note, last_said_s = note, now_s
         time.sleep(1.0)
-    raise TimeoutError(f"the service did not become healthy within {timeout_s:.0f} s; last /health: {last}")
+    raise TimeoutError(f"the service did not become healthy within {timeout_s:.0f} s (raise --start-timeout on a "
+                       f"busy or slow machine); last /health: {' '.join(last.split())[:300]}")
 
 
 def curl_example(base_url: str, model_id: str, api_key: str | None) -> str:
@@ -60,8 +65,22 @@ class RunningService:
     health: dict
 
 
+class ServiceStartError(RuntimeError):
+    """Start-up gave up; the message says at which step and why, on one line."""
+
+
+# Serve checks that its HTTP proxy is up with a 5 s timeout, three times; on a machine whose cores
+# another process keeps busy the proxy needs longer, and start-up died with a traceback. Our local
+# cluster gets generous timeouts (a cluster started by `ray start` keeps its own settings).
+SERVE_PROXY_TIMEOUTS_S = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": 60.0,
+                          "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": 60.0}
+
+
 def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progress=print) -> RunningService:
-    """Ray (local, unless already initialised), Redis, the Serve app; returns once /health answers 200."""
+    """Ray (local, unless already initialised), Redis, the Serve app; returns once /health answers 200.
+
+    Raises `ServiceStartError` (one line: the step and its cause) or TimeoutError after `ready_timeout_s`.
+    """
     import ray
     from ray import serve
 
@@ -71,27 +90,51 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
 
     data_dir = Path(config.data_dir).expanduser().resolve()
     config = config.model_copy(update={"data_dir": str(data_dir)})
-    if not ray.is_initialized():
-        num_cpus = config.num_cpus or 2 * (os.cpu_count() or 1)
-        progress(f"s3serve: starting a local Ray cluster ({num_cpus} logical CPUs)")
-        ray.init(num_cpus=num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING")
     redis = None
+    step = "starting a local Ray cluster"
     try:
+        if not ray.is_initialized():
+            num_cpus = config.num_cpus or 2 * (os.cpu_count() or 1)
+            progress(f"s3serve: starting a local Ray cluster ({num_cpus} logical CPUs)")
+            for name, value_s in SERVE_PROXY_TIMEOUTS_S.items():
+                os.environ.setdefault(name, str(value_s))  # inherited by the Serve controller Ray starts
+            ray.init(num_cpus=num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING")
         redis_url = config.redis_url_resolved
         if redis_url is None:
+            step = f"starting the embedded Redis in {data_dir / 'redis'}"
             redis = RedisSupervisor(EmbeddedRedis(data_dir / "redis"))  # restarted if it dies
             redis_url = redis.start()
             progress(f"s3serve: embedded Redis at {redis_url} (data in {data_dir / 'redis'})")
         config = config.model_copy(update={"redis_url": redis_url})
+        step = f"starting Serve's HTTP proxy on {config.host}:{config.port}"
+        progress(f"s3serve: {step}")
         serve.start(http_options={"host": config.host, "port": config.port})
+        step = "deploying the router"
         serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
         base_url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '::') else config.host}:{config.port}"
         progress(f"s3serve: waiting for {config.num_workers} worker(s) to load {config.model}")
+        step = "waiting for the service to become healthy"
         health = wait_until_healthy(base_url, ready_timeout_s, progress=progress)
-    except BaseException:
-        stop_service(RunningService(config, "", "", redis, {}))
+    except BaseException as error:
+        _stop_quietly(RunningService(config, "", "", redis, {}))
+        if isinstance(error, Exception) and not isinstance(error, (TimeoutError, ValueError)):
+            raise ServiceStartError(f"start-up failed while {step}: {type(error).__name__}: "
+                                    f"{_first_line(error)}") from error
         raise
     return RunningService(config, base_url, redis_url, redis, health)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:300] if lines else "(no message)"
+
+
+def _stop_quietly(service: RunningService) -> None:
+    """Take down what a failed start brought up, without letting a second error hide the first."""
+    try:
+        stop_service(service)
+    except Exception as error:  # noqa: BLE001 - the start-up error is the one to report
+        print(f"s3serve: cleaning up after the failed start: {type(error).__name__}", file=sys.stderr)
 
 
 def stop_service(service: RunningService) -> None:

@@ -205,6 +205,8 @@ class WorkerPool:
         try:
             stats = await self.backend.ready(handle)
         except Exception:  # noqa: BLE001 - any failure to start means the worker is gone
+            if worker_id not in self.handles:
+                return  # retired or shut down while it started: killed on purpose
             logger.exception("worker %s failed to start", worker_id)
             self._starting.discard(worker_id)
             await self.mark_dead(worker_id)
