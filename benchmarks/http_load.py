@@ -13,11 +13,13 @@ never retried: the bench reports it.
 Plan file (JSON):
 
     {"base_url": "http://127.0.0.1:PORT", "model": "...", "concurrency": 64,
+     "endpoint": "completions" | "chat",        (optional; chat sends the prompt as one user message)
      "requests": [{"request_id", "arrival_s", "prompt", "num_prompt_tokens",
                    "max_tokens", "forced_output_tokens"}, ...]}
 
-Results file (JSON): {"results": [RequestResult as a dict, ...]}, times in seconds
-since the load's start (a monotonic clock of this process).
+Results file (JSON): {"start_unix_s": ..., "results": [RequestResult as a dict, ...]}, times
+in seconds since the load's start (a monotonic clock of this process; `start_unix_s` is
+that start on the wall clock, for lining results up with events outside this process).
 """
 
 import argparse
@@ -33,6 +35,7 @@ from tqdm import tqdm
 
 OVERHEAD_HEADER = "x-s3-overhead-ms"  # cluster.ingress.router.OVERHEAD_HEADER; not imported: this process stays light
 MAX_ERROR_CHARS = 300
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +70,14 @@ class LoadPlan:
         model: the model id clients send.
         concurrency: most requests in flight at once.
         requests: in arrival order.
+        endpoint: "completions" or "chat" (/v1/chat/completions, the prompt as one user message).
     """
 
     base_url: str
     model: str
     concurrency: int
     requests: tuple[LoadRequest, ...]
+    endpoint: str = "completions"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,9 @@ class RequestResult:
         num_completion_tokens: `usage.completion_tokens` of the last chunk.
         num_prompt_tokens: `usage.prompt_tokens` of the last chunk.
         overhead_ms: the service's router + predictor + placement time (its response header).
+        retry_after_s: a refusal's `Retry-After` header, when it had one.
+        num_text_events: stream events that carried text (each carries at least one token).
+        saw_done: the stream ended with `data: [DONE]`.
     """
 
     request_id: str
@@ -102,11 +110,14 @@ class RequestResult:
     num_completion_tokens: int | None
     num_prompt_tokens: int | None
     overhead_ms: float | None
+    retry_after_s: float | None = None
+    num_text_events: int = 0
+    saw_done: bool = False
 
 
 def write_plan(path: Path | str, plan: LoadPlan) -> None:
     body = {"base_url": plan.base_url, "model": plan.model, "concurrency": plan.concurrency,
-            "requests": [asdict(r) for r in plan.requests]}
+            "endpoint": plan.endpoint, "requests": [asdict(r) for r in plan.requests]}
     Path(path).write_text(json.dumps(body))
 
 
@@ -116,11 +127,14 @@ def read_plan(path: Path | str) -> LoadPlan:
     try:
         body = json.loads(path.read_text())
         requests = tuple(LoadRequest(**r) for r in body["requests"])
-        plan = LoadPlan(str(body["base_url"]), str(body["model"]), int(body["concurrency"]), requests)
+        plan = LoadPlan(str(body["base_url"]), str(body["model"]), int(body["concurrency"]), requests,
+                        str(body.get("endpoint", "completions")))
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
         raise ValueError(f"{path} is not a load plan ({type(error).__name__}: {error})") from None
     if plan.concurrency < 1:
         raise ValueError(f"{path}: concurrency must be >= 1, got {plan.concurrency}")
+    if plan.endpoint not in ENDPOINTS:
+        raise ValueError(f"{path}: endpoint must be one of {sorted(ENDPOINTS)}, got {plan.endpoint!r}")
     return plan
 
 
@@ -128,12 +142,25 @@ def read_results(path: Path | str) -> list[RequestResult]:
     return [RequestResult(**r) for r in json.loads(Path(path).read_text())["results"]]
 
 
+def read_start_unix_s(path: Path | str) -> float | None:
+    """When the load started, on the wall clock (None in results written before it was recorded)."""
+    return json.loads(Path(path).read_text()).get("start_unix_s")
+
+
 def request_body(plan: LoadPlan, request: LoadRequest) -> dict:
-    """The completions body: streamed with usage, greedy, length fixed by the forced-length extension."""
-    return {"model": plan.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+    """The request body: streamed with usage, greedy, length fixed by the forced-length extension."""
+    body = {"model": plan.model, "max_tokens": request.max_tokens,
             "forced_output_tokens": request.forced_output_tokens, "ignore_eos": True, "temperature": 0.0,
-            "priority": request.priority,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "priority": request.priority, "stream": True, "stream_options": {"include_usage": True}}
+    if plan.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
+    return body
+
+
+def _has_text(chunk: dict) -> bool:
+    return any(c.get("text") or (c.get("delta") or {}).get("content") for c in chunk.get("choices") or ())
 
 
 async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, start_s: float) -> RequestResult:
@@ -143,11 +170,17 @@ async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, s
     status_code = None
     overhead_ms = None
     error = None
+    retry_after_s = None
+    num_text_events = 0
+    saw_done = False
+    url = f"{plan.base_url}{ENDPOINTS[plan.endpoint]}"
     try:
-        async with http.stream("POST", f"{plan.base_url}/v1/completions", json=request_body(plan, request)) as response:
+        async with http.stream("POST", url, json=request_body(plan, request)) as response:
             status_code = response.status_code
             header = response.headers.get(OVERHEAD_HEADER)
             overhead_ms = float(header) if header is not None else None
+            retry_after = response.headers.get("retry-after")
+            retry_after_s = float(retry_after) if retry_after and retry_after.isdigit() else None
             if status_code != 200:
                 error = (await response.aread()).decode(errors="replace")[:MAX_ERROR_CHARS]
             else:
@@ -156,13 +189,16 @@ async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, s
                         continue
                     data = line[len("data:"):].strip()
                     if data == "[DONE]":
+                        saw_done = True
                         break
                     chunk = json.loads(data)
                     if "error" in chunk:
                         error = json.dumps(chunk["error"])[:MAX_ERROR_CHARS]
                         break
-                    if first_token_s is None and any(c.get("text") for c in chunk.get("choices") or ()):
-                        first_token_s = time.monotonic() - start_s
+                    if _has_text(chunk):
+                        num_text_events += 1
+                        if first_token_s is None:
+                            first_token_s = time.monotonic() - start_s
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                 if error is None and usage is None:
@@ -173,16 +209,19 @@ async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, s
         request_id=request.request_id, is_ok=error is None, status_code=status_code, error=error, sent_s=sent_s,
         first_token_s=first_token_s, finished_s=time.monotonic() - start_s,
         num_completion_tokens=usage.get("completion_tokens") if usage else None,
-        num_prompt_tokens=usage.get("prompt_tokens") if usage else None, overhead_ms=overhead_ms)
+        num_prompt_tokens=usage.get("prompt_tokens") if usage else None, overhead_ms=overhead_ms,
+        retry_after_s=retry_after_s, num_text_events=num_text_events, saw_done=saw_done)
 
 
-async def drive(plan: LoadPlan, progress: tqdm | None = None) -> list[RequestResult]:
-    """Send every request of the plan at its arrival time, at most `concurrency` at once; results in plan order."""
+async def drive(plan: LoadPlan, progress: tqdm | None = None, start_s: float | None = None) -> list[RequestResult]:
+    """Send every request of the plan at its arrival time, at most `concurrency` at once; results in plan order.
+
+    `start_s`: the monotonic time arrivals count from (default: now)."""
     slots = asyncio.Semaphore(plan.concurrency)
     limits = httpx.Limits(max_connections=plan.concurrency, max_keepalive_connections=plan.concurrency)
     # No read timeout: under max_reserve a request may wait minutes for KV room before its first byte.
     timeout = httpx.Timeout(None, connect=30.0)
-    start_s = time.monotonic()
+    start_s = time.monotonic() if start_s is None else start_s
 
     async def one(http: httpx.AsyncClient, request: LoadRequest) -> RequestResult:
         await asyncio.sleep(max(0.0, start_s + request.arrival_s - time.monotonic()))
@@ -212,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"http_load: error: {error}", file=sys.stderr)
         return 2
+    start_unix_s, start_s = time.time(), time.monotonic()
     with tqdm(total=len(plan.requests), desc=args.desc, unit="req") as progress:
-        results = asyncio.run(drive(plan, progress))
-    args.out.write_text(json.dumps({"results": [asdict(r) for r in results]}))
+        results = asyncio.run(drive(plan, progress, start_s))
+    args.out.write_text(json.dumps({"start_unix_s": start_unix_s, "results": [asdict(r) for r in results]}))
     return 0
 
 

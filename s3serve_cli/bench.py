@@ -115,6 +115,21 @@ def _bench_control_plane(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_chaos(args: argparse.Namespace) -> int:
+    from benchmarks import chaos_bench
+
+    base = chaos_bench.quick_config() if args.quick else chaos_bench.ChaosBenchConfig()
+    overrides = {}
+    for field, value in (("faults", args.faults), ("rate_per_s", args.rate), ("window_s", args.window_s),
+                         ("max_tokens", args.max_tokens), ("num_workers", args.workers)):
+        if value is not None:
+            overrides[field] = tuple(value) if isinstance(value, list) else value
+    from dataclasses import replace
+
+    chaos_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json)
+    return 0
+
+
 def _bench_predictor(args: argparse.Namespace) -> int:
     from benchmarks import predictor_bench
 
@@ -335,3 +350,27 @@ def add_bench_parser(commands) -> None:
                            help="train LightGBM without the MiniLM sentence embedding (faster)")
     predictor.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     predictor.set_defaults(handler=_bench_predictor)
+
+    chaos = benches.add_parser(
+        "chaos",
+        help="faults under load: kill a worker, Redis, the controller; stop a worker; a 10x burst; what was lost",
+        description="Starts the real service (two SmolLM2 workers, the embedded Redis under its supervisor) and, "
+                    "from a separate process, sends streamed chats at a fixed rate (greedy, ignore_eos, fixed "
+                    "max_tokens) while one fault per window is injected: kill -9 of a worker, of the embedded "
+                    "redis-server and of the controller, SIGSTOP of a worker for 10 s, and a burst of 10x the "
+                    "concurrency limit. Per fault: requests sent in its window, completed whole, refused with "
+                    "Retry-After, failed by status, duplicated, truncated, lost; seconds until /health is 200 and "
+                    "a probe completes; the service's resident memory before and after.",
+    )
+    add_model_args(chaos)
+    chaos.add_argument("--faults", nargs="+", default=None, metavar="FAULT",
+                       choices=("kill_worker", "kill_redis", "kill_controller", "stop_worker", "burst"),
+                       help="which faults, in order (default: all five)")
+    chaos.add_argument("--rate", type=float, default=None, metavar="PER_S",
+                       help="chats per second of the steady load (default 2; 1 with --quick)")
+    chaos.add_argument("--window-s", type=float, default=None, help="seconds between faults (default 40; 25 with --quick)")
+    chaos.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 48; 24 with --quick)")
+    chaos.add_argument("--workers", type=int, default=None, help="worker actors (default 2)")
+    chaos.add_argument("--quick", action="store_true", help="a lighter load and shorter windows (about 4 minutes)")
+    chaos.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    chaos.set_defaults(handler=_bench_chaos)

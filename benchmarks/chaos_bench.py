@@ -1,0 +1,304 @@
+"""`s3serve bench chaos`: the real service under steady load while faults are injected; what each one cost.
+
+    start the service (real Ray, embedded Redis under its supervisor, SmolLM2 workers)
+    -> `python -m benchmarks.http_load` in its own process: streamed chats at a fixed rate for the whole run
+    -> a quiet window, then one fault per window:
+         kill_worker      SIGKILL a worker process (its streams fail over to another worker)
+         kill_redis       SIGKILL the embedded redis-server (the supervisor restarts it)
+         kill_controller  SIGKILL the controller actor's process (Ray restarts it; it reloads from Redis)
+         stop_worker      SIGSTOP a worker for `stop_s`, then SIGCONT
+         burst            `burst_factor` x the service's concurrency limit of extra chats at once
+       per fault: time until /health is 200 and a probe request completes, and the service's memory
+    -> per fault window: requests sent, completed whole, refused with Retry-After, failed by status,
+       duplicated, truncated, lost (`benchmarks.chaos_accounting`)
+
+Every answer is greedy with `ignore_eos` and a fixed `max_tokens`, so a whole answer has exactly
+that many tokens and anything else is visible.
+"""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import httpx
+import psutil
+
+from benchmarks.chaos_accounting import FaultEvent, fault_rows, totals
+from benchmarks.http_load import LoadPlan, LoadRequest, drive, read_results, read_start_unix_s, write_plan
+from benchmarks.report import environment, format_table, write_json
+
+FAULTS = ("kill_worker", "kill_redis", "kill_controller", "stop_worker", "burst")
+PROMPTS = ("Write a short poem about the sea.", "Explain what a hash table is.", "List three uses of copper.",
+           "Describe a sunrise in the mountains.", "Give advice to a new programmer.")
+TARGETS = {"lost": 0, "duplicated": 0, "truncated": 0, "max_recovery_s": 15.0, "memory_growth": 0.10}
+
+
+@dataclass(frozen=True)
+class ChaosBenchConfig:
+    """The run's shape.
+
+    Attributes:
+        faults: names from `FAULTS`, in the order they are injected.
+        rate_per_s: chats per second from the load process, for the whole run.
+        max_tokens: tokens per answer (forced: greedy, ignore_eos).
+        window_s: seconds between faults (each fault's requests are those sent in its window).
+        warmup_s: load before the quiet window starts (not counted).
+        stop_s: how long stop_worker keeps the worker stopped.
+        burst_factor: the burst's size, in multiples of `max_concurrent_requests`.
+        num_workers, max_concurrent_requests, num_cpus: the service.
+        recovery_timeout_s: give up measuring a recovery after this long (reported as never).
+        ready_timeout_s: how long the service may take to start.
+    """
+
+    faults: tuple[str, ...] = FAULTS
+    rate_per_s: float = 2.0
+    max_tokens: int = 48
+    window_s: float = 40.0
+    warmup_s: float = 5.0
+    stop_s: float = 10.0
+    burst_factor: int = 10
+    num_workers: int = 2
+    max_concurrent_requests: int = 16
+    num_cpus: int = 8
+    recovery_timeout_s: float = 60.0
+    ready_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.faults if name not in FAULTS]
+        if unknown:
+            raise ValueError(f"unknown faults {unknown}; choose from {list(FAULTS)}")
+        if self.rate_per_s <= 0 or self.window_s <= 0 or self.max_tokens < 1 or self.burst_factor < 1:
+            raise ValueError("rate_per_s, window_s, max_tokens and burst_factor must be positive")
+        if self.num_workers < 2 and "kill_worker" in self.faults:
+            raise ValueError("kill_worker needs num_workers >= 2 (one to kill, one to fail over to)")
+
+
+def quick_config(**overrides) -> ChaosBenchConfig:
+    """About 4 minutes after the service is up."""
+    return replace(ChaosBenchConfig(rate_per_s=1.0, max_tokens=24, window_s=25.0), **overrides)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _own_pid(actor) -> int:
+    return os.getpid()
+
+
+class ServiceUnderTest:
+    """The running service as the faults see it: its processes, its health, its memory."""
+
+    def __init__(self, running, config: ChaosBenchConfig, load_pid: int | None = None) -> None:
+        self.running = running
+        self.config = config
+        self.load_pid = load_pid
+
+    def worker_pids(self) -> list[int]:
+        import ray
+
+        from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, worker_actor_name
+
+        status = ray.get(ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE).status.remote(), timeout=30)
+        busiest = sorted(status.stats, key=lambda s: -(s.num_running + s.num_waiting))
+        return [ray.get(ray.get_actor(worker_actor_name(s.worker_id), namespace=RAY_NAMESPACE)
+                        .__ray_call__.remote(_own_pid), timeout=30) for s in busiest]
+
+    def controller_pid(self) -> int:
+        import ray
+
+        from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
+
+        controller = ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE)
+        return ray.get(controller.__ray_call__.remote(_own_pid), timeout=30)
+
+    def memory_mib(self) -> float:
+        """Resident memory of every process the service runs (this bench's children, less the load generator)."""
+        skip = set()
+        if self.load_pid is not None:
+            try:
+                load = psutil.Process(self.load_pid)
+                skip = {load.pid, *(p.pid for p in load.children(recursive=True))}
+            except psutil.NoSuchProcess:
+                pass
+        total = 0
+        for child in psutil.Process().children(recursive=True):
+            if child.pid in skip:
+                continue
+            try:
+                total += child.memory_info().rss
+            except psutil.Error:
+                pass  # ended meanwhile
+        return total / 2**20
+
+    def is_recovered(self) -> bool:
+        """/health answers 200 and a two-token chat completes."""
+        url = self.running.base_url
+        try:
+            if httpx.get(f"{url}/health", timeout=5.0).status_code != 200:
+                return False
+            body = {"model": self.running.config.model_id, "max_tokens": 2, "temperature": 0,
+                    "messages": [{"role": "user", "content": "Hi"}]}
+            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def recovery_s(self, start_s: float) -> float | None:
+        """Seconds from `start_s` (monotonic) until `is_recovered`; None when it never was in the timeout."""
+        while time.monotonic() - start_s < self.config.recovery_timeout_s:
+            if self.is_recovered():
+                return time.monotonic() - start_s
+            time.sleep(0.25)
+        return None
+
+
+def inject(fault: str, service: ServiceUnderTest, burst_results: list) -> None:
+    """Start one fault (returns at once; stop_worker resumes its worker from a timer, burst runs in a thread)."""
+    config = service.config
+    if fault == "kill_worker":
+        os.kill(service.worker_pids()[0], signal.SIGKILL)
+    elif fault == "kill_redis":
+        if service.running.redis is None:
+            raise ValueError("kill_redis needs the embedded Redis (unset S3_REDIS_URL)")
+        os.kill(service.running.redis.pid, signal.SIGKILL)
+    elif fault == "kill_controller":
+        os.kill(service.controller_pid(), signal.SIGKILL)
+    elif fault == "stop_worker":
+        pid = service.worker_pids()[0]
+        os.kill(pid, signal.SIGSTOP)
+        timer = threading.Timer(config.stop_s, _resume, args=(pid,))
+        timer.daemon = True
+        timer.start()
+    elif fault == "burst":
+        thread = threading.Thread(target=_burst, args=(service, burst_results), daemon=True)
+        thread.start()
+
+
+def _resume(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass  # the controller declared it dead and killed it meanwhile
+
+
+def _burst(service: ServiceUnderTest, out: list) -> None:
+    config = service.config
+    count = config.burst_factor * config.max_concurrent_requests
+    requests = tuple(LoadRequest(f"burst-{i}", 0.0, PROMPTS[i % len(PROMPTS)], 0, config.max_tokens,
+                                 config.max_tokens) for i in range(count))
+    plan = LoadPlan(service.running.base_url, service.running.config.model_id, count, requests, endpoint="chat")
+    start_unix_s, start_s = time.time(), time.monotonic()
+    for result in asyncio.run(drive(plan, start_s=start_s)):
+        out.append((start_unix_s, result))
+
+
+def load_plan(config: ChaosBenchConfig, base_url: str, model_id: str) -> LoadPlan:
+    """Chats at a fixed rate from t=0 to the end of the last window."""
+    duration_s = config.warmup_s + config.window_s * (1 + len(config.faults))
+    count = int(duration_s * config.rate_per_s)
+    requests = tuple(LoadRequest(f"load-{i}", i / config.rate_per_s, PROMPTS[i % len(PROMPTS)], 0,
+                                 config.max_tokens, config.max_tokens) for i in range(count))
+    return LoadPlan(base_url, model_id, 64, requests, endpoint="chat")
+
+
+def run(config: ChaosBenchConfig, model_name: str = "smollm2-135m-instruct", model_cache_dir: Path | None = None,
+        json_path: Path | None = None) -> dict:
+    """Start the service, run the load and the faults, print the table, write JSON."""
+    import ray
+
+    from cluster.config import RAY_NAMESPACE, ServiceConfig
+    from s3serve_cli.serve import SERVE_PROXY_TIMEOUTS_S, start_service, stop_service
+
+    with tempfile.TemporaryDirectory(prefix="s3serve-chaos-") as work:
+        work_dir = Path(work)
+        service_config = ServiceConfig(
+            port=_free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
+            data_dir=str(work_dir / "data"), num_workers=config.num_workers, retrain=False,
+            max_concurrent_requests=config.max_concurrent_requests, num_torch_threads=1, stats_interval_s=0.5)
+        print(f"chaos: starting the service ({config.num_workers} workers, at most "
+              f"{config.max_concurrent_requests} requests at once)", flush=True)
+        for name, value_s in SERVE_PROXY_TIMEOUTS_S.items():
+            os.environ.setdefault(name, str(value_s))
+        # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
+        ray.init(num_cpus=config.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False,
+                 logging_level="WARNING", log_to_driver=False)
+        running = start_service(service_config, config.ready_timeout_s, progress=lambda _msg: None)
+        try:
+            result = _run_faults(config, running, work_dir)
+        finally:
+            stop_service(running)
+    result["environment"] = environment()
+    _print(result)
+    write_json(json_path, result)
+    return result
+
+
+def _run_faults(config: ChaosBenchConfig, running, work_dir: Path) -> dict:
+    plan_path, results_path = work_dir / "plan.json", work_dir / "results.json"
+    write_plan(plan_path, load_plan(config, running.base_url, running.config.model_id))
+    load = subprocess.Popen([sys.executable, "-m", "benchmarks.http_load", "--plan", str(plan_path),
+                             "--out", str(results_path), "--desc", "chaos load"])
+    service = ServiceUnderTest(running, config, load.pid)
+    launched_s = time.monotonic()
+    memory_start_mib = service.memory_mib()
+    burst_results: list = []
+    windows: list[dict] = []  # name, start_unix_s, recovery_s, memory_before_mib, memory_after_mib
+    for index, name in enumerate(("none", *config.faults)):
+        _sleep_until(launched_s + config.warmup_s + index * config.window_s)
+        memory_mib = service.memory_mib()
+        if windows:
+            windows[-1]["memory_after_mib"] = memory_mib
+        print(f"chaos: {name}", flush=True)
+        start_unix_s, start_s = time.time(), time.monotonic()
+        recovery_s = 0.0
+        if name != "none":
+            inject(name, service, burst_results)
+            recovery_s = service.recovery_s(start_s)
+            print(f"chaos: {name}: " + (f"recovered in {recovery_s:.1f} s" if recovery_s is not None
+                                         else f"not recovered within {config.recovery_timeout_s:.0f} s"), flush=True)
+        windows.append({"name": name, "start_unix_s": start_unix_s, "recovery_s": recovery_s,
+                        "memory_before_mib": memory_mib, "memory_after_mib": memory_mib})
+    _sleep_until(launched_s + config.warmup_s + (1 + len(config.faults)) * config.window_s)
+    windows[-1]["memory_after_mib"] = memory_end_mib = service.memory_mib()
+    if load.wait(timeout=600) != 0:
+        raise RuntimeError(f"the load generator exited with {load.returncode} (its error is printed above)")
+    start_unix_s = read_start_unix_s(results_path)
+    results = read_results(results_path)
+    results += [replace(r, sent_s=burst_start_unix_s + r.sent_s - start_unix_s)
+                for burst_start_unix_s, r in burst_results]
+    events = [FaultEvent(**w) for w in windows]
+    rows = fault_rows(results, start_unix_s, events, config.max_tokens)
+    return {"benchmark": "chaos", "config": asdict(config), "faults": rows,
+            "totals": totals(rows, memory_start_mib, memory_end_mib), "targets": TARGETS}
+
+
+def _sleep_until(monotonic_s: float) -> None:
+    time.sleep(max(0.0, monotonic_s - time.monotonic()))
+
+
+def _print(result: dict) -> None:
+    headers = ["fault", "sent", "whole", "refused", "failed", "statuses", "dup", "trunc", "lost", "recovery_s",
+               "mem_MiB_before", "mem_MiB_after"]
+    rows = [[r["name"], r["sent"], r["completed"], r["refused"], r["failed"],
+             " ".join(f"{k}:{v}" for k, v in sorted(r["failed_by_status"].items())) or "-", r["duplicated"],
+             r["truncated"], r["lost"], "never" if r["recovery_s"] is None else float(r["recovery_s"]),
+             float(r["memory_before_mib"]), float(r["memory_after_mib"])] for r in result["faults"]]
+    print(format_table(headers, rows))
+    t = result["totals"]
+    growth = "n/a" if t["memory_growth"] is None else f"{t['memory_growth'] * 100:+.1f}%"
+    recovery = "never" if t["max_recovery_s"] is None else f"{t['max_recovery_s']:.1f} s"
+    print(f"\ntotals: {t['sent']} sent, {t['completed']} whole, {t['refused']} refused with Retry-After, "
+          f"{t['lost']} lost ({t['failed']} failed, {t['truncated']} truncated, {t['duplicated']} duplicated); "
+          f"slowest recovery {recovery}; memory {t['memory_start_mib']:.0f} -> {t['memory_end_mib']:.0f} MiB "
+          f"({growth})")
+    print("targets: 0 lost, 0 duplicated, 0 truncated, recovery <= 15 s for every fault, memory growth <= 10%")
