@@ -162,14 +162,18 @@ class ServiceUnderTest:
         return None
 
 
-def inject(fault: str, service: ServiceUnderTest, burst_results: list) -> None:
-    """Start one fault (returns at once; stop_worker resumes its worker from a timer, burst runs in a thread)."""
+def inject(fault: str, service: ServiceUnderTest, burst_results: list) -> threading.Thread | None:
+    """Start one fault (returns at once; stop_worker resumes its worker from a timer, burst runs in the
+    thread it returns)."""
     config = service.config
     if fault == "kill_worker":
         os.kill(service.worker_pids()[0], signal.SIGKILL)
     elif fault == "kill_redis":
         if service.running.redis is None:
             raise ValueError("kill_redis needs the embedded Redis (unset S3_REDIS_URL)")
+        deadline_s = time.monotonic() + 30.0
+        while service.running.redis.pid is None and time.monotonic() < deadline_s:
+            time.sleep(0.05)  # still restarting after an earlier kill
         os.kill(service.running.redis.pid, signal.SIGKILL)
     elif fault == "kill_controller":
         os.kill(service.controller_pid(), signal.SIGKILL)
@@ -182,6 +186,8 @@ def inject(fault: str, service: ServiceUnderTest, burst_results: list) -> None:
     elif fault == "burst":
         thread = threading.Thread(target=_burst, args=(service, burst_results), daemon=True)
         thread.start()
+        return thread
+    return None
 
 
 def _resume(pid: int) -> None:
@@ -252,6 +258,7 @@ def _run_faults(config: ChaosBenchConfig, running, work_dir: Path) -> dict:
     launched_s = time.monotonic()
     memory_start_mib = service.memory_mib()
     burst_results: list = []
+    threads: list[threading.Thread] = []
     windows: list[dict] = []  # name, start_unix_s, recovery_s, memory_before_mib, memory_after_mib
     for index, name in enumerate(("none", *config.faults)):
         _sleep_until(launched_s + config.warmup_s + index * config.window_s)
@@ -262,7 +269,9 @@ def _run_faults(config: ChaosBenchConfig, running, work_dir: Path) -> dict:
         start_unix_s, start_s = time.time(), time.monotonic()
         recovery_s = 0.0
         if name != "none":
-            inject(name, service, burst_results)
+            thread = inject(name, service, burst_results)
+            if thread is not None:
+                threads.append(thread)
             recovery_s = service.recovery_s(start_s)
             print(f"chaos: {name}: " + (f"recovered in {recovery_s:.1f} s" if recovery_s is not None
                                          else f"not recovered within {config.recovery_timeout_s:.0f} s"), flush=True)
@@ -270,6 +279,10 @@ def _run_faults(config: ChaosBenchConfig, running, work_dir: Path) -> dict:
                         "memory_before_mib": memory_mib, "memory_after_mib": memory_mib})
     _sleep_until(launched_s + config.warmup_s + (1 + len(config.faults)) * config.window_s)
     windows[-1]["memory_after_mib"] = memory_end_mib = service.memory_mib()
+    for thread in threads:
+        thread.join(timeout=600)
+        if thread.is_alive():
+            raise RuntimeError("the burst did not finish within 10 minutes")
     if load.wait(timeout=600) != 0:
         raise RuntimeError(f"the load generator exited with {load.returncode} (its error is printed above)")
     start_unix_s = read_start_unix_s(results_path)

@@ -125,8 +125,11 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
 
 
 def _first_line(error: BaseException) -> str:
+    """The message's first line, and its last when it has several (a log tail ends with the reason)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0][:300] if lines else "(no message)"
+    if not lines:
+        return "(no message)"
+    return lines[0][:300] if len(lines) == 1 else f"{lines[0][:200]} ... {lines[-1][:200]}"
 
 
 def _stop_quietly(service: RunningService) -> None:

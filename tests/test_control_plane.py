@@ -230,6 +230,8 @@ def test_after_redis_comes_back_empty_the_controller_writes_its_memory_back(tmp_
             await plane.tick()
             assert (await store.counters())["finished_stop"] == 1  # nothing twice
             assert (await plane.place("c", 20, 200, 40)).num_reserved_blocks == 4  # and placement works again
+            await store.client.hdel("s3:ctl:counters", "worker_ids")  # an increment lost again
+            assert await plane.pool.start_worker() == "w3"  # never an id that is already taken
         finally:
             await client.aclose()
             second.stop()

@@ -234,8 +234,8 @@ class ControlPlane:
                                     outcome.temperature, outcome.num_output_tokens, outcome.predicted_output_tokens)
             stream = (DEFAULT_STREAM_KEY, sample_fields(sample), SAMPLES_MAX_ENTRIES)
         counter = f"finished_{reason}"
-        await self.ledger.remove(request_id, counter=counter, stream=stream)
-        self.counters[counter] = self.counters.get(counter, 0) + 1
+        if await self.ledger.remove(request_id, counter=counter, stream=stream) is not None:
+            self.counters[counter] = self.counters.get(counter, 0) + 1  # not again for a retried release
         await self._place_waiting()
 
     async def report_failure(self, worker_id: str) -> bool:
@@ -283,7 +283,7 @@ class ControlPlane:
         requeued = 0
         for record in self.ledger.on_worker(worker_id):
             if record.state == "placed":
-                await self.ledger.put(replace(record, worker_id=None, state="pending"))
+                await self.ledger.put_or_queue(replace(record, worker_id=None, state="pending"))
                 requeued += 1
         if requeued:
             await self._incr("requeues", requeued)
@@ -387,7 +387,10 @@ class ControlPlane:
 
     async def _incr(self, counter: str, amount: int = 1) -> None:
         self.counters[counter] = self.counters.get(counter, 0) + amount
-        await self.store.incr(counter, amount)
+        try:
+            await self.store.incr(counter, amount)
+        except (redis.ConnectionError, redis.TimeoutError):
+            self.resync.pending = True  # the next resync raises Redis's count to memory's
 
     # -- status and shutdown -----------------------------------------------------------
 

@@ -25,6 +25,9 @@ from cluster.control.store import ControllerStore
 
 logger = logging.getLogger(__name__)
 
+# Errors that mean "Redis is not there right now" (restarting, loading, unreachable); others are answers.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+
 
 class Ledger:
     """In-memory request records with write-through persistence.
@@ -103,15 +106,28 @@ class Ledger:
         self._apply(old, None)
         try:
             await asyncio.shield(self.store.delete_request(request_id, counter=counter, stream=stream))
-        except redis.RedisError as error:
+        except UNREACHABLE as error:
             logger.warning("release of %s not written (%s); queued until Redis answers", request_id,
                            type(error).__name__)
-            self._unwritten_removals[request_id] = (counter, stream)
+            queued = self._unwritten_removals.get(request_id)
+            if queued is None or counter is not None:  # a counted release is never replaced by a plain one
+                self._unwritten_removals[request_id] = (counter, stream)
             self.needs_sync = True
         except BaseException:
             self._apply(None, old)
             raise
         return old
+
+    async def put_or_queue(self, record: RequestRecord) -> None:
+        """Insert or replace a record that must change whether or not Redis answers (a requeue after a
+        worker's death); with Redis unreachable the next `sync()` writes it."""
+        self.stage(record)
+        try:
+            await asyncio.shield(self.store.put_request(record))
+        except UNREACHABLE as error:
+            logger.warning("record of %s not written (%s); written when Redis answers", record.request_id,
+                           type(error).__name__)
+            self.needs_sync = True
 
     @property
     def num_unwritten(self) -> int:
@@ -122,22 +138,40 @@ class Ledger:
         """Write the queued releases, then make Redis's records equal to memory; returns (removed, written).
 
         The queued releases carry their counter and training sample; the store counts each request
-        once, so one replayed after its first try did reach Redis counts nothing more.
+        once, so one replayed after its first try did reach Redis counts nothing more. A record that
+        changes in memory while its write is in flight leaves `needs_sync` set for the next call.
         """
-        for request_id, (counter, stream) in list(self._unwritten_removals.items()):
-            await self.store.delete_request(request_id, counter=counter, stream=stream)
-            self._unwritten_removals.pop(request_id, None)
+        self.needs_sync = False  # set again by any failure or change during the awaits below
+        try:
+            return await self._sync()
+        except BaseException:
+            self.needs_sync = True
+            raise
+
+    async def _sync(self) -> tuple[int, int]:
+        for request_id, queued in list(self._unwritten_removals.items()):
+            counter, stream = queued
+            try:
+                await self.store.delete_request(request_id, counter=counter, stream=stream)
+            except redis.ResponseError as error:  # Redis answered "no": replaying it would fail forever
+                logger.error("dropping the queued release of %s: %s", request_id, error)
+            if self._unwritten_removals.get(request_id) is queued:
+                del self._unwritten_removals[request_id]
         stored = {record.request_id: record for record in await self.store.requests()}
         num_removed = num_written = 0
         for request_id in stored.keys() - self._records.keys():
             if request_id not in self._records:  # still gone after the awaits above
                 await self.store.delete_request(request_id)
                 num_removed += 1
+                if request_id in self._records:  # placed again while the delete was in flight
+                    self.needs_sync = True
         for request_id, record in list(self._records.items()):
             if stored.get(request_id) != record and self._records.get(request_id) is record:
                 await self.store.put_request(record)
                 num_written += 1
-        self.needs_sync = bool(self._unwritten_removals)
+                if self._records.get(request_id) is not record:  # changed or released meanwhile: write again
+                    self.needs_sync = True
+        self.needs_sync = self.needs_sync or bool(self._unwritten_removals)
         return num_removed, num_written
 
     def _apply(self, old: RequestRecord | None, new: RequestRecord | None) -> None:

@@ -13,7 +13,7 @@ Key layout (`prefix` defaults to "s3"; every key starts with it, so services can
     s3:ctl:requests:worker:<worker_id> SET   request_ids whose worker_id is that worker
 
     s3:ctl:counters                    HASH  counter name -> integer (migrations, requeues, overruns, ...)
-    s3:ctl:finished:<request_id>       STR   "1" once the request was counted (expires after a day)
+    s3:ctl:finished:<request_id>:<counter>  STR  "1" once the request was counted (expires after an hour)
     s3:ctl:config                      STR   the controller's ServiceConfig as JSON (written by the controller
                                              itself; read back when Ray restarts it after a rollout)
 
@@ -44,8 +44,8 @@ return 1
 
 # KEYS[1] request hash; ARGV: base, request_id, counter ("" = none), stream key ("" = none), stream maxlen,
 # marker ttl in seconds, then the stream entry's field, value pairs. Returns 1 if the request existed.
-# Everything or nothing; the counter and the stream entry are written once per request id (a marker key
-# remembers it for the ttl), so a call retried after a lost reply, or replayed after a Redis restart,
+# Everything or nothing; the counter and the stream entry are written once per request id and counter (a
+# marker key remembers it for the ttl), so a call retried after a lost reply, or replayed after a Redis restart,
 # never counts a request twice.
 _DELETE_REQUEST = """
 redis.replicate_commands()
@@ -56,7 +56,7 @@ if old[1] then
   if old[2] and old[2] ~= '' then redis.call('SREM', ARGV[1] .. ':requests:worker:' .. old[2], ARGV[2]) end
 end
 if (ARGV[3] ~= '' or ARGV[4] ~= '') and
-   redis.call('SET', ARGV[1] .. ':finished:' .. ARGV[2], '1', 'NX', 'EX', ARGV[6]) then
+   redis.call('SET', ARGV[1] .. ':finished:' .. ARGV[2] .. ':' .. ARGV[3], '1', 'NX', 'EX', ARGV[6]) then
   if ARGV[3] ~= '' then redis.call('HINCRBY', ARGV[1] .. ':counters', ARGV[3], 1) end
   if ARGV[4] ~= '' then redis.call('XADD', ARGV[4], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 7)) end
 end
@@ -73,7 +73,7 @@ end
 return 1
 """
 
-FINISHED_MARKER_TTL_S = 24 * 3600  # how long a counted request id is remembered
+FINISHED_MARKER_TTL_S = 3600  # how long a counted request id is remembered (replays come within minutes)
 
 
 class ControllerStore:

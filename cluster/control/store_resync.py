@@ -33,15 +33,17 @@ class StoreResync:
         self.pool = pool
         self.run_id: str | None = None  # of the Redis server the memory was last written to
         self.num_redis_restarts = 0
+        self.pending = False  # a write outside the ledger and the pool failed (a counter): resync anyway
 
     async def check(self, counters: dict[str, int]) -> bool:
         """Repair Redis if needed (raises a `redis.RedisError` while it is still down); True when repaired."""
         run_id = await self.store.run_id()
         restarted = self.run_id is not None and run_id != self.run_id
-        if not (restarted or self.ledger.needs_sync or self.pool.needs_sync):
+        if not (restarted or self.pending or self.ledger.needs_sync or self.pool.needs_sync):
             self.run_id = run_id
             return False
         num_queued = self.ledger.num_unwritten
+        self.pending = False
         num_removed, num_written = await self.ledger.sync()
         await self.pool.sync()
         # Worker ids come from a counter only Redis keeps: never hand out one a worker already has.

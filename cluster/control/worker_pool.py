@@ -187,7 +187,12 @@ class WorkerPool:
         return budgets
 
     async def start_worker(self) -> str:
-        worker_id = f"w{await self.store.incr('worker_ids')}"
+        number = await self.store.incr("worker_ids")
+        known = [int(w[1:]) for w in self.records if w[1:].isdigit()]
+        if known and number <= max(known):  # a restarted Redis lost increments: never reuse an id
+            number = max(known) + 1
+            await self.store.raise_counters({"worker_ids": number})
+        worker_id = f"w{number}"
         handle = self.backend.start(worker_id)
         record = WorkerRecord(worker_id, self.backend.actor_name(worker_id), 0, self.block_size, "starting",
                               time.time())
@@ -243,15 +248,19 @@ class WorkerPool:
 
     async def sync(self) -> None:
         """Write every worker record (after Redis came back, possibly without its last writes)."""
-        for record in list(self.records.values()):
-            await self.store.put_worker(record)
-        self.needs_sync = False
+        self.needs_sync = False  # set again by a write that fails meanwhile
+        try:
+            for record in list(self.records.values()):
+                await self.store.put_worker(record)
+        except BaseException:
+            self.needs_sync = True
+            raise
 
     async def _write(self, record: WorkerRecord) -> None:
         """Keep the record in Redis; with Redis down the memory is right and `sync()` writes it later."""
         try:
             await self.store.put_worker(record)
-        except redis.RedisError as error:
+        except (redis.ConnectionError, redis.TimeoutError) as error:
             logger.warning("worker record %s not written (%s)", record.worker_id, type(error).__name__)
             self.needs_sync = True
 
