@@ -56,6 +56,9 @@ class PolicyBenchConfig:
         max_num_batched_tokens: engine tokens per step.
         seed: predictor noise seed.
         prefix_caching: the engines' prefix cache (on by default, as in the service).
+        model_shape: a `workers.model_shapes` name: a randomly initialised model of that shape replaces the
+            model's weights (outputs are forced, so throughput does not depend on them); the tokenizer stays.
+        device: where the engines run ("cpu" or "cuda"); a shaped model is built there (bf16 on CUDA).
         tokens_per_hash_id: with a trace that has Mooncake hash ids, prompts are built from them
             (each id this many tokens of shared text) and whole sessions are replayed
             (`benchmarks.traces.select_sessions`); paged_greedy, s3 and s3_peak then also run with
@@ -79,6 +82,8 @@ class PolicyBenchConfig:
     seed: int = 0
     prefix_caching: bool = True
     tokens_per_hash_id: int = 16
+    model_shape: str | None = None
+    device: str = "cpu"
 
 
 def quick_config(**overrides) -> PolicyBenchConfig:
@@ -205,6 +210,37 @@ def run_policy(model, name: str, requests, bounds: dict[str, int], config: Polic
     return run
 
 
+def _bench_model(config: PolicyBenchConfig, model_dir: Path, vocab_size: int):
+    """The served model's weights, or a random model of `config.model_shape` (bf16 on CUDA)."""
+    import torch
+
+    if config.model_shape is None:
+        return load_model(model_dir, device=config.device)
+    from workers.model_shapes import make_shaped_model, shape_parameters
+
+    dtype = torch.bfloat16 if config.device.startswith("cuda") else torch.float32
+    print(f"model shape {config.model_shape}: {shape_parameters(config.model_shape) / 1e9:.2f} B parameters "
+          f"(random, {dtype}, {config.device}; vocabulary raised to the tokenizer's {vocab_size} if smaller)")
+    return make_shaped_model(config.model_shape, vocab_size=vocab_size, dtype=dtype, device=config.device,
+                             max_position_embeddings=max(config.max_len, 512))
+
+
+STEP_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def step_ms_by_batch(steps: list[tuple[float, float, int, int, int]]) -> dict[str, float]:
+    """Mean step time (ms) by sequences in the step, in power-of-two buckets ("4" = 4..7); idle gaps left out.
+
+    Steps mix prefill chunks and decodes (continuous batching), as served."""
+    sums: dict[int, list[float]] = {}
+    for _, duration_s, num_seqs, _, _ in steps:
+        if num_seqs <= 0:
+            continue
+        bucket = max(b for b in STEP_BATCH_BUCKETS if b <= num_seqs)
+        sums.setdefault(bucket, []).append(duration_s)
+    return {str(b): 1000.0 * sum(v) / len(v) for b, v in sorted(sums.items())}
+
+
 def _time_mean(run: PolicyRun, column: int) -> float:
     """Mean of a step column weighted by step duration (idle gaps count as zero)."""
     total_s = sum(step[1] for step in run.steps)
@@ -235,6 +271,7 @@ def summarize(run: PolicyRun, num_requests: int) -> dict:
         "tpot_p50_s": _percentile(run.tpot_s, 0.5),
         "prefix_caching": run.prefix_caching,
         "prefix_hit_rate": _ratio(run.num_prefix_hit_tokens, run.num_prompt_tokens),
+        "step_ms_by_batch": step_ms_by_batch(run.steps),
     }
 
 
@@ -269,7 +306,7 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
               f"each hash id is {config.tokens_per_hash_id} tokens of shared text (trace: {MOONCAKE_BLOCK_TOKENS}, "
               f"scale 1/{MOONCAKE_BLOCK_TOKENS // config.tokens_per_hash_id}), prompts capped at "
               f"{config.max_prompt_tokens}")
-    model = load_model(model_dir)
+    model = _bench_model(config, model_dir, len(tokenizer))
     pool = pool_shape_for(model.config, 1, 16, model.dtype)
     bytes_per_token = pool.bytes_per_block // pool.block_size
     kv_cache_bytes = config.kv_cache_bytes or config.reserve_slots * config.max_len * bytes_per_token
@@ -343,13 +380,19 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
                    s["prefix_hit_rate"] if s["prefix_caching"] else "off"] for name, s in summaries.items()]
     print(format_table(headers, table_rows))
     print(format_table(["ratio", "value"], [[k, v if v is not None else "n/a"] for k, v in ratios.items()]))
+    buckets = sorted({int(b) for s in summaries.values() for b in s["step_ms_by_batch"]})
+    print("step ms by sequences in the step:")
+    print(format_table(["policy", *[f"{b}+" for b in buckets]],
+                       [[name, *[s["step_ms_by_batch"].get(str(b), "-") for b in buckets]]
+                        for name, s in summaries.items()]))
     if sweep:
         print(format_table(["policy", "predictor", "tok/s", "preempt", "mispred", "recomp_tok", "conc_mean"],
                            [[s["policy"], s["predictor"], s["tokens_per_s"], s["preemptions"], s["mispredictions"],
                              s["recomputed_tokens"], s["mean_concurrency"]] for s in sweep]))
     result = {
         "benchmark": "policies",
-        "model": model_name,
+        "model": model_name if config.model_shape is None else f"random {config.model_shape} shape",
+        "device": config.device,
         "trace": str(config.trace_path),
         "mode": config.mode,
         "time_scale": config.time_scale,

@@ -56,6 +56,8 @@ def _bench_policies(args: argparse.Namespace) -> int:
     if args.policies is not None:
         overrides["policies"] = tuple(args.policies)
     overrides["prefix_caching"] = not args.no_prefix_caching
+    overrides["model_shape"] = args.model_shape
+    overrides["device"] = args.device
     if args.tokens_per_hash_id is not None:
         overrides["tokens_per_hash_id"] = args.tokens_per_hash_id
     policy_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.plot)
@@ -188,6 +190,11 @@ def add_bench_parser(commands) -> None:
     policies.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
                           help="prompt texts the replayed prompts are cut from (default: %(default)s)")
     policies.add_argument("--num-requests", type=int, default=None, help="first N trace rows (default 64; 32 with --quick)")
+    policies.add_argument("--model-shape", default=None, choices=("tiny", "smollm2-135m", "llama-7b", "gptj-6b"),
+                          help="run a randomly initialised model of this shape instead of the model's weights "
+                               "(outputs are forced, so throughput does not depend on them): llama-7b on a GPU "
+                               "shows the paper's regime without downloading weights; the tokenizer stays --model's")
+    policies.add_argument("--device", default="cpu", help="where the engines run: cpu (default) or cuda")
     policies.add_argument("--kv-cache-bytes", type=int, default=None,
                           help="KV budget in bytes (default: room for 4 worst-case sequences of --max-len tokens)")
     policies.add_argument("--max-len", type=int, default=1024,

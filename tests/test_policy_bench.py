@@ -38,6 +38,29 @@ def test_bench_policies_writes_every_metric_ratio_and_plot(tmp_path, model_cache
         assert data["ratios"][key] > 0
     assert [s["predictor"] for s in data["sigma_sweep"]] == ["noisy-oracle:1.5", "noisy-oracle:1.5"]
     assert sorted(p.name for p in plot_dir.iterdir()) == ["concurrency.png", "kv_utilisation.png", "throughput.png"]
+    assert all(metrics["step_ms_by_batch"] for metrics in data["policies"].values())
+
+
+def test_bench_policies_on_a_random_model_of_a_named_shape(tmp_path, model_cache_dir, shared_data):
+    """--model-shape: weights do not matter when lengths are forced; the shape sets the KV budget and step times."""
+    out_json = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "s3serve_cli.main", "bench", "policies", "--model-shape", "tiny",
+         "--policies", "max_reserve", "s3", "--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
+         "--prompts", str(shared_data / "prompts" / "pool.jsonl"), "--num-requests", "8", "--max-len", "256",
+         "--max-prompt-tokens", "32", "--model-cache-dir", str(model_cache_dir), "--json", str(out_json)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "model shape tiny" in result.stdout and "step ms by sequences in the step" in result.stdout
+    data = json.loads(out_json.read_text())
+    assert data["model"] == "random tiny shape" and data["device"] == "cpu"
+    # The tiny shape's KV per token (2 layers x 2 KV heads x 16 x K and V, fp32) sizes the budget: 4 worst cases.
+    assert data["kv_cache_bytes"] == 4 * 256 * (2 * 2 * 2 * 16 * 4)
+    assert data["max_reserve_slots"] == 4
+    assert all(m["all_outputs_exact_length"] for m in data["policies"].values())
+    assert data["policies"]["max_reserve"]["max_concurrency"] <= 4 < data["policies"]["s3"]["max_concurrency"]
+    assert data["ratios"]["s3_vs_max_reserve"] > 0
 
 
 def test_bench_policies_rejects_an_unknown_predictor_in_one_line(tmp_path, model_cache_dir, shared_data):
@@ -87,3 +110,11 @@ def test_bench_policies_rejects_a_predictor_that_is_no_artifact(tmp_path, model_
     )
     assert result.returncode == 2
     assert "neither noisy-oracle:SIGMA nor a predictor artifact directory" in result.stderr
+
+
+def test_step_times_are_grouped_by_sequences_in_the_step():
+    from benchmarks.policy_bench import step_ms_by_batch
+
+    steps = [(0.0, 0.010, 1, 0, 0), (0.0, 0.020, 1, 0, 0), (0.0, 0.5, 0, 0, 0),  # an idle gap: left out
+             (0.0, 0.030, 5, 0, 0), (0.0, 0.050, 7, 0, 0), (0.0, 0.100, 300, 0, 0)]
+    assert step_ms_by_batch(steps) == pytest.approx({"1": 15.0, "4": 40.0, "256": 100.0})

@@ -14,7 +14,7 @@ class EngineConfig:
         max_num_batched_tokens: most tokens per forward (prefill chunk budget).
         max_model_len: longest sequence (prompt + output); None takes the model's
             max_position_embeddings.
-        tensor_parallel_size: DeepSpeed tensor parallelism (CUDA only).
+        tensor_parallel_size: DeepSpeed tensor parallelism (needs that many torch.distributed ranks).
         use_fast_path: run Llama-family models on CPU through `FastLlama` (fused C++ kernels,
             packed bf16 weights); False keeps the Hugging Face module stack.
         enable_prefix_caching: share the KV of full blocks of tokens between requests with the

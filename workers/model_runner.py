@@ -41,8 +41,10 @@ def pool_shape_for(model_config, num_blocks: int, block_size: int, dtype: torch.
 def wrap_with_deepspeed(model: torch.nn.Module, tensor_parallel_size: int) -> torch.nn.Module:
     """`deepspeed.init_inference` without kernel injection: our attention stays in charge.
 
-    On CUDA, tensor_parallel_size > 1 shards the linear layers across the
-    node's GPUs; on the CPU accelerator it must be 1.
+    With tensor_parallel_size 1 no module is replaced. Above 1, torch.distributed must already
+    run that many ranks (nccl on CUDA, gloo on CPU: `tests/test_deepspeed_wrapping.py` runs two),
+    and AutoTP shards every decoder linear layer across them. The engine does not drive several
+    ranks yet: its KV pool and scheduler are one process's.
     """
     import deepspeed
 
