@@ -10,7 +10,7 @@ KERNELS := $(VENV)/.kernels-built
 
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup serve test test-fast peers clean
+.PHONY: setup serve test test-fast test-gpu peers clean
 
 CHROMIUM := /usr/bin/chromium
 
@@ -73,10 +73,22 @@ serve: setup
 	$(VENV)/bin/s3serve serve
 
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not gpu"
 
 test-fast: setup
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -m "not slow and not gpu"
+
+# The CUDA variants of tests/test_gpu.py (`gpu` marker), on a CUDA machine that already has torch,
+# triton and transformers: no virtual environment, nothing from the network. pytest comes from that
+# machine or, when it has none, from the wheels carried in deploy/gpu-wheels (2 MB, unpacked into
+# .gpu-site in this checkout only). `make test` runs the same tests' CPU variants.
+GPU_PYTHON ?= python3
+GPU_SITE := .gpu-site
+
+test-gpu:
+	@$(GPU_PYTHON) -c "import pytest" 2>/dev/null || \
+		$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --target $(GPU_SITE) deploy/gpu-wheels/*.whl
+	PYTHONPATH=.:$(GPU_SITE) TRITON_INTERPRET=0 $(GPU_PYTHON) -m pytest -m gpu -p no:cacheprovider tests/test_gpu.py
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .cache
+	rm -rf $(VENV) $(PEERS_VENV) $(GPU_SITE) .pytest_cache .cache
