@@ -223,7 +223,7 @@ def run(config: ChaosBenchConfig, model_name: str = "smollm2-135m-instruct", mod
     import ray
 
     from cluster.config import RAY_NAMESPACE, ServiceConfig
-    from s3serve_cli.serve import SERVE_PROXY_TIMEOUTS_S, start_service, stop_service
+    from s3serve_cli.serve import allow_slow_serve_proxy, start_service, stop_service
 
     with tempfile.TemporaryDirectory(prefix="s3serve-chaos-") as work:
         work_dir = Path(work)
@@ -233,8 +233,7 @@ def run(config: ChaosBenchConfig, model_name: str = "smollm2-135m-instruct", mod
             max_concurrent_requests=config.max_concurrent_requests, num_torch_threads=1, stats_interval_s=0.5)
         print(f"chaos: starting the service ({config.num_workers} workers, at most "
               f"{config.max_concurrent_requests} requests at once)", flush=True)
-        for name, value_s in SERVE_PROXY_TIMEOUTS_S.items():
-            os.environ.setdefault(name, str(value_s))
+        allow_slow_serve_proxy()
         # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
         ray.init(num_cpus=config.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False,
                  logging_level="WARNING", log_to_driver=False)

@@ -76,6 +76,13 @@ SERVE_PROXY_TIMEOUTS_S = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": 60.0,
                           "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": 60.0}
 
 
+def allow_slow_serve_proxy() -> None:
+    """Give Serve's proxy checks `SERVE_PROXY_TIMEOUTS_S` (unless set); call before `ray.init` of a local cluster,
+    whose processes inherit the environment."""
+    for name, value_s in SERVE_PROXY_TIMEOUTS_S.items():
+        os.environ.setdefault(name, str(value_s))
+
+
 def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progress=print) -> RunningService:
     """Ray (local, unless already initialised), Redis, the Serve app; returns once /health answers 200.
 
@@ -96,8 +103,7 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
         if not ray.is_initialized():
             num_cpus = config.num_cpus or 2 * (os.cpu_count() or 1)
             progress(f"s3serve: starting a local Ray cluster ({num_cpus} logical CPUs)")
-            for name, value_s in SERVE_PROXY_TIMEOUTS_S.items():
-                os.environ.setdefault(name, str(value_s))  # inherited by the Serve controller Ray starts
+            allow_slow_serve_proxy()
             ray.init(num_cpus=num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING")
         redis_url = config.redis_url_resolved
         if redis_url is None:

@@ -177,15 +177,21 @@ def test_reconcile_drops_entries_no_router_or_worker_will_release(run, monkeypat
     run(check)
 
 
+async def started_plane(url: str) -> tuple[ControlPlane, object]:
+    """A started control plane with 2 ready simulated workers over Redis at `url`, with a client that gives up
+    fast (for tests that stop that Redis); returns it and its client."""
+    client = connect_async(url, max_retry_s=0.3, socket_timeout_s=0.5)
+    sim = SimulatedWorkerBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE)
+    plane = ControlPlane(config(), ControllerStore(client), sim)
+    await plane.start()
+    await until(lambda: len(plane.pool.ready_ids()) == 2)
+    return plane, client
+
+
 def test_with_redis_down_placement_fails_fast_and_changes_nothing(tmp_path):
     async def check():
         embedded = EmbeddedRedis(tmp_path)
-        url = embedded.start()
-        client = connect_async(url, max_retry_s=0.3, socket_timeout_s=0.5)
-        sim = SimulatedWorkerBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE)
-        plane = ControlPlane(config(), ControllerStore(client), sim)
-        await plane.start()
-        await until(lambda: len(plane.pool.ready_ids()) == 2)
+        plane, _ = await started_plane(embedded.start())
         await plane.place("a", 20, 200, 40)
         before = plane.ledger.reserved_by_worker()
         embedded.stop()
@@ -203,12 +209,7 @@ def test_after_redis_comes_back_empty_the_controller_writes_its_memory_back(tmp_
     of writes): the release is kept, Redis gets the ledger, workers and counters back, the finish counts once."""
     async def check():
         first = EmbeddedRedis(tmp_path / "before")
-        url = first.start()
-        client = connect_async(url, max_retry_s=0.3, socket_timeout_s=0.5)
-        sim = SimulatedWorkerBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE)
-        plane = ControlPlane(config(), ControllerStore(client), sim)
-        await plane.start()
-        await until(lambda: len(plane.pool.ready_ids()) == 2)
+        plane, client = await started_plane(first.start())
         await plane.place("a", 20, 200, 40)
         b = await plane.place("b", 20, 200, 40)
         first.stop()

@@ -47,8 +47,8 @@ class StoreResync:
         num_removed, num_written = await self.ledger.sync()
         await self.pool.sync()
         # Worker ids come from a counter only Redis keeps: never hand out one a worker already has.
-        numbers = [int(w[1:]) for w in self.pool.records if w[:1] == "w" and w[1:].isdigit()]
-        await self.store.raise_counters({**counters, "worker_ids": max([counters.get("worker_ids", 0), *numbers])})
+        await self.store.raise_counters(
+            {**counters, "worker_ids": max(counters.get("worker_ids", 0), self.pool.highest_worker_number)})
         if restarted:
             self.num_redis_restarts += 1
         self.run_id = run_id

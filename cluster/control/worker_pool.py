@@ -156,6 +156,11 @@ class WorkerPool:
         return gone
 
     @property
+    def highest_worker_number(self) -> int:
+        """The largest N of the worker ids "wN" ever recorded (0 without any): the id counter must stay above it."""
+        return max((int(w[1:]) for w in self.records if w[:1] == "w" and w[1:].isdigit()), default=0)
+
+    @property
     def num_workers(self) -> int:
         """Workers running or starting."""
         return len(self.handles)
@@ -188,9 +193,8 @@ class WorkerPool:
 
     async def start_worker(self) -> str:
         number = await self.store.incr("worker_ids")
-        known = [int(w[1:]) for w in self.records if w[1:].isdigit()]
-        if known and number <= max(known):  # a restarted Redis lost increments: never reuse an id
-            number = max(known) + 1
+        if number <= self.highest_worker_number:  # a restarted Redis lost increments: never reuse an id
+            number = self.highest_worker_number + 1
             await self.store.raise_counters({"worker_ids": number})
         worker_id = f"w{number}"
         handle = self.backend.start(worker_id)
