@@ -263,6 +263,7 @@ def test_overload_gets_429_with_retry_after(service):
 
 
 def test_client_disconnect_cancels_and_frees_blocks(service):
+    num_cancelled = _status(service).counters.get("finished_cancelled", 0)
     with httpx.stream("POST", f"{service.base_url}/v1/completions", timeout=120,
                       headers={"Authorization": f"Bearer {API_KEY}"},
                       json={"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
@@ -274,6 +275,8 @@ def test_client_disconnect_cancels_and_frees_blocks(service):
     while time.monotonic() < deadline:
         status = _status(service)
         if all(s.num_running == 0 and s.num_waiting == 0 for s in status.stats) and not any(status.reserved_blocks.values()):
+            # released by the router as cancelled, not dropped later by the ledger's reconcile
+            assert status.counters.get("finished_cancelled", 0) == num_cancelled + 1, status.counters
             return
         time.sleep(0.5)
     pytest.fail(f"the abandoned request still holds resources: {status}")

@@ -76,9 +76,13 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
     `worker_name_of(worker_id)` gives a worker's actor name (moves carry only the id).
     """
     asked_s = time.monotonic()
-    placement = await controller.place.remote(job.request_id, len(job.prompt_token_ids), job.params.max_tokens,
-                                              job.predicted_output_tokens, priority=job.priority,
-                                              prefix_hashes=job.prefix_hashes)
+    try:
+        placement = await controller.place.remote(job.request_id, len(job.prompt_token_ids), job.params.max_tokens,
+                                                  job.predicted_output_tokens, priority=job.priority,
+                                                  prefix_hashes=job.prefix_hashes)
+    except asyncio.CancelledError:  # the client left while we waited: the placement may still land
+        _release(controller, job.request_id, None)
+        raise
     result.placed_s = time.monotonic()
     result.place_call_s = result.placed_s - asked_s - placement.queued_s
     result.queued_s = placement.queued_s
@@ -134,11 +138,19 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
         outcome = RequestOutcome(job.prompt_text, len(job.prompt_token_ids), job.params.max_tokens,
                                  job.params.temperature, len(result.output_token_ids), job.predicted_output_tokens,
                                  outcome_reason or "cancelled")
-        asyncio.get_running_loop().create_task(_finish(controller, job.request_id, outcome))
+        _release(controller, job.request_id, outcome)
 
 
-async def _finish(controller, request_id: str, outcome: RequestOutcome) -> None:
-    try:
-        await controller.finish.remote(request_id, outcome)
-    except Exception:  # noqa: BLE001 - a lost release is repaired when the controller polls the workers
-        logger.exception("could not release request %s", request_id)
+def _release(controller, request_id: str, outcome: RequestOutcome | None) -> None:
+    """Send the release now, without awaiting it (this runs in `finally`, perhaps of a cancelled task).
+
+    The call is submitted before this returns; its failure is only logged (a lost release is
+    repaired when the controller reconciles its ledger with the workers).
+    """
+    ref = controller.finish.remote(request_id, outcome)
+
+    def report(future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            logger.error("could not release request %s: %r", request_id, future.exception())
+
+    ref.future().add_done_callback(report)

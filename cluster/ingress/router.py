@@ -17,7 +17,7 @@ import uuid
 import ray
 import redis
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
@@ -29,6 +29,7 @@ from cluster.ingress.dashboard import (DASHBOARD_HTML, RouterNumbers, Throughput
                                generated_tokens_by_worker)
 from cluster.ingress.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
                             not_found_model, prompt_too_long, queue_full, unavailable)
+from cluster.ingress.event_stream import EventStream
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.ingress.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
@@ -225,8 +226,7 @@ class Router:
         headers = {OVERHEAD_HEADER: f"{overhead_s * 1000:.3f}", PREDICT_HEADER: f"{predict_s * 1000:.3f}",
                    PLACE_HEADER: f"{result.place_call_s * 1000:.3f}"}
         if req.stream:
-            return StreamingResponse(self._sse(req, is_chat, job, stream, first, result, start_s),
-                                     media_type="text/event-stream", headers=headers)
+            return EventStream(self._sse(req, is_chat, job, stream, first, result, start_s), headers=headers)
         return JSONResponse(await self._collect(is_chat, job, stream, first, result, start_s), headers=headers)
 
     def _prefix_hashes(self, prompt_ids: list[int]) -> tuple[int, ...]:
