@@ -5,6 +5,7 @@ from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from s3serve_cli.args import add_label_args, add_model_args
+from s3serve_cli.bench_simulate import add_simulate_parser
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -381,3 +382,5 @@ def add_bench_parser(commands) -> None:
     chaos.add_argument("--quick", action="store_true", help="a lighter load and shorter windows (about 4 minutes)")
     chaos.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     chaos.set_defaults(handler=_bench_chaos)
+
+    add_simulate_parser(benches)

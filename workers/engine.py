@@ -22,7 +22,7 @@ from workers.sampling import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
-from workers.step_output import RequestMetrics, StepOutput, StepTimes
+from workers.step_output import RequestMetrics, StepOutput, StepShape, StepTimes, step_shape
 
 __all__ = ["Engine", "EngineConfig", "RequestMetrics", "StepOutput", "StepTimes"]
 
@@ -85,6 +85,7 @@ class Engine:
         self.last_used_blocks = 0  # blocks holding computed KV after the latest step
         self.last_reserved_blocks = 0  # blocks reserved after the latest step
         self.last_times = StepTimes()
+        self.last_shape = StepShape(0, 0, 0, 0)  # what the latest step computed (step-time calibration)
 
     # -- requests ---------------------------------------------------------
 
@@ -244,6 +245,7 @@ class Engine:
         if not chunks:
             return []
         scheduled_s = time.perf_counter()
+        self.last_shape = step_shape(chunks)
         logits, sampling_chunks = self.runner.run(chunks, self.allocator)
         forward_done_s = time.perf_counter()
         seqs = [chunk.seq for chunk in sampling_chunks]

@@ -1,4 +1,5 @@
-"""What an engine step returns and records: new tokens, finished requests' timings, the step's phase times."""
+"""What an engine step returns and records: new tokens, finished requests' timings, the step's phase times
+and shape (what it computed, for step-time models)."""
 
 from dataclasses import dataclass
 
@@ -60,3 +61,32 @@ class StepOutput:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step computes.
+
+    Attributes:
+        num_seqs: sequences with a chunk in the step.
+        num_tokens: tokens computed (prefill chunks plus one per decode).
+        num_context_tokens: tokens attended over, summed over chunks (each chunk's whole context).
+        num_attention_pairs: (query token, key token) pairs, summed over chunks (attention FLOPs).
+    """
+
+    num_seqs: int
+    num_tokens: int
+    num_context_tokens: int
+    num_attention_pairs: int
+
+
+def step_shape(chunks) -> StepShape:
+    """The `StepShape` of a scheduler step (`workers.scheduler.ScheduledChunk`s, before they run)."""
+    num_tokens = num_context = num_pairs = 0
+    for chunk in chunks:
+        start, n = chunk.seq.num_computed_tokens, chunk.num_tokens
+        end = start + n
+        num_tokens += n
+        num_context += end
+        num_pairs += n * start + n * (n + 1) // 2  # causal: query i sees start + i + 1 keys
+    return StepShape(len(chunks), num_tokens, num_context, num_pairs)

@@ -1,0 +1,432 @@
+"""A discrete-event simulation of a whole S3 Serve cluster: the real decisions, a modelled clock.
+
+Nothing here re-implements a decision. Every worker is the engine's own `Scheduler` over its own
+`BlockAllocator` with the policy `make_policy` builds, stepped exactly as `Engine.step` steps
+it; the controller places with `placement.RoomIndex.roomiest` and `first_fit_decreasing` by the
+policy's `planned_tokens`, and moves preempted overruns with `migration_target`, as
+`ControlPlane.place` and `ControlPlane._move_overruns` do. What is modelled is only time: a
+step takes `StepModel.step_s` of its `StepShape` (plus swap copies), instead of running a
+forward pass. Outputs are forced to the trace's lengths, as in `bench policies`.
+
+Simplifications, all stated in the report: the controller sees each worker's reservations as of
+its latest finished step (the service: as of its latest stats poll, every `tick_s`); a request
+reaches its worker the moment it is placed (no RPC latency); a moved request carries its KV
+(charged as a swap-in at `StepModel.swap_s`); no prefix caching (the Azure traces carry no
+prefix ids); no worker failures.
+"""
+
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from benchmarks.step_time import StepModel
+from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, blocks_for, first_fit_decreasing,
+                                       migration_target)
+from workers.kv_cache_manager import BlockAllocator
+from workers.policies import SchedulingPolicy
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig
+from workers.sequence import Sequence, SequenceStatus
+from workers.step_output import step_shape
+
+SIMULATED_TOKEN = 0  # outputs are forced: their values never matter
+
+
+class _Tokens(list):
+    """A prompt of `n` simulated tokens that stores none (a cluster replay holds 10^5 prompts)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [SIMULATED_TOKEN] * len(range(*index.indices(self.n)))
+        if not -self.n <= index < self.n:
+            raise IndexError(index)
+        return SIMULATED_TOKEN
+
+    def __add__(self, other):
+        return [SIMULATED_TOKEN] * self.n + list(other)
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One request of the replay: its arrival, its prompt and forced output length, and its predicted bound."""
+
+    request_id: str
+    arrival_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_tokens: int
+    predicted_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """A simulated cluster.
+
+    Attributes:
+        num_workers: workers (one GPU each).
+        num_blocks: KV blocks per worker.
+        block_size: tokens per block.
+        max_num_seqs, max_num_batched_tokens: each worker's engine limits.
+        tick_s: how often the controller looks for preempted overruns to move.
+        max_pending: requests the controller queues for room (the service's `max_pending_placements`);
+            beyond it the router is refused (429) and the simulated client retries as soon as the
+            queue has space, in arrival order.
+    """
+
+    num_workers: int
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    tick_s: float = 0.5
+    max_pending: int = 128
+
+
+@dataclass(slots=True)
+class SimResult:
+    """What one simulated run measured (seconds are simulated seconds unless named wall)."""
+
+    num_requests: int = 0
+    output_tokens: int = 0
+    makespan_s: float = 0.0
+    latency_s: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    num_steps: int = 0
+    num_placements: int = 0
+    num_refused: int = 0  # arrivals the controller's full queue refused (their clients retried)
+    num_migrations: int = 0
+    num_preemptions: int = 0
+    num_mispredictions: int = 0
+    placement_wall_s: float = 0.0  # this machine's time inside the placement decisions
+    simulation_wall_s: float = 0.0
+    outputs_exact: bool = True
+    step_samples: list[tuple] = field(default_factory=list)  # (StepShape, seconds), when asked for
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+
+def new_sequence(request: SimRequest) -> Sequence:
+    """The engine's `Sequence` for a simulated request (as `Engine.add_request` builds it)."""
+    return Sequence(request.request_id, _Tokens(request.num_prompt_tokens),
+                    SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
+                                   forced_output_tokens=request.num_output_tokens),
+                    arrival_s=request.arrival_s, predicted_output_tokens=request.predicted_output_tokens)
+
+
+class SimWorker:
+    """One simulated worker: the engine's scheduler and allocator, stepped on the model's clock."""
+
+    def __init__(self, worker_id: str, config: SimConfig, policy: SchedulingPolicy, step_model: StepModel):
+        self.worker_id = worker_id
+        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+                                   self.allocator, policy)
+        self.step_model = step_model
+        self.bytes_per_block = step_model.kv_bytes_per_token * config.block_size
+        self.is_busy = False
+        self.is_woken = False  # a "kick" event is queued for it
+        self.in_flight: list = []  # this step's chunks, applied when it ends
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.policy.reservation_tokens(seq)  # as Engine.add_request: fail now, not mid-run
+        self.scheduler.add(seq)
+
+    def start_step(self) -> float | None:
+        """Schedule the next step (as `Engine.step`); its duration, or None when nothing runs."""
+        decisions = self.scheduler.schedule()
+        swapped = sum(len(blocks) for _, blocks in decisions.swap_out + decisions.swap_in)
+        self.in_flight = decisions.chunks
+        if not decisions.chunks:
+            return None
+        return self.step_model.step_s(step_shape(decisions.chunks)) + self.step_model.swap_s(
+            swapped * self.bytes_per_block)
+
+    def end_step(self) -> tuple[list[Sequence], int]:
+        """Apply the step (as `Engine.step` after the forward); the finished sequences and tokens sampled."""
+        finished, num_sampled = [], 0
+        for chunk in self.in_flight:
+            samples = chunk.completes_sequence_tokens
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.scheduler.commit(seq)
+            if not samples:
+                continue
+            seq.output_token_ids.append(SIMULATED_TOKEN)
+            num_sampled += 1
+            if len(seq.output_token_ids) >= seq.params.forced_output_tokens:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        self.in_flight = []
+        return finished, num_sampled
+
+    def preempted_overruns(self) -> list[Sequence]:
+        """Waiting sequences that were preempted: what `WorkerStats.overruns` reports."""
+        return [seq for seq in self.scheduler.waiting if seq.num_preemptions > 0]
+
+
+class ClusterSimulation:
+    """Replays requests through `num_workers` simulated workers and one controller.
+
+    Args:
+        config: the cluster.
+        make_policy: builds one policy instance (each worker gets its own; the controller one more).
+        step_model: the clock.
+        record_steps: keep every step's (shape, seconds) in the result (calibration checks).
+    """
+
+    def __init__(self, config: SimConfig, make_policy, step_model: StepModel, record_steps: bool = False):
+        if config.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {config.num_workers}")
+        self.config = config
+        self.policy = make_policy()
+        self.step_model = step_model
+        self.workers = {f"w{i}": SimWorker(f"w{i}", config, make_policy(), step_model)
+                        for i in range(config.num_workers)}
+        self.record_steps = record_steps
+        self.rooms = RoomIndex()
+        for worker_id in self.workers:
+            self.rooms.set(worker_id, config.num_blocks)
+        self.ledger: dict[str, tuple[str, int]] = {}  # request id -> (worker id, reserved blocks)
+        self.reserved: dict[str, int] = dict.fromkeys(self.workers, 0)
+        self.waiting: dict[str, tuple[PendingRequest, SimRequest, Sequence]] = {}
+        self.backlog: deque[tuple[SimRequest, int, Sequence]] = deque()  # refused: clients retrying
+        self.moving: set[str] = set()
+        self._events: list = []
+        self._order = itertools.count()
+        self.result = SimResult()
+
+    # -- the event loop ---------------------------------------------------------------
+
+    def run(self, requests: list[SimRequest], progress=None) -> SimResult:
+        result = self.result
+        result.num_requests = len(requests)
+        expected = {r.request_id: r.num_output_tokens for r in requests}
+        arrivals = {r.request_id: r.arrival_s for r in requests}
+        first_token: dict[str, float] = {}
+        start_wall_s = time.perf_counter()
+        for request in requests:
+            self._push(request.arrival_s, "arrive", request)
+        self._push(self.config.tick_s, "tick", None)
+        num_done, now_s = 0, 0.0
+        while self._events and num_done < len(requests):
+            now_s, _, kind, payload = heapq.heappop(self._events)
+            if kind == "arrive":
+                self._place(payload, now_s)
+            elif kind == "kick":
+                self.workers[payload].is_woken = False
+                self._kick(self.workers[payload], now_s)
+            elif kind == "tick":
+                self._move_overruns(now_s)
+                self._push(now_s + self.config.tick_s, "tick", None)
+            else:  # "step": a worker's step ends now
+                worker = self.workers[payload]
+                sampled_ids = [c.seq.seq_id for c in worker.in_flight if c.completes_sequence_tokens]
+                finished, num_sampled = worker.end_step()
+                result.output_tokens += num_sampled
+                for seq_id in sampled_ids:
+                    first_token.setdefault(seq_id, now_s)
+                for seq in finished:
+                    num_done += 1
+                    result.outputs_exact &= seq.num_output_tokens == expected[seq.seq_id]
+                    result.latency_s.append(now_s - arrivals[seq.seq_id])
+                    result.ttft_s.append(first_token[seq.seq_id] - arrivals[seq.seq_id])
+                    self._release(seq.seq_id, now_s)
+                    if progress is not None:
+                        progress.update(1)
+                self._refresh_room(payload)
+                worker.is_busy = False
+                self._kick(worker, now_s)
+        if num_done < len(requests):
+            raise RuntimeError(f"simulation stalled: {num_done} of {len(requests)} requests finished")
+        result.makespan_s = now_s - min(arrivals.values())
+        for worker in self.workers.values():
+            stats = worker.scheduler.stats
+            result.num_preemptions += stats.num_preemptions
+            result.num_mispredictions += len(stats.mispredictions)
+            result.num_steps += worker.scheduler.num_steps
+        result.simulation_wall_s = time.perf_counter() - start_wall_s
+        return result
+
+    def _push(self, at_s: float, kind: str, payload) -> None:
+        heapq.heappush(self._events, (at_s, next(self._order), kind, payload))
+
+    def _wake(self, worker: SimWorker, now_s: float) -> None:
+        """Step an idle worker after everything else due now (requests arriving together start together)."""
+        if not worker.is_busy and not worker.is_woken:
+            worker.is_woken = True
+            self._push(now_s, "kick", worker.worker_id)
+
+    def _kick(self, worker: SimWorker, now_s: float) -> None:
+        """Start the worker's next step if it is idle and has work."""
+        if worker.is_busy:
+            return
+        duration_s = None
+        for _ in range(4):  # an empty step (it only preempted) is followed at once by the next, as in the engine loop
+            if not worker.scheduler.has_unfinished():
+                return
+            duration_s = worker.start_step()
+            if duration_s is not None:
+                break
+        if duration_s is None:
+            raise RuntimeError(f"worker {worker.worker_id} cannot schedule any of its "
+                               f"{len(worker.scheduler.waiting)} waiting sequences")
+        if self.record_steps:
+            self.result.step_samples.append((step_shape(worker.in_flight), duration_s))
+        worker.is_busy = True
+        self._push(now_s + duration_s, "step", worker.worker_id)
+
+    # -- the controller ----------------------------------------------------------------
+
+    def _plan_blocks(self, request: SimRequest, num_output_tokens: int, bound: int | None) -> int:
+        tokens = self.policy.planned_tokens(request.num_prompt_tokens, num_output_tokens, request.max_tokens, bound)
+        return max(1, min(blocks_for(tokens, self.config.block_size), self.config.num_blocks))
+
+    def _place(self, request: SimRequest, now_s: float) -> None:
+        """`ControlPlane.place`: roomiest worker at once when nobody waits, else queue for first-fit."""
+        num_blocks = self._plan_blocks(request, 0, request.predicted_output_tokens)
+        seq = new_sequence(request)
+        started_s = time.perf_counter()
+        worker_id = None if self.waiting else self.rooms.roomiest(num_blocks)
+        self.result.placement_wall_s += time.perf_counter() - started_s
+        if worker_id is not None:
+            self._assign(request.request_id, worker_id, num_blocks, seq, now_s)
+        elif len(self.waiting) >= self.config.max_pending:
+            self.result.num_refused += 1
+            self.backlog.append((request, num_blocks, seq))
+        else:
+            self.waiting[request.request_id] = (PendingRequest(request.request_id, num_blocks, now_s), request, seq)
+            self._place_waiting(now_s)
+
+    def _place_waiting(self, now_s: float) -> None:
+        """First-fit-decreasing over the queue, when some worker could take its smallest request."""
+        while self.backlog and len(self.waiting) < self.config.max_pending:  # retried requests join the queue
+            request, num_blocks, seq = self.backlog.popleft()
+            self.waiting[request.request_id] = (PendingRequest(request.request_id, num_blocks, now_s), request, seq)
+        if not self.waiting:
+            return
+        started_s = time.perf_counter()
+        smallest = min(p.num_blocks for p, _, _ in self.waiting.values())
+        if self.rooms.roomiest(smallest) is not None:
+            # Workers too full for even the smallest request cannot take any; leaving them out saves work.
+            chosen = first_fit_decreasing([p for p, _, _ in self.waiting.values()], self._budgets(smallest),
+                                          now_s=now_s)
+        else:
+            chosen = {}
+        self.result.placement_wall_s += time.perf_counter() - started_s
+        for request_id, worker_id in chosen.items():
+            pending, _, seq = self.waiting.pop(request_id)
+            self._assign(request_id, worker_id, pending.num_blocks, seq, now_s)
+        if chosen and self.backlog:
+            self._place_waiting(now_s)
+
+    def _budgets(self, min_free_blocks: int = 0) -> list[WorkerBudget]:
+        budgets = (WorkerBudget(w, self.config.num_blocks, self._held(w)) for w in self.workers)
+        return [b for b in budgets if b.num_free_blocks >= min_free_blocks]
+
+    def _held(self, worker_id: str) -> int:
+        """As `ControlPlane._refresh_room`: the ledger's reservations or the worker's own, whichever is more."""
+        return max(self.reserved[worker_id], self.workers[worker_id].allocator.num_reserved_blocks)
+
+    def _assign(self, request_id: str, worker_id: str, num_blocks: int, seq: Sequence, now_s: float) -> None:
+        self.result.num_placements += 1
+        self.ledger[request_id] = (worker_id, num_blocks)
+        self.reserved[worker_id] += num_blocks
+        self._refresh_room(worker_id)
+        worker = self.workers[worker_id]
+        worker.add(seq)
+        self._wake(worker, now_s)
+
+    def _refresh_room(self, worker_id: str) -> None:
+        self.rooms.set(worker_id, max(0, self.config.num_blocks - self._held(worker_id)))
+
+    def _release(self, request_id: str, now_s: float) -> None:
+        worker_id, num_blocks = self.ledger.pop(request_id)
+        self.reserved[worker_id] -= num_blocks
+        self.moving.discard(request_id)
+        self._refresh_room(worker_id)
+        self._place_waiting(now_s)
+
+    def _move_overruns(self, now_s: float) -> None:
+        """`ControlPlane._move_overruns`: a preempted overrun moves where its next bound fits."""
+        for worker_id, worker in self.workers.items():
+            for seq in worker.preempted_overruns():
+                if seq.seq_id in self.moving or seq.num_output_tokens >= seq.params.max_tokens:
+                    continue
+                request = SimRequest(seq.seq_id, seq.arrival_s, seq.num_prompt_tokens,
+                                     seq.params.forced_output_tokens, seq.params.max_tokens)
+                num_blocks = self._plan_blocks(request, seq.num_output_tokens, seq.predicted_output_tokens)
+                started_s = time.perf_counter()
+                target = migration_target(num_blocks, self._budgets(num_blocks), exclude_worker_id=worker_id)
+                self.result.placement_wall_s += time.perf_counter() - started_s
+                if target is None:
+                    continue
+                self._move(seq, worker, target, num_blocks, now_s)
+
+    def _move(self, seq: Sequence, source: SimWorker, target_id: str, num_blocks: int, now_s: float) -> None:
+        """The source drops the waiting sequence; the target takes it with its KV (a swap-in there)."""
+        source.scheduler.finish(seq)
+        _, old_blocks = self.ledger[seq.seq_id]
+        self.reserved[source.worker_id] -= old_blocks
+        self.ledger[seq.seq_id] = (target_id, num_blocks)
+        self.reserved[target_id] += num_blocks
+        moved = Sequence(seq.seq_id, seq.prompt_token_ids, seq.params, arrival_s=seq.arrival_s,
+                         output_token_ids=list(seq.output_token_ids),
+                         predicted_output_tokens=seq.predicted_output_tokens)
+        if seq.num_computed_tokens > 0 or seq.is_swapped:  # as Engine.add_request with kv
+            moved.num_computed_tokens = min(seq.num_computed_tokens, moved.num_tokens - 1)
+            moved.is_swapped = moved.num_computed_tokens > 0
+        self.moving.add(seq.seq_id)
+        self.result.num_migrations += 1
+        self._refresh_room(source.worker_id)
+        self._refresh_room(target_id)
+        target = self.workers[target_id]
+        target.add(moved)
+        self._wake(target, now_s)
+        self._wake(source, now_s)
+
+
+def simulate_worker(requests: list[SimRequest], config: SimConfig, policy: SchedulingPolicy,
+                    step_model: StepModel) -> SimResult:
+    """One worker with every request queued at t=0 and no controller: what one engine alone does
+    (the comparison with the real engine, `benchmarks.sim_calibration`)."""
+    worker = SimWorker("w0", config, policy, step_model)
+    for request in requests:
+        worker.add(new_sequence(request))
+    result = SimResult(num_requests=len(requests))
+    expected = {r.request_id: r.num_output_tokens for r in requests}
+    now_s, num_empty = 0.0, 0
+    while worker.scheduler.has_unfinished():
+        duration_s = worker.start_step()
+        if duration_s is None:
+            num_empty += 1
+            if num_empty > 4:
+                raise RuntimeError(f"the worker cannot schedule any of its {len(worker.scheduler.waiting)} "
+                                   "waiting sequences")
+            continue
+        num_empty = 0
+        result.step_samples.append((step_shape(worker.in_flight), duration_s))
+        now_s += duration_s
+        finished, num_sampled = worker.end_step()
+        result.output_tokens += num_sampled
+        for seq in finished:
+            result.outputs_exact &= seq.num_output_tokens == expected[seq.seq_id]
+            result.latency_s.append(now_s)
+    stats = worker.scheduler.stats
+    result.num_steps, result.num_preemptions = worker.scheduler.num_steps, stats.num_preemptions
+    result.num_mispredictions, result.makespan_s = len(stats.mispredictions), now_s
+    return result

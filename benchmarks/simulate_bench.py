@@ -1,0 +1,274 @@
+"""`s3serve bench simulate`: the policies at 8 to 1,024 workers, by discrete-event simulation.
+
+A SIMULATION, not a measurement: the workers' schedulers, the policies and the controller's
+placement are the service's own code (`benchmarks.cluster_sim`), but time comes from a step
+model. For GPU kinds that model is a roofline over datasheet numbers with assumed efficiencies
+(`benchmarks.step_time.GPU_KINDS`); no GPU measured it. What was measured is how well the
+simulator tracks the real engine on this CPU (`benchmarks.sim_calibration`): that error is
+printed first, and `kind="cpu"` simulates the cluster with the CPU-calibrated model itself.
+"""
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from benchmarks.cluster_sim import ClusterSimulation, SimConfig, SimRequest
+from benchmarks.noisy_oracle import NoisyOraclePredictor
+from benchmarks.report import environment, format_table, write_json
+from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
+from benchmarks.traces import read_trace
+from predictor_service.length_predictor import LengthQuery
+from workers.policies import make_policy
+
+STATEMENT = ("SIMULATION: the service's scheduler, policies and placement code driven by a modelled clock; "
+             "GPU step times are a datasheet roofline with assumed efficiencies, not measured on a GPU")
+DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
+DEFAULT_POLICIES = ("max_reserve", "paged_greedy", "s3", "s3_peak")
+LENGTH_AWARE = ("s3", "s3_peak")
+CPU_KIND = "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class SimulateBenchConfig:
+    """What `bench simulate` runs.
+
+    Attributes:
+        kind: a GPU kind of `benchmarks.step_time.GPU_KINDS`, or "cpu" (the step model calibrated here).
+        model_shape: a `workers.model_shapes` name (ignored for "cpu": SmolLM2-135M, as calibrated).
+        worker_counts: cluster sizes.
+        requests_per_worker: trace rows replayed per worker (rows are reused from the start when the
+            trace runs out); every request arrives at t=0, so tokens/s is the cluster's capacity.
+        max_len: longest sequence; max_tokens of a request is max_len - prompt.
+        max_prompt_tokens: prompts are capped to this.
+        sigma: log-normal error of the noisy-oracle predictor (upper bound at the 90% quantile).
+        gpu_memory_fraction: of device memory for weights plus KV (the KV budget is the rest).
+        calibrate: run the real CPU engine first and print the simulator's error against it.
+    """
+
+    trace_path: Path = DEFAULT_TRACE
+    kind: str = "a100-80gb"
+    model_shape: str = "llama-7b"
+    worker_counts: tuple[int, ...] = (8, 64, 256, 1024)
+    requests_per_worker: int = 400
+    max_len: int = 2048
+    max_prompt_tokens: int = 1024
+    sigma: float = 0.3
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    gpu_memory_fraction: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_pending: int = 128
+    block_size: int = 16
+    seed: int = 0
+    calibrate: bool = True
+    calibration_requests: int = 24
+    calibration_max_len: int = 512
+
+
+def quick_config(**overrides) -> SimulateBenchConfig:
+    return SimulateBenchConfig(**{"worker_counts": (8, 64), "requests_per_worker": 150,
+                                  "calibration_requests": 16, **overrides})
+
+
+def build_sim_requests(rows, count: int, max_len: int, max_prompt_tokens: int, sigma: float,
+                       seed: int) -> list[SimRequest]:
+    """`count` requests from the trace rows (cycled), all at t=0, with noisy-oracle upper bounds."""
+    if not rows:
+        raise ValueError("the trace has no rows")
+    if max_prompt_tokens >= max_len:
+        raise ValueError(f"max_prompt_tokens ({max_prompt_tokens}) must be below max_len ({max_len})")
+    shapes = []
+    for index, row in zip(range(count), itertools.cycle(rows)):
+        prompt = max(1, min(row.context_tokens, max_prompt_tokens))
+        shapes.append((f"r{index}", prompt, max(1, min(row.generated_tokens, max_len - prompt))))
+    oracle = NoisyOraclePredictor({rid: out for rid, _, out in shapes}, sigma=sigma, max_len=max_len, seed=seed)
+    bounds = oracle.predict([LengthQuery(rid, (), max_len - prompt) for rid, prompt, _ in shapes])
+    return [SimRequest(rid, 0.0, prompt, out, max_len - prompt, bound.upper_bound_tokens)
+            for (rid, prompt, out), bound in zip(shapes, bounds)]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _run_calibration(config: SimulateBenchConfig, rows, model_name: str, model_cache_dir: Path | None):
+    """The real engine on this CPU against the simulator; returns (Calibration, blocks, KV bytes/token)."""
+    from benchmarks.prompt_pool import DEFAULT_PROMPTS
+    from benchmarks.sim_calibration import calibrate
+    from benchmarks.traces import build_requests, load_prompt_texts
+    from workers.model_runner import pool_shape_for
+    from workers.models import load_model, load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(model_name, model_cache_dir)
+    tokenizer = load_tokenizer(model_dir)
+    max_len = config.calibration_max_len
+    replay, _ = build_requests(rows[:config.calibration_requests], tokenizer, load_prompt_texts(DEFAULT_PROMPTS),
+                               max_len=max_len, max_prompt_tokens=128, mode="offline", time_scale=1.0)
+    model = load_model(model_dir)
+    pool = pool_shape_for(model.config, 1, config.block_size, model.dtype)
+    kv_bytes_per_token = pool.bytes_per_block // pool.block_size
+    kv_cache_bytes = 4 * max_len * kv_bytes_per_token  # max_reserve fits 4 sequences, as in bench policies
+    num_blocks = kv_cache_bytes // pool.bytes_per_block
+    oracle = NoisyOraclePredictor({r.request_id: r.output_tokens for r in replay}, sigma=config.sigma,
+                                  max_len=max_len, seed=config.seed)
+    bounds = oracle.predict([LengthQuery(r.request_id, r.prompt_token_ids, max_len - len(r.prompt_token_ids))
+                             for r in replay])
+    requests = [SimRequest(r.request_id, 0.0, len(r.prompt_token_ids), r.output_tokens,
+                           max_len - len(r.prompt_token_ids), b.upper_bound_tokens) for r, b in zip(replay, bounds)]
+    prompts = {r.request_id: list(r.prompt_token_ids) for r in replay}
+    policies = ("paged_greedy", "max_reserve", "s3")
+    with tqdm(total=len(requests) * len(policies), desc="calibration: real engine", unit="req") as progress:
+        result = calibrate(model, requests, prompts, policies, max_len, kv_cache_bytes, num_blocks,
+                           config.block_size, 128, 512, kv_bytes_per_token, progress)
+    return result
+
+
+def _cluster_model(config: SimulateBenchConfig, calibration):
+    """(step model, KV blocks per worker, description of the budget)."""
+    if config.kind == CPU_KIND:
+        if calibration is None:
+            raise ValueError("kind 'cpu' simulates with the CPU-calibrated step model: leave calibration on")
+        model = calibration.model
+        kv_tokens = 4 * config.max_len  # as calibrated: max_reserve fits 4 sequences
+        return model, kv_tokens // config.block_size, f"KV for 4 x {config.max_len} tokens (as calibrated)"
+    model = RooflineStepModel(gpu_kind(config.kind), shape_cost(config.model_shape))
+    gpu = model.gpu
+    kv_bytes = gpu.memory_bytes * config.gpu_memory_fraction - model.cost.weight_bytes
+    num_blocks = int(kv_bytes // (model.kv_bytes_per_token * config.block_size))
+    if num_blocks * config.block_size < config.max_len:
+        raise ValueError(f"{config.model_shape} leaves {max(0, kv_bytes) / 1e9:.1f} GB of KV on {config.kind}: "
+                         f"not one {config.max_len}-token sequence")
+    return model, num_blocks, (f"{kv_bytes / 1e9:.1f} GB KV per worker = {num_blocks * config.block_size} tokens "
+                               f"(max_reserve fits {num_blocks * config.block_size // config.max_len} sequences)")
+
+
+def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", model_cache_dir: Path | None = None,
+        json_path: Path | None = None, plot_path: Path | None = None) -> dict:
+    unknown = [p for p in config.policies if p not in DEFAULT_POLICIES + ("oracle",)]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(DEFAULT_POLICIES + ('oracle',))}")
+    if any(n < 1 for n in config.worker_counts):
+        raise ValueError(f"worker counts must be >= 1, got {config.worker_counts}")
+    if config.kind != CPU_KIND:
+        gpu_kind(config.kind)
+        shape_cost(config.model_shape)  # fail on a bad name before the calibration run
+    print(STATEMENT)
+    rows = read_trace(config.trace_path)
+    calibration = _run_calibration(config, rows, model_name, model_cache_dir) if config.calibrate else None
+    if calibration is not None:
+        print(f"step model {calibration.model.describe()}")
+        print(f"fit on {calibration.fit.num_steps} steps of {calibration.calibrated_on}: mean |error| "
+              f"{calibration.fit.mean_abs_pct:.1f}% per step, {calibration.fit.total_pct:+.1f}% in total time")
+        print(format_table(["policy", "real tok/s", "simulated tok/s", "error %"],
+                           [list(row) for row in calibration.agreement]))
+    step_model, num_blocks, budget = _cluster_model(config, calibration)
+    print(f"cluster: {step_model.describe()}; {budget}")
+    runs = []
+    for num_workers in config.worker_counts:
+        requests = build_sim_requests(rows, num_workers * config.requests_per_worker, config.max_len,
+                                      config.max_prompt_tokens, config.sigma, config.seed)
+        sim_config = SimConfig(num_workers, num_blocks, config.block_size, config.max_num_seqs,
+                               config.max_num_batched_tokens, max_pending=config.max_pending)
+        for policy in config.policies:
+            with tqdm(total=len(requests), desc=f"{num_workers} workers, {policy}", unit="req",
+                      mininterval=2.0) as progress:
+                simulation = ClusterSimulation(sim_config, lambda: make_policy(policy, max_model_len=config.max_len),
+                                               step_model)
+                result = simulation.run(requests, progress)
+            runs.append({
+                "policy": policy, "num_workers": num_workers, "num_requests": len(requests),
+                "tokens_per_s": result.tokens_per_s, "tokens_per_s_per_worker": result.tokens_per_s / num_workers,
+                "makespan_s": result.makespan_s, "latency_p50_s": _percentile(result.latency_s, 0.5),
+                "latency_p99_s": _percentile(result.latency_s, 0.99), "ttft_p99_s": _percentile(result.ttft_s, 0.99),
+                "migrations": result.num_migrations, "preemptions": result.num_preemptions,
+                "mispredictions": result.num_mispredictions, "refused_then_retried": result.num_refused,
+                "placements_per_s": result.num_placements / result.makespan_s,
+                "placement_us_each": 1e6 * result.placement_wall_s / max(1, result.num_placements),
+                "all_outputs_exact_length": result.outputs_exact, "simulation_wall_s": result.simulation_wall_s,
+            })
+    ratios = _ratios(runs, config)
+    headers = ["workers", "policy", "tok/s", "tok/s/worker", "lat_p50_s", "lat_p99_s", "migrations", "preempt",
+               "place/s", "us/place", "sim_wall_s"]
+    print(format_table(headers, [[r["num_workers"], r["policy"], r["tokens_per_s"], r["tokens_per_s_per_worker"],
+                                  r["latency_p50_s"], r["latency_p99_s"], r["migrations"], r["preemptions"],
+                                  r["placements_per_s"], r["placement_us_each"], r["simulation_wall_s"]]
+                                 for r in runs]))
+    print(format_table(["ratio", "value"], [[k, v if v is not None else "n/a"] for k, v in ratios.items()
+                                            if not isinstance(v, dict)]))
+    result = {
+        "benchmark": "simulate", "simulation": True, "statement": STATEMENT,
+        "kind": config.kind, "model_shape": config.model_shape if config.kind != CPU_KIND else "smollm2-135m",
+        "step_model": step_model.describe(), "kv_budget": budget, "trace": str(config.trace_path),
+        "predictor": f"noisy oracle, log-normal sigma {config.sigma}, upper bound at the 90% quantile",
+        "config": _config_dict(config),
+        "calibration": None if calibration is None else {
+            "model": calibration.model.describe(), "calibrated_on": calibration.calibrated_on,
+            "fit_steps": calibration.fit.num_steps, "fit_mean_abs_pct": calibration.fit.mean_abs_pct,
+            "fit_total_pct": calibration.fit.total_pct,
+            "agreement": [{"policy": p, "real_tokens_per_s": real, "simulated_tokens_per_s": sim, "error_pct": err}
+                          for p, real, sim, err in calibration.agreement]},
+        "runs": runs, "ratios": ratios, "environment": environment(),
+    }
+    write_json(json_path, result)
+    if plot_path is not None:
+        _plot(runs, plot_path)
+    return result
+
+
+def _config_dict(config: SimulateBenchConfig) -> dict:
+    return {name: (str(getattr(config, name)) if isinstance(getattr(config, name), Path) else getattr(config, name))
+            for name in config.__dataclass_fields__}
+
+
+def _ratios(runs: list[dict], config: SimulateBenchConfig) -> dict:
+    """Best length-aware policy over max_reserve and paged_greedy, at the largest cluster and per size."""
+    by = {(r["num_workers"], r["policy"]): r["tokens_per_s"] for r in runs}
+    ratios: dict = {}
+    per_size: dict = {}
+    for num_workers in config.worker_counts:
+        ours = [(by[(num_workers, p)], p) for p in LENGTH_AWARE if (num_workers, p) in by]
+        if not ours:
+            continue
+        best, name = max(ours)
+        row = {"best_length_aware": name}
+        for other in ("max_reserve", "paged_greedy"):
+            if (num_workers, other) in by and by[(num_workers, other)]:
+                row[f"s3_vs_{other}"] = best / by[(num_workers, other)]
+        per_size[str(num_workers)] = row
+    if per_size:
+        largest = per_size[str(max(int(n) for n in per_size))]
+        ratios.update({k: v for k, v in largest.items()})
+        ratios["at_num_workers"] = max(int(n) for n in per_size)
+        ratios["paper_s3_vs_max_reserve"] = 6.49
+        ratios["by_num_workers"] = per_size
+    return ratios
+
+
+def _plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for policy in dict.fromkeys(r["policy"] for r in runs):
+        mine = sorted((r for r in runs if r["policy"] == policy), key=lambda r: r["num_workers"])
+        workers = [r["num_workers"] for r in mine]
+        axes[0].plot(workers, [r["tokens_per_s_per_worker"] for r in mine], marker="o", label=policy)
+        axes[1].plot(workers, [r["latency_p99_s"] for r in mine], marker="o", label=policy)
+    for axis, label in zip(axes, ("output tokens/s per worker", "p99 latency (s), all arrive at t=0")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("workers")
+        axis.set_ylabel(label)
+        axis.legend()
+    figure.suptitle("Simulated cluster (roofline step model; not measured)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"plot: {path}")

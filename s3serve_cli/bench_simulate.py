@@ -1,0 +1,68 @@
+"""`s3serve bench simulate`: its arguments (kept apart from `s3serve_cli.bench`, which holds the others)."""
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+from s3serve_cli.args import add_model_args
+
+GPU_KIND_NAMES = ("a100-80gb", "h100-sxm", "h200", "l4", "cpu")  # benchmarks.step_time.GPU_KINDS + cpu
+SHAPE_NAMES = ("tiny", "smollm2-135m", "llama-7b", "gptj-6b")  # workers.model_shapes.MODEL_SHAPES
+
+
+def _bench_simulate(args: argparse.Namespace) -> int:
+    from benchmarks import simulate_bench
+
+    base = simulate_bench.quick_config() if args.quick else simulate_bench.SimulateBenchConfig()
+    overrides = {"trace_path": args.trace, "kind": args.kind, "model_shape": args.model_shape,
+                 "calibrate": not args.no_calibration}
+    for name in ("worker_counts", "requests_per_worker", "max_len", "max_prompt_tokens", "sigma", "policies",
+                 "calibration_requests"):
+        value = getattr(args, name)
+        if value is not None:
+            overrides[name] = tuple(value) if isinstance(value, list) else value
+    simulate_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.plot)
+    return 0
+
+
+def add_simulate_parser(benches) -> None:
+    simulate = benches.add_parser(
+        "simulate",
+        help="SIMULATION: every policy at 8 to 1,024 workers (the service's scheduler and placement, modelled time)",
+        description="A discrete-event simulation, not a measurement. Each worker is the engine's own scheduler, "
+                    "block allocator and policy; the controller places with the service's placement functions and "
+                    "moves preempted overruns as the service does; only time is modelled: a step takes what a "
+                    "roofline says for the model shape on the GPU kind (datasheet bandwidth and FLOPs with assumed "
+                    "efficiencies). First, unless --no-calibration, the real engine runs a small workload on this "
+                    "CPU and the simulator, calibrated on one policy's steps, is compared with it on the others: "
+                    "that error is printed. Every request arrives at t=0 (capacity, not latency under a given load).",
+    )
+    add_model_args(simulate)
+    simulate.add_argument("--trace", type=Path, default=Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv"),
+                          help="Azure CSV trace to replay (default: %(default)s)")
+    simulate.add_argument("--kind", default="a100-80gb", choices=GPU_KIND_NAMES,
+                          help="GPU kind of every worker, or cpu: the step model calibrated on this machine "
+                               "(default: %(default)s)")
+    simulate.add_argument("--model-shape", default="llama-7b", choices=SHAPE_NAMES,
+                          help="model shape the roofline prices, bf16 (default: %(default)s)")
+    simulate.add_argument("--workers", dest="worker_counts", type=int, nargs="+", default=None, metavar="N",
+                          help="cluster sizes (default 8 64 256 1024; 8 64 with --quick)")
+    simulate.add_argument("--requests-per-worker", type=int, default=None,
+                          help="trace rows per worker, reused when the trace runs out (default 400; 150 with --quick)")
+    simulate.add_argument("--max-len", type=int, default=None, help="longest sequence in tokens (default 2048)")
+    simulate.add_argument("--max-prompt-tokens", type=int, default=None, help="prompts are capped to this (default 1024)")
+    simulate.add_argument("--sigma", type=float, default=None,
+                          help="log-normal error of the noisy-oracle predictor (default 0.3)")
+    simulate.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
+                          choices=("max_reserve", "paged_greedy", "s3", "s3_peak", "oracle"),
+                          help="policies to simulate (default: max_reserve paged_greedy s3 s3_peak)")
+    simulate.add_argument("--calibration-requests", type=int, default=None, metavar="N",
+                          help="trace rows the real engine runs per policy in the calibration (default 24; 16 with "
+                               "--quick)")
+    simulate.add_argument("--no-calibration", action="store_true",
+                          help="skip the real-engine comparison on this CPU (not allowed with --kind cpu)")
+    simulate.add_argument("--quick", action="store_true", help="8 and 64 workers, 150 requests each (a few minutes)")
+    simulate.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    simulate.add_argument("--plot", type=Path, default=None, metavar="PNG",
+                          help="tokens/s per worker and p99 latency against cluster size")
+    simulate.set_defaults(handler=_bench_simulate)

@@ -1,0 +1,158 @@
+"""The cluster simulator: the engine's own scheduling on a modelled clock, and the step-time models."""
+
+import random
+
+import pytest
+
+from benchmarks.cluster_sim import ClusterSimulation, SimConfig, SimRequest, simulate_worker
+from benchmarks.step_time import (LinearStepModel, RooflineStepModel, calibration_error, fit_linear, gpu_kind,
+                                  shape_cost)
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
+from workers.models import make_tiny_model
+from workers.policies import make_policy
+from workers.sampling_params import SamplingParams
+from workers.step_output import StepShape
+
+POLICIES = ("max_reserve", "paged_greedy", "s3", "s3_peak")
+MAX_LEN = 256
+CONSTANT = LinearStepModel(0.01, 0.0, 0.0, 0.0, kv_bytes_per_token=1000)  # 10 ms per step, whatever runs
+
+
+def _requests(n: int, seed: int = 0, bound_scale: float = 1.3) -> list[SimRequest]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt, output = rng.randint(5, 60), rng.randint(1, 150)
+        out.append(SimRequest(f"r{i}", 0.0, prompt, output, MAX_LEN - prompt,
+                              max(1, min(MAX_LEN - prompt, round(output * bound_scale * rng.uniform(0.5, 1.5))))))
+    return out
+
+
+def _simulate(policy: str, requests, num_workers: int = 2, num_blocks: int = 64, model=CONSTANT, **kwargs):
+    config = SimConfig(num_workers, num_blocks, block_size=16, max_num_seqs=32, max_num_batched_tokens=128, **kwargs)
+    simulation = ClusterSimulation(config, lambda: make_policy(policy, max_model_len=MAX_LEN), model,
+                                   record_steps=True)
+    return simulation, simulation.run(requests)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_request_finishes_with_its_forced_length(policy):
+    requests = _requests(60)
+    _, result = _simulate(policy, requests)
+    assert result.outputs_exact
+    assert len(result.latency_s) == 60
+    assert result.output_tokens == sum(r.num_output_tokens for r in requests)
+    assert result.makespan_s == pytest.approx(max(result.latency_s))
+    assert all(0 <= t <= lat for t, lat in zip(sorted(result.ttft_s), sorted(result.latency_s)))
+
+
+def test_max_reserve_runs_only_what_worst_case_reservation_fits():
+    _, result = _simulate("max_reserve", _requests(40), num_workers=1, num_blocks=64)
+    fits = 64 * 16 // MAX_LEN  # 4 sequences of MAX_LEN tokens
+    assert max(shape.num_seqs for shape, _ in result.step_samples) == fits
+    assert result.num_preemptions == 0
+    _, paged = _simulate("paged_greedy", _requests(40), num_workers=1, num_blocks=64)
+    assert max(shape.num_seqs for shape, _ in paged.step_samples) > fits
+    assert paged.tokens_per_s > result.tokens_per_s  # 10 ms a step whatever its size: batching pays
+
+
+def test_a_worker_schedules_exactly_as_the_real_engine():
+    """Same requests, same policy and budget: the simulated worker's steps are the engine's steps."""
+    requests = _requests(24, seed=3)
+    model = make_tiny_model()
+    num_preempted = 0
+    for policy in ("s3", "paged_greedy"):
+        engine = Engine(model, EngineConfig(kv_cache_bytes=48 * 16 * 2 * 2 * 2 * 16 * 4, max_num_seqs=32,
+                                            max_num_batched_tokens=128, max_model_len=MAX_LEN,
+                                            enable_prefix_caching=False),
+                        policy=make_policy(policy, max_model_len=MAX_LEN))
+        rng = random.Random(1)
+        for r in requests:
+            engine.add_request([rng.randrange(256) for _ in range(r.num_prompt_tokens)],
+                               SamplingParams(max_tokens=r.max_tokens, ignore_eos=True,
+                                              forced_output_tokens=r.num_output_tokens),
+                               seq_id=r.request_id, predicted_output_tokens=r.predicted_output_tokens)
+        real = []
+        while engine.has_unfinished():
+            engine.step()
+            if engine.last_num_scheduled:
+                real.append(engine.last_shape)
+        config = SimConfig(1, engine.allocator.num_blocks, block_size=16, max_num_seqs=32, max_num_batched_tokens=128)
+        result = simulate_worker(requests, config, make_policy(policy, max_model_len=MAX_LEN), CONSTANT)
+        assert [shape for shape, _ in result.step_samples] == real, policy
+        assert result.num_preemptions == engine.scheduler.stats.num_preemptions
+        assert result.outputs_exact and result.makespan_s == pytest.approx(0.01 * len(real))
+        num_preempted += result.num_preemptions
+    assert num_preempted > 0  # the budget is tight enough that preemption paths ran too
+
+
+def test_under_predicted_overruns_move_to_a_worker_with_room():
+    # Bounds of one token and a small cache: s3 sequences outrun their reservations and get preempted;
+    # the controller moves them where their next bound fits, and nothing is lost.
+    rng = random.Random(7)
+    requests = [SimRequest(f"r{i}", 0.0, 20, rng.randint(100, 200), MAX_LEN - 20, 1) for i in range(24)]
+    _, result = _simulate("s3", requests, num_workers=3, num_blocks=40, tick_s=0.05)
+    assert result.num_mispredictions > 0 and result.num_preemptions > 0
+    assert result.num_migrations >= 1
+    assert result.outputs_exact and len(result.latency_s) == 24
+
+
+def test_a_full_controller_queue_refuses_and_the_clients_retry():
+    requests = _requests(80)
+    _, result = _simulate("max_reserve", requests, num_workers=2, max_pending=4)
+    assert result.num_refused > 0
+    assert result.outputs_exact and len(result.latency_s) == 80
+
+
+def test_more_workers_serve_a_proportional_load_faster():
+    small = _simulate("s3", _requests(40), num_workers=2)[1]
+    twice = _requests(40) + [SimRequest(f"x{r.request_id}", 0.0, r.num_prompt_tokens, r.num_output_tokens,
+                                        r.max_tokens, r.predicted_output_tokens) for r in _requests(40)]
+    large = _simulate("s3", twice, num_workers=4)[1]
+    assert large.tokens_per_s > 1.6 * small.tokens_per_s
+
+
+def test_no_workers_is_an_error():
+    with pytest.raises(ValueError, match="num_workers"):
+        ClusterSimulation(SimConfig(0, 64), lambda: make_policy("s3"), CONSTANT)
+
+
+# -- step-time models -------------------------------------------------------------------
+
+
+def test_roofline_decode_is_nearly_flat_in_batch_for_a_7b_model_on_an_a100():
+    model = RooflineStepModel(gpu_kind("a100-80gb"), shape_cost("llama-7b"))
+    decode = [model.step_s(StepShape(n, n, 100 * n, 100 * n)) for n in (1, 4, 16, 64)]
+    assert decode == sorted(decode)
+    assert decode[3] < 2 * decode[1]  # the paper's regime: batch 64 costs well under twice batch 4
+    prefill = model.step_s(StepShape(1, 2048, 2048, 2048 * 2049 // 2))
+    assert prefill > 3 * decode[0]  # a long prefill is compute bound
+    assert shape_cost("llama-7b").kv_bytes_per_token == 2 * 32 * 4096 * 2
+
+
+def test_linear_fit_recovers_known_coefficients():
+    truth = LinearStepModel(0.004, 0.0002, 0.00003, 0.0000002)
+    rng = random.Random(0)
+    samples = []
+    for _ in range(50):
+        seqs = rng.randint(1, 32)
+        tokens = seqs + rng.randint(0, 200)
+        shape = StepShape(seqs, tokens, tokens + rng.randint(0, 5000), 0)
+        samples.append((shape, truth.step_s(shape)))
+    fitted = fit_linear(samples)
+    for name in ("overhead_s", "per_seq_s", "per_token_s", "per_context_token_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    error = calibration_error(fitted, samples)
+    assert error.mean_abs_pct < 1e-6 and abs(error.total_pct) < 1e-6
+    assert calibration_error(LinearStepModel(0.008, 0.0004, 0.00006, 0.0000004), samples).total_pct == \
+        pytest.approx(100.0)
+
+
+def test_bad_names_and_too_few_samples_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown GPU kind 'v100'"):
+        gpu_kind("v100")
+    with pytest.raises(ValueError, match="unknown model shape"):
+        shape_cost("llama-70b")
+    with pytest.raises(ValueError, match="at least 8"):
+        fit_linear([(StepShape(1, 1, 1, 1), 0.01)])

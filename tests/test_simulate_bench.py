@@ -1,0 +1,68 @@
+"""`s3serve bench simulate`: the table and JSON, clear errors, and the simulator against the real engine."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+STATED_ERROR_PCT = 25.0  # the simulator's tokens/s against the real engine on this CPU (README, bench output)
+
+
+def _simulate(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "s3serve_cli.main", "bench", "simulate", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_simulate_writes_the_table_json_and_plot(tmp_path, shared_data):
+    out_json, plot = tmp_path / "out.json", tmp_path / "sim.png"
+    result = _simulate("--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
+                       "--workers", "2", "8", "--requests-per-worker", "12", "--no-calibration",
+                       "--json", str(out_json), "--plot", str(plot))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("SIMULATION")
+    assert "s3_vs_max_reserve" in result.stdout
+    data = json.loads(out_json.read_text())
+    assert data["simulation"] is True and "not measured on a GPU" in data["statement"]
+    assert {(r["policy"], r["num_workers"]) for r in data["runs"]} == {
+        (p, n) for p in ("max_reserve", "paged_greedy", "s3", "s3_peak") for n in (2, 8)}
+    for run in data["runs"]:
+        assert run["tokens_per_s"] > 0 and run["all_outputs_exact_length"]
+        assert run["num_requests"] == 12 * run["num_workers"]
+        assert run["latency_p99_s"] >= run["latency_p50_s"] > 0
+    by = {(r["policy"], r["num_workers"]): r["tokens_per_s"] for r in data["runs"]}
+    best = max(by[("s3", 8)], by[("s3_peak", 8)])
+    assert data["ratios"]["s3_vs_max_reserve"] == pytest.approx(best / by[("max_reserve", 8)])
+    assert data["ratios"]["at_num_workers"] == 8
+    assert plot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--kind", "cpu", "--no-calibration"), "kind 'cpu' simulates with the CPU-calibrated step model"),
+    (("--workers", "0"), "worker counts must be >= 1"),
+    (("--max-prompt-tokens", "4096"), "must be below max_len"),
+    (("--kind", "l4", "--max-len", "100000", "--max-prompt-tokens", "10"), "not one 100000-token sequence"),
+])
+def test_bad_settings_are_one_line_errors(args, message):
+    defaults = ("--workers", "1", "--requests-per-worker", "2", "--no-calibration")
+    result = _simulate(*defaults, *args)
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_simulator_agrees_with_the_real_engine_on_this_cpu(tmp_path, model_cache_dir, shared_data):
+    """Calibrated on paged_greedy's steps, the simulator predicts max_reserve's and s3's tokens/s."""
+    out_json = tmp_path / "out.json"
+    result = _simulate("--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
+                       "--kind", "cpu", "--workers", "1", "4", "--requests-per-worker", "10",
+                       "--calibration-requests", "16", "--model-cache-dir", str(model_cache_dir),
+                       "--json", str(out_json), timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out_json.read_text())
+    calibration = data["calibration"]
+    assert calibration["calibrated_on"] == "paged_greedy" and calibration["fit_steps"] >= 8
+    assert [row["policy"] for row in calibration["agreement"]] == ["paged_greedy", "max_reserve", "s3"]
+    for row in calibration["agreement"]:
+        assert row["real_tokens_per_s"] > 0 and abs(row["error_pct"]) <= STATED_ERROR_PCT, row
+    assert data["kind"] == "cpu" and len(data["runs"]) == 8
