@@ -11,7 +11,7 @@ fitted to.
 import time
 from dataclasses import dataclass, field
 
-from benchmarks.cluster_sim import SimConfig, SimRequest, simulate_worker
+from benchmarks.sim_worker import SimConfig, SimRequest, simulate_worker
 from benchmarks.step_time import CalibrationError, LinearStepModel, calibration_error, fit_linear
 from workers.engine import Engine
 from workers.engine_config import EngineConfig

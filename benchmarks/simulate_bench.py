@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.cluster_sim import ClusterSimulation, SimConfig, SimRequest
+from benchmarks.cluster_sim import SIMPLIFICATIONS, ClusterSimulation
+from benchmarks.sim_worker import SimConfig, SimRequest
 from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.report import environment, format_table, write_json
 from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
@@ -168,6 +169,7 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
                            [list(row) for row in calibration.agreement]))
     step_model, num_blocks, budget = _cluster_model(config, calibration)
     print(f"cluster: {step_model.describe()}; {budget}")
+    print(f"simplified: {SIMPLIFICATIONS}")
     runs = []
     for num_workers in config.worker_counts:
         requests = build_sim_requests(rows, num_workers * config.requests_per_worker, config.max_len,
@@ -201,7 +203,7 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
     print(format_table(["ratio", "value"], [[k, v if v is not None else "n/a"] for k, v in ratios.items()
                                             if not isinstance(v, dict)]))
     result = {
-        "benchmark": "simulate", "simulation": True, "statement": STATEMENT,
+        "benchmark": "simulate", "simulation": True, "statement": STATEMENT, "simplifications": SIMPLIFICATIONS,
         "kind": config.kind, "model_shape": config.model_shape if config.kind != CPU_KIND else "smollm2-135m",
         "step_model": step_model.describe(), "kv_budget": budget, "trace": str(config.trace_path),
         "predictor": f"noisy oracle, log-normal sigma {config.sigma}, upper bound at the 90% quantile",

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from benchmarks.cluster_sim import ClusterSimulation, SimConfig, SimRequest, simulate_worker
+from benchmarks.cluster_sim import ClusterSimulation
+from benchmarks.sim_worker import SimConfig, SimRequest, simulate_worker
 from benchmarks.step_time import (LinearStepModel, RooflineStepModel, calibration_error, fit_linear, gpu_kind,
                                   shape_cost)
 from workers.engine import Engine

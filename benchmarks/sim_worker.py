@@ -1,0 +1,198 @@
+"""One simulated worker: the engine's own scheduler and allocator, stepped on a modelled clock.
+
+`SimWorker` steps a `workers.scheduler.Scheduler` exactly as `Engine.step` does (schedule,
+swap, compute the chunks, append a token where a chunk completes a sequence's known tokens,
+finish at the forced length), but instead of a forward pass a step costs
+`StepModel.step_s(step_shape(chunks))` plus its swap copies. `simulate_worker` runs one alone
+with every request queued at t=0, which is what `benchmarks.sim_calibration` compares with
+the real engine; `benchmarks.cluster_sim` runs many under one controller.
+"""
+
+from dataclasses import dataclass, field
+
+from benchmarks.step_time import StepModel
+from workers.kv_cache_manager import BlockAllocator
+from workers.policies import SchedulingPolicy
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig
+from workers.sequence import Sequence, SequenceStatus
+from workers.step_output import step_shape
+
+SIMULATED_TOKEN = 0  # outputs are forced: their values never matter
+
+
+class _Tokens(list):
+    """A prompt of `n` simulated tokens that stores none (a cluster replay holds 10^5 prompts)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [SIMULATED_TOKEN] * len(range(*index.indices(self.n)))
+        if not -self.n <= index < self.n:
+            raise IndexError(index)
+        return SIMULATED_TOKEN
+
+    def __add__(self, other):
+        return [SIMULATED_TOKEN] * self.n + list(other)
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One request of the replay: its arrival, its prompt and forced output length, and its predicted bound."""
+
+    request_id: str
+    arrival_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_tokens: int
+    predicted_output_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """A simulated cluster.
+
+    Attributes:
+        num_workers: workers (one GPU each).
+        num_blocks: KV blocks per worker.
+        block_size: tokens per block.
+        max_num_seqs, max_num_batched_tokens: each worker's engine limits.
+        tick_s: how often the controller looks for preempted overruns to move.
+        max_pending: requests the controller queues for room (the service's `max_pending_placements`);
+            beyond it the router is refused (429) and the simulated client retries as soon as the
+            queue has space, in arrival order.
+    """
+
+    num_workers: int
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    tick_s: float = 0.5
+    max_pending: int = 128
+
+
+@dataclass(slots=True)
+class SimResult:
+    """What one simulated run measured (seconds are simulated seconds unless named wall)."""
+
+    num_requests: int = 0
+    output_tokens: int = 0
+    makespan_s: float = 0.0
+    latency_s: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    num_steps: int = 0
+    num_placements: int = 0
+    num_refused: int = 0  # arrivals the controller's full queue refused (their clients retried)
+    num_migrations: int = 0
+    num_preemptions: int = 0
+    num_mispredictions: int = 0
+    placement_wall_s: float = 0.0  # this machine's time inside the placement decisions
+    simulation_wall_s: float = 0.0
+    outputs_exact: bool = True
+    step_samples: list[tuple] = field(default_factory=list)  # (StepShape, seconds), when asked for
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+
+def new_sequence(request: SimRequest) -> Sequence:
+    """The engine's `Sequence` for a simulated request (as `Engine.add_request` builds it)."""
+    return Sequence(request.request_id, _Tokens(request.num_prompt_tokens),
+                    SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
+                                   forced_output_tokens=request.num_output_tokens),
+                    arrival_s=request.arrival_s, predicted_output_tokens=request.predicted_output_tokens)
+
+
+class SimWorker:
+    """One simulated worker: the engine's scheduler and allocator, stepped on the model's clock."""
+
+    def __init__(self, worker_id: str, config: SimConfig, policy: SchedulingPolicy, step_model: StepModel):
+        self.worker_id = worker_id
+        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+                                   self.allocator, policy)
+        self.step_model = step_model
+        self.bytes_per_block = step_model.kv_bytes_per_token * config.block_size
+        self.is_busy = False
+        self.is_woken = False  # a "kick" event is queued for it
+        self.in_flight: list = []  # this step's chunks, applied when it ends
+
+    def add(self, seq: Sequence) -> None:
+        self.scheduler.policy.reservation_tokens(seq)  # as Engine.add_request: fail now, not mid-run
+        self.scheduler.add(seq)
+
+    def start_step(self) -> float | None:
+        """Schedule the next step (as `Engine.step`); its duration, or None when nothing runs."""
+        decisions = self.scheduler.schedule()
+        swapped = sum(len(blocks) for _, blocks in decisions.swap_out + decisions.swap_in)
+        self.in_flight = decisions.chunks
+        if not decisions.chunks:
+            return None
+        return self.step_model.step_s(step_shape(decisions.chunks)) + self.step_model.swap_s(
+            swapped * self.bytes_per_block)
+
+    def end_step(self) -> tuple[list[Sequence], int]:
+        """Apply the step (as `Engine.step` after the forward); the finished sequences and tokens sampled."""
+        finished, num_sampled = [], 0
+        for chunk in self.in_flight:
+            samples = chunk.completes_sequence_tokens
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.scheduler.commit(seq)
+            if not samples:
+                continue
+            seq.output_token_ids.append(SIMULATED_TOKEN)
+            num_sampled += 1
+            if len(seq.output_token_ids) >= seq.params.forced_output_tokens:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        self.in_flight = []
+        return finished, num_sampled
+
+    def preempted_overruns(self) -> list[Sequence]:
+        """Waiting sequences that were preempted: what `WorkerStats.overruns` reports."""
+        return [seq for seq in self.scheduler.waiting if seq.num_preemptions > 0]
+
+
+def simulate_worker(requests: list[SimRequest], config: SimConfig, policy: SchedulingPolicy,
+                    step_model: StepModel) -> SimResult:
+    """One worker with every request queued at t=0 and no controller: what one engine alone does
+    (the comparison with the real engine, `benchmarks.sim_calibration`)."""
+    worker = SimWorker("w0", config, policy, step_model)
+    for request in requests:
+        worker.add(new_sequence(request))
+    result = SimResult(num_requests=len(requests))
+    expected = {r.request_id: r.num_output_tokens for r in requests}
+    now_s, num_empty = 0.0, 0
+    while worker.scheduler.has_unfinished():
+        duration_s = worker.start_step()
+        if duration_s is None:
+            num_empty += 1
+            if num_empty > 4:
+                raise RuntimeError(f"the worker cannot schedule any of its {len(worker.scheduler.waiting)} "
+                                   "waiting sequences")
+            continue
+        num_empty = 0
+        result.step_samples.append((step_shape(worker.in_flight), duration_s))
+        now_s += duration_s
+        finished, num_sampled = worker.end_step()
+        result.output_tokens += num_sampled
+        for seq in finished:
+            result.outputs_exact &= seq.num_output_tokens == expected[seq.seq_id]
+            result.latency_s.append(now_s)
+    stats = worker.scheduler.stats
+    result.num_steps, result.num_preemptions = worker.scheduler.num_steps, stats.num_preemptions
+    result.num_mispredictions, result.makespan_s = len(stats.mispredictions), now_s
+    return result
