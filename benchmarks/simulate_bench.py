@@ -52,7 +52,7 @@ class SimulateBenchConfig:
     kind: str = "a100-80gb"
     model_shape: str = "llama-7b"
     worker_counts: tuple[int, ...] = (8, 64, 256, 1024)
-    requests_per_worker: int = 400
+    requests_per_worker: int = 200
     max_len: int = 2048
     max_prompt_tokens: int = 1024
     sigma: float = 0.3
