@@ -27,8 +27,10 @@ from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, 
 from workers.sequence import Sequence
 from workers.step_output import step_shape
 
+MAX_IDLE_TICKS = 1000  # ticks in a row with nothing running before the run is declared stalled
 SIMPLIFICATIONS = ("the controller sees each worker's reservations as of its latest step; no RPC latency; a moved "
                    "request carries its KV (charged as a host copy); no prefix caching; no failures")
+
 
 class ClusterSimulation:
     """Replays requests through `num_workers` simulated workers and one controller.
@@ -56,7 +58,7 @@ class ClusterSimulation:
         self.reserved: dict[str, int] = dict.fromkeys(self.workers, 0)
         self.waiting: dict[str, tuple[PendingRequest, SimRequest, Sequence]] = {}
         self.backlog: deque[tuple[SimRequest, int, Sequence]] = deque()  # refused: clients retrying
-        self.moving: set[str] = set()
+        self._num_live = 0  # queued events other than ticks: while none is left, only a tick can make progress
         self._events: list = []
         self._order = itertools.count()
         self.result = SimResult()
@@ -73,16 +75,25 @@ class ClusterSimulation:
         for request in requests:
             self._push(request.arrival_s, "arrive", request)
         self._push(self.config.tick_s, "tick", None)
-        num_done, now_s = 0, 0.0
-        while self._events and num_done < len(requests):
+        num_done, now_s, idle_ticks = 0, 0.0, 0
+        while num_done < len(requests):
             now_s, _, kind, payload = heapq.heappop(self._events)
+            if kind != "tick":
+                self._num_live -= 1
+                idle_ticks = 0
+            elif self._num_live == 0:
+                idle_ticks += 1
+                if idle_ticks > MAX_IDLE_TICKS:
+                    raise RuntimeError(f"simulation stalled: {num_done} of {len(requests)} requests finished, "
+                                       f"nothing runs and {len(self.waiting) + len(self.backlog)} wait")
             if kind == "arrive":
                 self._place(payload, now_s)
             elif kind == "kick":
                 self.workers[payload].is_woken = False
                 self._kick(self.workers[payload], now_s)
-            elif kind == "tick":
+            elif kind == "tick":  # as ControlPlane.tick: move overruns, then place what waits and now fits
                 self._move_overruns(now_s)
+                self._place_waiting(now_s)
                 self._push(now_s + self.config.tick_s, "tick", None)
             else:  # "step": a worker's step ends now
                 worker = self.workers[payload]
@@ -102,8 +113,6 @@ class ClusterSimulation:
                 self._refresh_room(payload)
                 worker.is_busy = False
                 self._kick(worker, now_s)
-        if num_done < len(requests):
-            raise RuntimeError(f"simulation stalled: {num_done} of {len(requests)} requests finished")
         result.makespan_s = now_s - min(arrivals.values())
         for worker in self.workers.values():
             stats = worker.scheduler.stats
@@ -114,6 +123,8 @@ class ClusterSimulation:
         return result
 
     def _push(self, at_s: float, kind: str, payload) -> None:
+        if kind != "tick":
+            self._num_live += 1
         heapq.heappush(self._events, (at_s, next(self._order), kind, payload))
 
     def _wake(self, worker: SimWorker, now_s: float) -> None:
@@ -143,8 +154,14 @@ class ClusterSimulation:
 
     # -- the controller ----------------------------------------------------------------
 
+    def _decided(self, started_s: float) -> None:
+        """Count one call of a placement function and the host time it took."""
+        self.result.placement_wall_s += time.perf_counter() - started_s
+        self.result.num_placement_decisions += 1
+
     def _plan_blocks(self, request: SimRequest, num_output_tokens: int, bound: int | None) -> int:
-        tokens = self.policy.planned_tokens(request.num_prompt_tokens, num_output_tokens, request.max_tokens, bound)
+        tokens = self.policy.planned_tokens(request.num_prompt_tokens, num_output_tokens, request.max_tokens, bound,
+                                            request.num_output_tokens)  # only the oracle reads the true length
         return max(1, min(blocks_for(tokens, self.config.block_size), self.config.num_blocks))
 
     def _place(self, request: SimRequest, now_s: float) -> None:
@@ -153,7 +170,7 @@ class ClusterSimulation:
         seq = new_sequence(request)
         started_s = time.perf_counter()
         worker_id = None if self.waiting else self.rooms.roomiest(num_blocks)
-        self.result.placement_wall_s += time.perf_counter() - started_s
+        self._decided(started_s)
         if worker_id is not None:
             self._assign(request.request_id, worker_id, num_blocks, seq, now_s)
         elif len(self.waiting) >= self.config.max_pending:
@@ -178,7 +195,7 @@ class ClusterSimulation:
                                           now_s=now_s)
         else:
             chosen = {}
-        self.result.placement_wall_s += time.perf_counter() - started_s
+        self._decided(started_s)
         for request_id, worker_id in chosen.items():
             pending, _, seq = self.waiting.pop(request_id)
             self._assign(request_id, worker_id, pending.num_blocks, seq, now_s)
@@ -208,7 +225,6 @@ class ClusterSimulation:
     def _release(self, request_id: str, now_s: float) -> None:
         worker_id, num_blocks = self.ledger.pop(request_id)
         self.reserved[worker_id] -= num_blocks
-        self.moving.discard(request_id)
         self._refresh_room(worker_id)
         self._place_waiting(now_s)
 
@@ -216,20 +232,23 @@ class ClusterSimulation:
         """`ControlPlane._move_overruns`: a preempted overrun moves where its next bound fits."""
         for worker_id, worker in self.workers.items():
             for seq in worker.preempted_overruns():
-                if seq.seq_id in self.moving or seq.num_output_tokens >= seq.params.max_tokens:
+                if seq.num_output_tokens >= seq.params.max_tokens:
                     continue
                 request = SimRequest(seq.seq_id, seq.arrival_s, seq.num_prompt_tokens,
                                      seq.params.forced_output_tokens, seq.params.max_tokens)
                 num_blocks = self._plan_blocks(request, seq.num_output_tokens, seq.predicted_output_tokens)
                 started_s = time.perf_counter()
                 target = migration_target(num_blocks, self._budgets(num_blocks), exclude_worker_id=worker_id)
-                self.result.placement_wall_s += time.perf_counter() - started_s
+                self._decided(started_s)
                 if target is None:
                     continue
                 self._move(seq, worker, target, num_blocks, now_s)
 
     def _move(self, seq: Sequence, source: SimWorker, target_id: str, num_blocks: int, now_s: float) -> None:
-        """The source drops the waiting sequence; the target takes it with its KV (a swap-in there)."""
+        """The source drops the waiting sequence; the target takes it with its KV (a swap-in there).
+
+        The target holds it at once, so the move is settled (`ControlPlane._settle_moves`) and the
+        request may move again if it overruns there too."""
         source.scheduler.finish(seq)
         _, old_blocks = self.ledger[seq.seq_id]
         self.reserved[source.worker_id] -= old_blocks
@@ -241,7 +260,6 @@ class ClusterSimulation:
         if seq.num_computed_tokens > 0 or seq.is_swapped:  # as Engine.add_request with kv
             moved.num_computed_tokens = min(seq.num_computed_tokens, moved.num_tokens - 1)
             moved.is_swapped = moved.num_computed_tokens > 0
-        self.moving.add(seq.seq_id)
         self.result.num_migrations += 1
         self._refresh_room(source.worker_id)
         self._refresh_room(target_id)

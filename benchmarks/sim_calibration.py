@@ -70,17 +70,14 @@ class Calibration:
 
     Attributes:
         fit: the fitted model's error on the steps it was fitted to.
-        agreement: (policy, real tokens/s, simulated tokens/s, error %) for every policy run.
+        agreement: (policy, real tokens/s, simulated tokens/s, error %) for every policy run; the first
+            is the policy the model was fitted on, the others test it.
     """
 
     model: LinearStepModel
     calibrated_on: str
     fit: CalibrationError
     agreement: list[tuple[str, float, float, float]]
-
-    @property
-    def worst_error_pct(self) -> float:
-        return max(abs(row[3]) for row in self.agreement)
 
 
 def calibrate(model, requests: list[SimRequest], prompts: dict[str, list[int]], policies: tuple[str, ...],

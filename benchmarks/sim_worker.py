@@ -40,6 +40,9 @@ class _Tokens(list):
             raise IndexError(index)
         return SIMULATED_TOKEN
 
+    def __iter__(self):
+        return iter([SIMULATED_TOKEN] * self.n)
+
     def __add__(self, other):
         return [SIMULATED_TOKEN] * self.n + list(other)
 
@@ -79,6 +82,14 @@ class SimConfig:
     tick_s: float = 0.5
     max_pending: int = 128
 
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_pending"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.tick_s <= 0:
+            raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
+
 
 @dataclass(slots=True)
 class SimResult:
@@ -95,7 +106,8 @@ class SimResult:
     num_migrations: int = 0
     num_preemptions: int = 0
     num_mispredictions: int = 0
-    placement_wall_s: float = 0.0  # this machine's time inside the placement decisions
+    placement_wall_s: float = 0.0  # this machine's time inside the placement functions
+    num_placement_decisions: int = 0  # calls of them: roomiest, first-fit-decreasing, migration target
     simulation_wall_s: float = 0.0
     outputs_exact: bool = True
     step_samples: list[tuple] = field(default_factory=list)  # (StepShape, seconds), when asked for
@@ -125,6 +137,7 @@ class SimWorker:
         self.bytes_per_block = step_model.kv_bytes_per_token * config.block_size
         self.is_busy = False
         self.is_woken = False  # a "kick" event is queued for it
+        self.pending_swap_s = 0.0  # swap copies of steps that ran no chunk
         self.in_flight: list = []  # this step's chunks, applied when it ends
 
     def add(self, seq: Sequence) -> None:
@@ -135,11 +148,12 @@ class SimWorker:
         """Schedule the next step (as `Engine.step`); its duration, or None when nothing runs."""
         decisions = self.scheduler.schedule()
         swapped = sum(len(blocks) for _, blocks in decisions.swap_out + decisions.swap_in)
+        self.pending_swap_s += self.step_model.swap_s(swapped * self.bytes_per_block)
         self.in_flight = decisions.chunks
         if not decisions.chunks:
-            return None
-        return self.step_model.step_s(step_shape(decisions.chunks)) + self.step_model.swap_s(
-            swapped * self.bytes_per_block)
+            return None  # its swaps still happened: they are charged to the next step that runs
+        swap_s, self.pending_swap_s = self.pending_swap_s, 0.0
+        return self.step_model.step_s(step_shape(decisions.chunks)) + swap_s
 
     def end_step(self) -> tuple[list[Sequence], int]:
         """Apply the step (as `Engine.step` after the forward); the finished sequences and tokens sampled."""

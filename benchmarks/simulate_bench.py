@@ -15,9 +15,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.cluster_sim import SIMPLIFICATIONS, ClusterSimulation
-from benchmarks.sim_worker import SimConfig, SimRequest
 from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.report import environment, format_table, write_json
+from benchmarks.sim_worker import SimConfig, SimRequest
 from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
 from benchmarks.traces import read_trace
 from predictor_service.length_predictor import LengthQuery
@@ -98,7 +98,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def _run_calibration(config: SimulateBenchConfig, rows, model_name: str, model_cache_dir: Path | None):
-    """The real engine on this CPU against the simulator; returns (Calibration, blocks, KV bytes/token)."""
+    """The real engine on this CPU against the simulator (`benchmarks.sim_calibration.Calibration`)."""
     from benchmarks.prompt_pool import DEFAULT_PROMPTS
     from benchmarks.sim_calibration import calibrate
     from benchmarks.traces import build_requests, load_prompt_texts
@@ -124,9 +124,8 @@ def _run_calibration(config: SimulateBenchConfig, rows, model_name: str, model_c
     prompts = {r.request_id: list(r.prompt_token_ids) for r in replay}
     policies = ("paged_greedy", "max_reserve", "s3")
     with tqdm(total=len(requests) * len(policies), desc="calibration: real engine", unit="req") as progress:
-        result = calibrate(model, requests, prompts, policies, max_len, kv_cache_bytes, num_blocks,
-                           config.block_size, 128, 512, kv_bytes_per_token, progress)
-    return result
+        return calibrate(model, requests, prompts, policies, max_len, kv_cache_bytes, num_blocks,
+                         config.block_size, 128, 512, kv_bytes_per_token, progress)
 
 
 def _cluster_model(config: SimulateBenchConfig, calibration):
@@ -135,8 +134,10 @@ def _cluster_model(config: SimulateBenchConfig, calibration):
         if calibration is None:
             raise ValueError("kind 'cpu' simulates with the CPU-calibrated step model: leave calibration on")
         model = calibration.model
-        kv_tokens = 4 * config.max_len  # as calibrated: max_reserve fits 4 sequences
-        return model, kv_tokens // config.block_size, f"KV for 4 x {config.max_len} tokens (as calibrated)"
+        kv_tokens = 4 * config.max_len  # max_reserve fits 4 sequences, as in the calibration
+        return model, kv_tokens // config.block_size, (
+            f"KV for 4 x {config.max_len} tokens per worker (max_reserve fits 4, as in the calibration; contexts "
+            f"beyond its {config.calibration_max_len} tokens extrapolate the linear model)")
     model = RooflineStepModel(gpu_kind(config.kind), shape_cost(config.model_shape))
     gpu = model.gpu
     kv_bytes = gpu.memory_bytes * config.gpu_memory_fraction - model.cost.weight_bytes
@@ -158,6 +159,8 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
     if config.kind != CPU_KIND:
         gpu_kind(config.kind)
         shape_cost(config.model_shape)  # fail on a bad name before the calibration run
+    elif not config.calibrate:
+        raise ValueError("kind 'cpu' simulates with the CPU-calibrated step model: leave calibration on")
     print(STATEMENT)
     rows = read_trace(config.trace_path)
     calibration = _run_calibration(config, rows, model_name, model_cache_dir) if config.calibrate else None
@@ -190,21 +193,21 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
                 "migrations": result.num_migrations, "preemptions": result.num_preemptions,
                 "mispredictions": result.num_mispredictions, "refused_then_retried": result.num_refused,
                 "placements_per_s": result.num_placements / result.makespan_s,
-                "placement_us_each": 1e6 * result.placement_wall_s / max(1, result.num_placements),
+                "placement_decision_us": 1e6 * result.placement_wall_s / max(1, result.num_placement_decisions),
                 "all_outputs_exact_length": result.outputs_exact, "simulation_wall_s": result.simulation_wall_s,
             })
     ratios = _ratios(runs, config)
     headers = ["workers", "policy", "tok/s", "tok/s/worker", "lat_p50_s", "lat_p99_s", "migrations", "preempt",
-               "place/s", "us/place", "sim_wall_s"]
+               "place/s", "us/decision", "sim_wall_s"]
     print(format_table(headers, [[r["num_workers"], r["policy"], r["tokens_per_s"], r["tokens_per_s_per_worker"],
                                   r["latency_p50_s"], r["latency_p99_s"], r["migrations"], r["preemptions"],
-                                  r["placements_per_s"], r["placement_us_each"], r["simulation_wall_s"]]
+                                  r["placements_per_s"], r["placement_decision_us"], r["simulation_wall_s"]]
                                  for r in runs]))
     print(format_table(["ratio", "value"], [[k, v if v is not None else "n/a"] for k, v in ratios.items()
                                             if not isinstance(v, dict)]))
     result = {
         "benchmark": "simulate", "simulation": True, "statement": STATEMENT, "simplifications": SIMPLIFICATIONS,
-        "kind": config.kind, "model_shape": config.model_shape if config.kind != CPU_KIND else "smollm2-135m",
+        "kind": config.kind, "model_shape": config.model_shape if config.kind != CPU_KIND else f"{model_name} (calibrated here)",
         "step_model": step_model.describe(), "kv_budget": budget, "trace": str(config.trace_path),
         "predictor": f"noisy oracle, log-normal sigma {config.sigma}, upper bound at the 90% quantile",
         "config": _config_dict(config),
@@ -218,7 +221,7 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
     }
     write_json(json_path, result)
     if plot_path is not None:
-        _plot(runs, plot_path)
+        _plot(runs, plot_path, step_model.describe().split(":")[0])
     return result
 
 
@@ -251,7 +254,7 @@ def _ratios(runs: list[dict], config: SimulateBenchConfig) -> dict:
     return ratios
 
 
-def _plot(runs: list[dict], path: Path) -> None:
+def _plot(runs: list[dict], path: Path, clock: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,7 +272,7 @@ def _plot(runs: list[dict], path: Path) -> None:
         axis.set_xlabel("workers")
         axis.set_ylabel(label)
         axis.legend()
-    figure.suptitle("Simulated cluster (roofline step model; not measured)")
+    figure.suptitle(f"Simulated cluster ({clock}; not measured)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -9,7 +9,7 @@ and context tokens attended over. Two models turn it into seconds:
   over peak. Datasheet bandwidth and peak are scaled by achievable fractions (`GpuKind`).
 * `LinearStepModel`, calibrated on the CPU engine's own measured steps: on two CPU cores
   memory and compute barely overlap, so the terms add:
-  `overhead + per_seq * seqs + per_token * tokens + per_kv_token * context`, fitted by
+  `overhead + per_seq * seqs + per_token * tokens + per_context_token * context`, fitted by
   non-negative least squares; `calibration_error` says how well it fits.
 """
 
@@ -43,10 +43,10 @@ class GpuKind:
 
 
 GPU_KINDS: dict[str, GpuKind] = {
-    "a100-80gb": GpuKind("a100-80gb", 80e9, 2.039e12, 312e12),
-    "h100-sxm": GpuKind("h100-sxm", 80e9, 3.35e12, 989e12),
+    "a100-80gb": GpuKind("a100-80gb", 80 * 2**30, 2.039e12, 312e12),
+    "h100-sxm": GpuKind("h100-sxm", 80 * 2**30, 3.35e12, 989e12),
     "h200": GpuKind("h200", 141e9, 4.8e12, 989e12),
-    "l4": GpuKind("l4", 24e9, 0.3e12, 121e12),
+    "l4": GpuKind("l4", 24 * 2**30, 0.3e12, 121e12),
 }
 
 
@@ -132,9 +132,6 @@ class RooflineStepModel(StepModel):
                 "(datasheet numbers and assumed efficiencies, not measured)")
 
 
-LINEAR_TERMS = ("overhead_s", "per_seq_s", "per_token_s", "per_context_token_s")
-
-
 @dataclass(frozen=True, slots=True)
 class LinearStepModel(StepModel):
     """`overhead + per_seq * seqs + per_token * tokens + per_context_token * context`, fitted on measured steps."""
@@ -197,8 +194,10 @@ class CalibrationError:
 def calibration_error(model: StepModel, samples: list[tuple[StepShape, float]]) -> CalibrationError:
     if not samples:
         raise ValueError("no measured steps to compare with")
-    predicted = [model.step_s(shape) for shape, _ in samples]
-    measured = [s for _, s in samples]
-    mean_abs = sum(abs(p - m) / m for p, m in zip(predicted, measured) if m > 0) / len(samples)
+    pairs = [(model.step_s(shape), s) for shape, s in samples if s > 0]
+    if not pairs:
+        raise ValueError("every measured step took 0 s")
+    predicted, measured = [p for p, _ in pairs], [m for _, m in pairs]
+    mean_abs = sum(abs(p - m) / m for p, m in pairs) / len(pairs)
     total = (sum(predicted) - sum(measured)) / sum(measured)
-    return CalibrationError(len(samples), 100.0 * mean_abs, 100.0 * total)
+    return CalibrationError(len(pairs), 100.0 * mean_abs, 100.0 * total)

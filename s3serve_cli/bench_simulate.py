@@ -4,10 +4,9 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.step_time import GPU_KINDS
 from s3serve_cli.args import add_model_args
-
-GPU_KIND_NAMES = ("a100-80gb", "h100-sxm", "h200", "l4", "cpu")  # benchmarks.step_time.GPU_KINDS + cpu
-SHAPE_NAMES = ("tiny", "smollm2-135m", "llama-7b", "gptj-6b")  # workers.model_shapes.MODEL_SHAPES
+from workers.model_shapes import MODEL_SHAPES
 
 
 def _bench_simulate(args: argparse.Namespace) -> int:
@@ -40,15 +39,16 @@ def add_simulate_parser(benches) -> None:
     add_model_args(simulate)
     simulate.add_argument("--trace", type=Path, default=Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv"),
                           help="Azure CSV trace to replay (default: %(default)s)")
-    simulate.add_argument("--kind", default="a100-80gb", choices=GPU_KIND_NAMES,
+    simulate.add_argument("--kind", default="a100-80gb", choices=(*GPU_KINDS, "cpu"),
                           help="GPU kind of every worker, or cpu: the step model calibrated on this machine "
                                "(default: %(default)s)")
-    simulate.add_argument("--model-shape", default="llama-7b", choices=SHAPE_NAMES,
+    simulate.add_argument("--model-shape", default="llama-7b", choices=tuple(MODEL_SHAPES),
                           help="model shape the roofline prices, bf16 (default: %(default)s)")
     simulate.add_argument("--workers", dest="worker_counts", type=int, nargs="+", default=None, metavar="N",
                           help="cluster sizes (default 8 64 256 1024; 8 64 with --quick)")
     simulate.add_argument("--requests-per-worker", type=int, default=None,
-                          help="trace rows per worker, reused when the trace runs out (default 200; 150 with --quick)")
+                          help="trace rows per worker, reused when the trace runs out "
+                               "(default 200; 150 with --quick)")
     simulate.add_argument("--max-len", type=int, default=None, help="longest sequence in tokens (default 2048)")
     simulate.add_argument("--max-prompt-tokens", type=int, default=None, help="prompts are capped to this (default 1024)")
     simulate.add_argument("--sigma", type=float, default=None,

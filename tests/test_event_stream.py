@@ -3,8 +3,6 @@
 import asyncio
 
 import pytest
-from fastapi.responses import StreamingResponse
-
 from cluster.ingress.event_stream import EventStream
 
 
@@ -53,13 +51,26 @@ def test_generator_is_closed_when_the_client_disconnects(spec_version):
     assert seen.count("closed") == 1 and body is not None
 
 
-@pytest.mark.parametrize("spec_version", ["2.0", "2.4"])
-def test_starlette_alone_leaves_the_generator_open(spec_version):
-    """Why EventStream exists: with the plain response the generator stays suspended."""
+def test_on_close_runs_even_when_the_body_never_started():
+    """The client left before the first byte: closing an unstarted generator runs no `finally`."""
     log: list[str] = []
-    body, seen = asyncio.run(_serve(lambda b: StreamingResponse(b, media_type="text/event-stream"), spec_version,
-                                    log))
-    assert "closed" not in seen and body is not None, seen
+
+    async def main():
+        async def send(message):
+            raise OSError("connection reset by peer")
+
+        async def receive():
+            await asyncio.sleep(3600)
+
+        async def on_close():
+            log.append("on_close")
+        try:
+            await EventStream(_body(log), on_close=on_close)({"type": "http", "asgi": {"spec_version": "2.4"}},
+                                                             receive, send)
+        except Exception:  # noqa: BLE001 - starlette reports the reset as ClientDisconnect
+            pass
+        return list(log)
+    assert asyncio.run(main()) == ["on_close"]
 
 
 def test_a_finished_stream_is_closed_once():

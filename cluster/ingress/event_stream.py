@@ -4,8 +4,12 @@ Starlette's `StreamingResponse` leaves its body iterator suspended at a `yield` 
 goes away (the send fails or the response task is cancelled). The generator's `finally` then
 runs only when the garbage collector gets to it, seconds or minutes later, and until then the
 request keeps its worker slot and its reserved KV blocks. `EventStream` closes the generator as
-soon as the response ends, however it ends, so the abort and the release happen at once.
+soon as the response ends, however it ends, so the abort and the release happen at once. A
+generator that never started (the client left before the first byte) runs no `finally` when
+closed, so `on_close` runs last in every case: what it frees must be safe to free twice.
 """
+
+from collections.abc import Awaitable, Callable
 
 from fastapi.responses import StreamingResponse
 
@@ -13,13 +17,18 @@ from fastapi.responses import StreamingResponse
 class EventStream(StreamingResponse):
     """`text/event-stream` response whose body generator is closed when the response ends."""
 
-    def __init__(self, body, headers: dict | None = None):
+    def __init__(self, body, headers: dict | None = None, on_close: Callable[[], Awaitable[None]] | None = None):
         super().__init__(body, media_type="text/event-stream", headers=headers)
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            close = getattr(self.body_iterator, "aclose", None)
-            if close is not None:
-                await close()
+            try:
+                close = getattr(self.body_iterator, "aclose", None)
+                if close is not None:
+                    await close()
+            finally:
+                if self.on_close is not None:
+                    await self.on_close()

@@ -76,12 +76,17 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
     `worker_name_of(worker_id)` gives a worker's actor name (moves carry only the id).
     """
     asked_s = time.monotonic()
+    placing = controller.place.remote(job.request_id, len(job.prompt_token_ids), job.params.max_tokens,
+                                      job.predicted_output_tokens, priority=job.priority,
+                                      prefix_hashes=job.prefix_hashes)
     try:
-        placement = await controller.place.remote(job.request_id, len(job.prompt_token_ids), job.params.max_tokens,
-                                                  job.predicted_output_tokens, priority=job.priority,
-                                                  prefix_hashes=job.prefix_hashes)
-    except asyncio.CancelledError:  # the client left while we waited: the placement may still land
+        placement = await placing
+    except asyncio.CancelledError:
+        # The client left while we waited. Release now (it may be queued: this frees its place in the
+        # queue) and again once the placement call returns (it may have landed after the first release;
+        # a release of a request the ledger no longer holds changes nothing).
         _release(controller, job.request_id, None)
+        placing.future().add_done_callback(lambda _: _release(controller, job.request_id, None))
         raise
     result.placed_s = time.monotonic()
     result.place_call_s = result.placed_s - asked_s - placement.queued_s

@@ -226,7 +226,17 @@ class Router:
         headers = {OVERHEAD_HEADER: f"{overhead_s * 1000:.3f}", PREDICT_HEADER: f"{predict_s * 1000:.3f}",
                    PLACE_HEADER: f"{result.place_call_s * 1000:.3f}"}
         if req.stream:
-            return EventStream(self._sse(req, is_chat, job, stream, first, result, start_s), headers=headers)
+            is_released = False
+
+            async def release() -> None:  # once, from the body's finally or the response's end
+                nonlocal is_released
+                if not is_released:
+                    is_released = True
+                    self.num_in_flight -= 1
+                    await stream.aclose()  # a no-op once the generation finished
+
+            return EventStream(self._sse(req, is_chat, job, stream, first, result, start_s, release),
+                               headers=headers, on_close=release)
         return JSONResponse(await self._collect(is_chat, job, stream, first, result, start_s), headers=headers)
 
     def _prefix_hashes(self, prompt_ids: list[int]) -> tuple[int, ...]:
@@ -277,7 +287,7 @@ class Router:
                      len(job.prompt_token_ids), len(result.output_token_ids), self.started_s)
 
     async def _sse(self, req, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,
-                   start_s: float):
+                   start_s: float, release):
         texts = TextStream(self.tokenizer, job.params.stop)
         model_id, created_s = self.config.model_id, self.started_s
         include_usage = req.include_usage
@@ -289,7 +299,6 @@ class Router:
             return protocol.sse_event(protocol.completion_chunk(job.request_id, model_id, delta or "", reason,
                                                                 created_s))
 
-        completed = False
         try:
             if is_chat:
                 yield chunk(None, None, role="assistant")
@@ -310,7 +319,6 @@ class Router:
                 builder = protocol.chat_usage_chunk if is_chat else protocol.completion_usage_chunk
                 yield protocol.sse_event(builder(job.request_id, model_id, created_s, usage))
             yield protocol.SSE_DONE
-            completed = True
             self._observe(job, result, start_s)
         except Exception as error:  # noqa: BLE001 - headers are sent: report in-band, OpenAI style
             logger.exception("stream of %s failed", job.request_id)
@@ -318,9 +326,7 @@ class Router:
             yield protocol.sse_event(APIError(503, f"generation failed ({type(error).__name__}); retry the request",
                                               "server_error").body())
         finally:
-            self.num_in_flight -= 1
-            if not completed:
-                await stream.aclose()
+            await release()
 
     # -- routes --------------------------------------------------------------------------
 
