@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_results, write_plan
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from benchmarks.report import environment, format_table, write_json
+from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.traces import ReplayRequest, build_requests, load_prompt_texts, read_trace, select_sessions
 from workers.policies import SERVING_POLICY_NAMES
 
@@ -124,14 +124,6 @@ class ClusterBenchConfig:
 
 def quick_config(**overrides) -> ClusterBenchConfig:
     return ClusterBenchConfig(**{"num_requests": 32, "max_prompt_tokens": 128, "time_scale": 0.0, **overrides})
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (no interpolation, as bench policies); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 BATCH_PRIORITY = 5  # the class of the requests not sent as urgent (priority 0) when urgent_share > 0

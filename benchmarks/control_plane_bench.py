@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.report import environment, format_table, write_json
+from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.simulated_workers import SimulatedWorkerBackend
 
 OVERHEAD_HEADER = "x-s3-overhead-ms"
@@ -77,10 +77,9 @@ class ControlPlaneBenchConfig:
 
 
 def _percentile_ms(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] * 1000.0
+    """`percentile` of seconds, in milliseconds."""
+    value = percentile(values, q)
+    return None if value is None else value * 1000.0
 
 
 async def measure_placements(redis_url: str, num_workers: int, config: ControlPlaneBenchConfig, progress) -> dict:

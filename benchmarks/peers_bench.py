@@ -28,9 +28,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.noisy_oracle import NoisyOraclePredictor
-from benchmarks.policy_bench import PolicyBenchConfig, _percentile, run_policy, summarize
+from benchmarks.policy_bench import PolicyBenchConfig, run_policy, summarize
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from benchmarks.report import environment, format_table, write_json
+from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.traces import ReplayRequest, TraceRow, build_requests, load_prompt_texts
 from predictor_service.length_predictor import LengthQuery
 from workers.model_runner import pool_shape_for
@@ -204,7 +204,7 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
                 latencies = list(result["latency_s"].values())
                 row = {"tokens_per_s": result["tokens_per_s"], "preemptions": result["preemptions"],
                        "recomputed_tokens": None, "output_tokens": result["output_tokens"],
-                       "latency_p50_s": _percentile(latencies, 0.5), "latency_p99_s": _percentile(latencies, 0.99),
+                       "latency_p50_s": percentile(latencies, 0.5), "latency_p99_s": percentile(latencies, 0.99),
                        "exact_lengths": result["exact_lengths"], "dtype": "bfloat16",
                        "kv_cache_bytes": int(gib * GIB), "startup_s": result["startup_s"],
                        "vllm_version": result["vllm_version"], "scheduler": result["scheduler"]}

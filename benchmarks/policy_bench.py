@@ -17,7 +17,7 @@ from tqdm import tqdm
 from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.policy_plots import plot_runs
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from benchmarks.report import environment, format_table, write_json
+from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, build_requests, load_prompt_texts, read_trace, select_sessions
 from predictor_service.artifacts import load_predictor
 from predictor_service.length_example import TextOf
@@ -113,14 +113,6 @@ class PolicyRun:
     prefix_caching: bool = True
     num_prompt_tokens: int = 0  # at first admission
     num_prefix_hit_tokens: int = 0  # of those, taken from the prefix cache
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (no interpolation); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed: int,
@@ -264,11 +256,11 @@ def summarize(run: PolicyRun, num_requests: int) -> dict:
         "swapped_bytes": run.swapped_bytes,
         "mispredictions": run.num_mispredictions,
         "misprediction_events": run.misprediction_events,
-        "latency_p50_s": _percentile(run.latency_s, 0.5),
-        "latency_p99_s": _percentile(run.latency_s, 0.99),
-        "ttft_p50_s": _percentile(run.ttft_s, 0.5),
-        "ttft_p99_s": _percentile(run.ttft_s, 0.99),
-        "tpot_p50_s": _percentile(run.tpot_s, 0.5),
+        "latency_p50_s": percentile(run.latency_s, 0.5),
+        "latency_p99_s": percentile(run.latency_s, 0.99),
+        "ttft_p50_s": percentile(run.ttft_s, 0.5),
+        "ttft_p99_s": percentile(run.ttft_s, 0.99),
+        "tpot_p50_s": percentile(run.tpot_s, 0.5),
         "prefix_caching": run.prefix_caching,
         "prefix_hit_rate": _ratio(run.num_prefix_hit_tokens, run.num_prompt_tokens),
         "step_ms_by_batch": step_ms_by_batch(run.steps),

@@ -23,6 +23,14 @@ def format_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (no interpolation); None for no values. Every bench reports these."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

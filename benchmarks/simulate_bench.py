@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from benchmarks.cluster_sim import SIMPLIFICATIONS, ClusterSimulation
 from benchmarks.noisy_oracle import NoisyOraclePredictor
-from benchmarks.report import environment, format_table, write_json
+from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.sim_worker import SimConfig, SimRequest
 from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
 from benchmarks.traces import read_trace
@@ -88,13 +88,6 @@ def build_sim_requests(rows, count: int, max_len: int, max_prompt_tokens: int, s
     bounds = oracle.predict([LengthQuery(rid, (), max_len - prompt) for rid, prompt, _ in shapes])
     return [SimRequest(rid, 0.0, prompt, out, max_len - prompt, bound.upper_bound_tokens)
             for (rid, prompt, out), bound in zip(shapes, bounds)]
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def _run_calibration(config: SimulateBenchConfig, rows, model_name: str, model_cache_dir: Path | None):
@@ -188,8 +181,8 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
             runs.append({
                 "policy": policy, "num_workers": num_workers, "num_requests": len(requests),
                 "tokens_per_s": result.tokens_per_s, "tokens_per_s_per_worker": result.tokens_per_s / num_workers,
-                "makespan_s": result.makespan_s, "latency_p50_s": _percentile(result.latency_s, 0.5),
-                "latency_p99_s": _percentile(result.latency_s, 0.99), "ttft_p99_s": _percentile(result.ttft_s, 0.99),
+                "makespan_s": result.makespan_s, "latency_p50_s": percentile(result.latency_s, 0.5),
+                "latency_p99_s": percentile(result.latency_s, 0.99), "ttft_p99_s": percentile(result.ttft_s, 0.99),
                 "migrations": result.num_migrations, "preemptions": result.num_preemptions,
                 "mispredictions": result.num_mispredictions, "refused_then_retried": result.num_refused,
                 "placements_per_s": result.num_placements / result.makespan_s,

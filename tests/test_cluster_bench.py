@@ -16,9 +16,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from benchmarks import cluster_bench, http_load
-from benchmarks.cluster_bench import (ClusterBenchConfig, build_load_requests, percentile, ratios_of,
-                                      summarize_cluster, summarize_results)
+from benchmarks.cluster_bench import (ClusterBenchConfig, build_load_requests, ratios_of, summarize_cluster,
+                                      summarize_results)
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_plan, write_plan
+from benchmarks.report import percentile
 from benchmarks.traces import build_requests, load_prompt_texts, read_trace
 
 
