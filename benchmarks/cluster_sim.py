@@ -25,7 +25,6 @@ from benchmarks.step_time import StepModel
 from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, blocks_for, first_fit_decreasing,
                                        migration_target)
 from workers.sequence import Sequence
-from workers.step_output import step_shape
 
 MAX_IDLE_TICKS = 1000  # ticks in a row with nothing running before the run is declared stalled
 SIMPLIFICATIONS = ("the controller sees each worker's reservations as of its latest step; no RPC latency; a moved "
@@ -43,11 +42,8 @@ class ClusterSimulation:
     """
 
     def __init__(self, config: SimConfig, make_policy, step_model: StepModel, record_steps: bool = False):
-        if config.num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {config.num_workers}")
         self.config = config
         self.policy = make_policy()
-        self.step_model = step_model
         self.workers = {f"w{i}": SimWorker(f"w{i}", config, make_policy(), step_model)
                         for i in range(config.num_workers)}
         self.record_steps = record_steps
@@ -97,11 +93,10 @@ class ClusterSimulation:
                 self._push(now_s + self.config.tick_s, "tick", None)
             else:  # "step": a worker's step ends now
                 worker = self.workers[payload]
-                sampled_ids = [c.seq.seq_id for c in worker.in_flight if c.completes_sequence_tokens]
-                finished, num_sampled = worker.end_step()
-                result.output_tokens += num_sampled
-                for seq_id in sampled_ids:
-                    first_token.setdefault(seq_id, now_s)
+                finished, sampled = worker.end_step()
+                result.output_tokens += len(sampled)
+                for seq in sampled:
+                    first_token.setdefault(seq.seq_id, now_s)
                 for seq in finished:
                     num_done += 1
                     result.outputs_exact &= seq.num_output_tokens == expected[seq.seq_id]
@@ -137,18 +132,11 @@ class ClusterSimulation:
         """Start the worker's next step if it is idle and has work."""
         if worker.is_busy:
             return
-        duration_s = None
-        for _ in range(4):  # an empty step (it only preempted) is followed at once by the next, as in the engine loop
-            if not worker.scheduler.has_unfinished():
-                return
-            duration_s = worker.start_step()
-            if duration_s is not None:
-                break
+        duration_s = worker.next_step()
         if duration_s is None:
-            raise RuntimeError(f"worker {worker.worker_id} cannot schedule any of its "
-                               f"{len(worker.scheduler.waiting)} waiting sequences")
+            return
         if self.record_steps:
-            self.result.step_samples.append((step_shape(worker.in_flight), duration_s))
+            self.result.step_samples.append((worker.last_shape, duration_s))
         worker.is_busy = True
         self._push(now_s + duration_s, "step", worker.worker_id)
 

@@ -16,9 +16,10 @@ from workers.policies import SchedulingPolicy
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
-from workers.step_output import step_shape
+from workers.step_output import StepShape, step_shape
 
 SIMULATED_TOKEN = 0  # outputs are forced: their values never matter
+MAX_EMPTY_STEPS = 4  # steps in a row that run no chunk before a worker counts as stuck
 
 
 class _Tokens(list):
@@ -139,6 +140,7 @@ class SimWorker:
         self.is_woken = False  # a "kick" event is queued for it
         self.pending_swap_s = 0.0  # swap copies of steps that ran no chunk
         self.in_flight: list = []  # this step's chunks, applied when it ends
+        self.last_shape: StepShape | None = None  # of the step in flight (or the latest)
 
     def add(self, seq: Sequence) -> None:
         self.scheduler.policy.reservation_tokens(seq)  # as Engine.add_request: fail now, not mid-run
@@ -153,27 +155,42 @@ class SimWorker:
         if not decisions.chunks:
             return None  # its swaps still happened: they are charged to the next step that runs
         swap_s, self.pending_swap_s = self.pending_swap_s, 0.0
-        return self.step_model.step_s(step_shape(decisions.chunks)) + swap_s
+        self.last_shape = step_shape(decisions.chunks)
+        return self.step_model.step_s(self.last_shape) + swap_s
 
-    def end_step(self) -> tuple[list[Sequence], int]:
-        """Apply the step (as `Engine.step` after the forward); the finished sequences and tokens sampled."""
-        finished, num_sampled = [], 0
+    def next_step(self) -> float | None:
+        """Start the next step that runs chunks; its duration, or None when nothing is left.
+
+        A step that only preempted is followed at once by the next, as in the engine loop; after
+        `MAX_EMPTY_STEPS` of them in a row the worker is stuck, which is an error."""
+        for _ in range(MAX_EMPTY_STEPS):
+            if not self.scheduler.has_unfinished():
+                return None
+            duration_s = self.start_step()
+            if duration_s is not None:
+                return duration_s
+        raise RuntimeError(f"worker {self.worker_id} cannot schedule any of its {len(self.scheduler.waiting)} "
+                           "waiting sequences")
+
+    def end_step(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Apply the step (as `Engine.step` after the forward); (finished sequences, sequences that sampled)."""
+        finished, sampled = [], []
         for chunk in self.in_flight:
-            samples = chunk.completes_sequence_tokens
             seq = chunk.seq
+            samples = chunk.completes_sequence_tokens
             seq.num_computed_tokens += chunk.num_tokens
             self.scheduler.commit(seq)
             if not samples:
                 continue
             seq.output_token_ids.append(SIMULATED_TOKEN)
-            num_sampled += 1
+            sampled.append(seq)
             if len(seq.output_token_ids) >= seq.params.forced_output_tokens:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "length"
                 self.scheduler.finish(seq)
                 finished.append(seq)
         self.in_flight = []
-        return finished, num_sampled
+        return finished, sampled
 
     def preempted_overruns(self) -> list[Sequence]:
         """Waiting sequences that were preempted: what `WorkerStats.overruns` reports."""
@@ -189,20 +206,12 @@ def simulate_worker(requests: list[SimRequest], config: SimConfig, policy: Sched
         worker.add(new_sequence(request))
     result = SimResult(num_requests=len(requests))
     expected = {r.request_id: r.num_output_tokens for r in requests}
-    now_s, num_empty = 0.0, 0
-    while worker.scheduler.has_unfinished():
-        duration_s = worker.start_step()
-        if duration_s is None:
-            num_empty += 1
-            if num_empty > 4:
-                raise RuntimeError(f"the worker cannot schedule any of its {len(worker.scheduler.waiting)} "
-                                   "waiting sequences")
-            continue
-        num_empty = 0
-        result.step_samples.append((step_shape(worker.in_flight), duration_s))
+    now_s = 0.0
+    while (duration_s := worker.next_step()) is not None:
+        result.step_samples.append((worker.last_shape, duration_s))
         now_s += duration_s
-        finished, num_sampled = worker.end_step()
-        result.output_tokens += num_sampled
+        finished, sampled = worker.end_step()
+        result.output_tokens += len(sampled)
         for seq in finished:
             result.outputs_exact &= seq.num_output_tokens == expected[seq.seq_id]
             result.latency_s.append(now_s)

@@ -124,8 +124,6 @@ def _run_calibration(config: SimulateBenchConfig, rows, model_name: str, model_c
 def _cluster_model(config: SimulateBenchConfig, calibration):
     """(step model, KV blocks per worker, description of the budget)."""
     if config.kind == CPU_KIND:
-        if calibration is None:
-            raise ValueError("kind 'cpu' simulates with the CPU-calibrated step model: leave calibration on")
         model = calibration.model
         kv_tokens = 4 * config.max_len  # max_reserve fits 4 sequences, as in the calibration
         return model, kv_tokens // config.block_size, (

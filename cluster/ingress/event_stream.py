@@ -6,7 +6,7 @@ runs only when the garbage collector gets to it, seconds or minutes later, and u
 request keeps its worker slot and its reserved KV blocks. `EventStream` closes the generator as
 soon as the response ends, however it ends, so the abort and the release happen at once. A
 generator that never started (the client left before the first byte) runs no `finally` when
-closed, so `on_close` runs last in every case: what it frees must be safe to free twice.
+closed, so what must be freed once per response belongs in `on_close`, which runs last, exactly once.
 """
 
 from collections.abc import Awaitable, Callable

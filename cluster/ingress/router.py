@@ -226,17 +226,12 @@ class Router:
         headers = {OVERHEAD_HEADER: f"{overhead_s * 1000:.3f}", PREDICT_HEADER: f"{predict_s * 1000:.3f}",
                    PLACE_HEADER: f"{result.place_call_s * 1000:.3f}"}
         if req.stream:
-            is_released = False
+            async def release() -> None:  # when the response ends, however it ends (the body may never have run)
+                self.num_in_flight -= 1
+                await stream.aclose()  # a no-op once the generation finished
 
-            async def release() -> None:  # once, from the body's finally or the response's end
-                nonlocal is_released
-                if not is_released:
-                    is_released = True
-                    self.num_in_flight -= 1
-                    await stream.aclose()  # a no-op once the generation finished
-
-            return EventStream(self._sse(req, is_chat, job, stream, first, result, start_s, release),
-                               headers=headers, on_close=release)
+            return EventStream(self._sse(req, is_chat, job, stream, first, result, start_s), headers=headers,
+                               on_close=release)
         return JSONResponse(await self._collect(is_chat, job, stream, first, result, start_s), headers=headers)
 
     def _prefix_hashes(self, prompt_ids: list[int]) -> tuple[int, ...]:
@@ -287,7 +282,7 @@ class Router:
                      len(job.prompt_token_ids), len(result.output_token_ids), self.started_s)
 
     async def _sse(self, req, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,
-                   start_s: float, release):
+                   start_s: float):
         texts = TextStream(self.tokenizer, job.params.stop)
         model_id, created_s = self.config.model_id, self.started_s
         include_usage = req.include_usage
@@ -325,8 +320,6 @@ class Router:
             self.metrics.observe_status("error")
             yield protocol.sse_event(APIError(503, f"generation failed ({type(error).__name__}); retry the request",
                                               "server_error").body())
-        finally:
-            await release()
 
     # -- routes --------------------------------------------------------------------------
 
