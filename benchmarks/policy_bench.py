@@ -345,7 +345,7 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
         if ours not in summaries:
             continue
         mine = summaries[ours]
-        for other in ("max_reserve", "paged_greedy", "oracle"):
+        for other in ("max_reserve", "paged_greedy", "sglang_ratio", "oracle"):
             if other in summaries:
                 ratios[f"{ours}_vs_{other}"] = _ratio(mine["tokens_per_s"], summaries[other]["tokens_per_s"])
         if "max_reserve" in summaries:

@@ -18,6 +18,7 @@ def test_each_policy_plans_its_own_rule():
     assert plan("s3_peak", 30, 0, 200, 40) == 70
     assert plan("paged_greedy", 30, 0, 200, 40) == 30  # plans nothing ahead
     assert plan("oracle", 30, 0, 200, 40, forced_output_tokens=55) == 85
+    assert plan("sglang_ratio", 30, 0, 200, 40) == 30 + 140  # remaining max_tokens x the starting ratio 0.7
 
 
 def test_s3_clamps_the_bound_and_moves_past_it_to_the_next_bucket():
@@ -43,7 +44,7 @@ def test_the_worker_reserves_what_the_controller_plans(name, num_output):
 
 
 def test_the_registry_is_the_only_list_of_names():
-    assert set(POLICIES) == {"max_reserve", "paged_greedy", "s3", "s3_peak", "oracle"}
+    assert set(POLICIES) == {"max_reserve", "paged_greedy", "s3", "s3_peak", "sglang_ratio", "oracle"}
     assert "oracle" in POLICIES and "oracle" not in SERVING_POLICY_NAMES  # needs the true length
     assert make_policy("s3", max_model_len=2048).bucket_tokens == 204
     assert make_policy("s3", max_model_len=2048, bucket_tokens=7).bucket_tokens == 7

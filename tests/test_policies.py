@@ -18,6 +18,7 @@ from workers.policies import (
     PreemptionMode,
     S3PeakPolicy,
     S3Policy,
+    SGLangRatioPolicy,
     make_policy,
     next_bound,
 )
@@ -135,7 +136,7 @@ def test_paged_greedy_preempts_newest_and_recomputes_under_pressure():
     assert allocator.num_free_blocks == allocator.num_blocks
 
 
-@pytest.mark.parametrize("name", ["max_reserve", "paged_greedy", "s3", "s3_peak", "oracle"])
+@pytest.mark.parametrize("name", ["max_reserve", "paged_greedy", "s3", "s3_peak", "sglang_ratio", "oracle"])
 @pytest.mark.parametrize("seed", [10, 11, 12])
 def test_no_policy_leaks_blocks(name, seed):
     seqs = make_requests(25, seed=seed, prediction_error=random.Random(seed).uniform(-0.7, 0.7))
@@ -232,3 +233,69 @@ def test_s3_peak_counts_the_prefill_steps_of_a_chunked_prompt():
     # short peaks at 16 tokens (4 blocks) after 12 steps, long_prompt has 11 blocks until it ends.
     assert policy.can_admit(short, [long_prompt], num_blocks=14, block_size=4, step_token_budget=64)
     assert not policy.can_admit(short, [long_prompt], num_blocks=14, block_size=4, step_token_budget=4)
+
+
+# -- sglang_ratio ---------------------------------------------------------------------------
+
+
+def _running(seq_id: str, num_prompt: int, num_output: int, max_tokens: int) -> Sequence:
+    seq = Sequence(seq_id, list(range(num_prompt)), SamplingParams(max_tokens=max_tokens))
+    seq.output_token_ids = [7] * num_output
+    seq.num_computed_tokens = seq.num_tokens
+    seq.status = SequenceStatus.RUNNING
+    return seq
+
+
+def test_sglang_ratio_decays_step_by_step_to_its_floor_and_returns_to_the_start_when_idle():
+    policy = SGLangRatioPolicy(init_ratio=0.7, min_ratio=0.1, decay_steps=6)
+    busy = [_running("a", 4, 0, 50)]
+    ratios = []
+    for _ in range(8):
+        policy.on_step(busy)
+        ratios.append(round(policy.ratio, 6))
+    assert ratios == [0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1]
+    policy.on_step([])
+    assert policy.ratio == 0.7
+
+
+def test_sglang_ratio_charges_the_newcomer_its_limit_and_the_running_their_remaining_times_ratio():
+    policy = SGLangRatioPolicy(init_ratio=0.5, min_ratio=0.1)
+    running = [_running("a", 8, 8, 40)]  # holds 16 tokens, 32 remaining: planned 16 + 16 = 32 tokens = 8 blocks
+    newcomer = Sequence("n", list(range(8)), SamplingParams(max_tokens=24))  # 8 + 24 = 32 tokens = 8 blocks
+    assert policy.planned_tokens_of(running[0]) == 32
+    assert policy.can_admit(newcomer, running, num_blocks=16, block_size=4, step_token_budget=64)
+    assert not policy.can_admit(newcomer, running, num_blocks=15, block_size=4, step_token_budget=64)
+    policy.ratio = 0.25  # after some decay the running one is expected to need 8 more tokens
+    assert policy.planned_tokens_of(running[0]) == 24
+    assert policy.can_admit(newcomer, running, num_blocks=14, block_size=4, step_token_budget=64)
+
+
+def test_sglang_ratio_retracts_the_fewest_decoded_then_the_longest_prompt():
+    policy = SGLangRatioPolicy()
+    a, b, c = _running("a", 4, 30, 100), _running("b", 4, 2, 100), _running("c", 20, 2, 100)
+    assert policy.choose_victim(a, [a, b, c]) is c  # 2 decoded each: the longer prompt goes
+    assert policy.choose_victim(a, [a, b]) is b
+
+
+def test_sglang_ratio_resets_after_a_retraction_from_what_the_running_ones_decoded():
+    policy = SGLangRatioPolicy(init_ratio=0.7, min_ratio=0.1, retract_steps=20)
+    policy.ratio = 0.1
+    staying = [_running("a", 4, 60, 200), _running("b", 4, 100, 200)]
+    policy.on_preempted(_running("v", 4, 1, 200), staying)
+    assert policy.ratio == pytest.approx((60 + 100 + 2 * 20) / 400)
+
+
+def test_sglang_ratio_in_the_scheduler_retracts_recomputes_and_finishes_everything():
+    def requests() -> list[Sequence]:  # no predictions: the policy never reads one
+        return [Sequence(f"r{i}", list(range(rng_i.randint(4, 30))),
+                         SamplingParams(max_tokens=130, ignore_eos=True, forced_output_tokens=rng_i.randint(60, 130)))
+                for i, rng_i in ((i, random.Random(1000 * 8 + i)) for i in range(30))]
+
+    seqs = requests()
+    scheduler, allocator, running, swapped = simulate(SGLangRatioPolicy(decay_steps=50), seqs, num_blocks=100)
+    assert scheduler.stats.num_preemptions > 0  # the ratio decayed below what the answers needed
+    assert not swapped and scheduler.stats.num_recomputed_tokens > 0
+    assert all(s.num_output_tokens == s.params.forced_output_tokens for s in seqs)
+    assert allocator.num_free_blocks == allocator.num_blocks
+    _, _, max_running, _ = simulate(MaxReservePolicy(), requests(), num_blocks=100)
+    assert sum(running) / len(running) > 1.2 * sum(max_running) / len(max_running)  # it packs more than the worst case

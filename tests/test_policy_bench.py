@@ -24,7 +24,7 @@ def test_bench_policies_writes_every_metric_ratio_and_plot(tmp_path, model_cache
     assert result.returncode == 0, result.stderr[-3000:]
     assert "prompts capped at 32 tokens" in result.stdout
     data = json.loads(out_json.read_text())
-    assert set(data["policies"]) == {"max_reserve", "paged_greedy", "s3", "s3_peak", "oracle"}
+    assert set(data["policies"]) == {"max_reserve", "paged_greedy", "s3", "s3_peak", "sglang_ratio", "oracle"}
     for name, metrics in data["policies"].items():
         for key in ("tokens_per_s", "mean_concurrency", "recomputed_tokens", "latency_p99_s", "ttft_p99_s",
                     "tpot_p50_s", "kv_used_fraction_mean", "kv_reserved_fraction_mean", "swapped_bytes"):
@@ -34,7 +34,7 @@ def test_bench_policies_writes_every_metric_ratio_and_plot(tmp_path, model_cache
     assert data["policies"]["max_reserve"]["max_concurrency"] <= data["max_reserve_slots"]
     assert data["policies"]["max_reserve"]["preemptions"] == 0
     assert data["policies"]["oracle"]["preemptions"] == 0
-    for key in ("s3_vs_max_reserve", "s3_vs_paged_greedy", "s3_vs_oracle"):
+    for key in ("s3_vs_max_reserve", "s3_vs_paged_greedy", "s3_vs_sglang_ratio", "s3_vs_oracle"):
         assert data["ratios"][key] > 0
     assert [s["predictor"] for s in data["sigma_sweep"]] == ["noisy-oracle:1.5", "noisy-oracle:1.5"]
     assert sorted(p.name for p in plot_dir.iterdir()) == ["concurrency.png", "kv_utilisation.png", "throughput.png"]

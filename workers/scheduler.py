@@ -122,6 +122,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick the chunks of the next step, reserving the blocks they write."""
         self.num_steps += 1
+        self.policy.on_step(self.running)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.stats.num_preemptions
@@ -315,3 +316,4 @@ class Scheduler:
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.insert(0, seq)
+        self.policy.on_preempted(seq, self.running)
