@@ -28,7 +28,8 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.noisy_oracle import NoisyOraclePredictor
-from benchmarks.policy_bench import PolicyBenchConfig, run_policy, summarize
+from benchmarks.policy_bench import PolicyBenchConfig, run_policy
+from benchmarks.policy_summary import summarize
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.traces import ReplayRequest, TraceRow, build_requests, load_prompt_texts

@@ -14,14 +14,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload, compare_outputs, output_digest
 from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.policy_plots import plot_runs
+from benchmarks.policy_summary import CACHE_COMPARED, NO_CACHE_SUFFIX, policy_ratios, summarize
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from benchmarks.report import environment, format_table, percentile, write_json
+from benchmarks.report import environment, format_table, write_json
 from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, build_requests, load_prompt_texts, read_trace, select_sessions
 from predictor_service.artifacts import load_predictor
 from predictor_service.length_example import TextOf
 from predictor_service.length_predictor import LengthPredictor, LengthQuery
+from predictor_service.server import DEFAULT_ARTIFACT_ROOT
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.model_runner import pool_shape_for
@@ -31,8 +34,6 @@ from workers.sampling_params import SamplingParams
 
 POLICIES = POLICY_NAMES
 MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
-NO_CACHE_SUFFIX = "/no-cache"  # a run with the prefix cache off, e.g. "paged_greedy/no-cache"
-CACHE_COMPARED = ("paged_greedy", "s3", "s3_peak")  # run with the cache off too when the trace shares prefixes
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 
 
@@ -59,6 +60,9 @@ class PolicyBenchConfig:
         model_shape: a `workers.model_shapes` name: a randomly initialised model of that shape replaces the
             model's weights (outputs are forced, so throughput does not depend on them); the tokenizer stays.
         device: where the engines run ("cpu" or "cuda"); a shaped model is built there (bf16 on CUDA).
+        workload: "trace" (prompt text cut to the trace's lengths, outputs forced to them) or "natural"
+            (held-out pool prompts run greedy to the model's own stop; `benchmarks.natural_workload`).
+        labels_path: natural workload: the true lengths (the oracle's); missing prompts are labelled first.
         tokens_per_hash_id: with a trace that has Mooncake hash ids, prompts are built from them
             (each id this many tokens of shared text) and whole sessions are replayed
             (`benchmarks.traces.select_sessions`); paged_greedy, s3 and s3_peak then also run with
@@ -84,6 +88,8 @@ class PolicyBenchConfig:
     tokens_per_hash_id: int = 16
     model_shape: str | None = None
     device: str = "cpu"
+    workload: str = "trace"
+    labels_path: Path = HELD_OUT_LABELS
 
 
 def quick_config(**overrides) -> PolicyBenchConfig:
@@ -113,11 +119,13 @@ class PolicyRun:
     prefix_caching: bool = True
     num_prompt_tokens: int = 0  # at first admission
     num_prefix_hit_tokens: int = 0  # of those, taken from the prefix cache
+    digests: dict[str, str] = field(default_factory=dict)  # request id -> fingerprint of its output tokens
 
 
 def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed: int,
                     text_of: TextOf | None = None) -> LengthPredictor:
-    """`noisy-oracle:SIGMA`, or a trained predictor artifact directory (a version or a root with LATEST).
+    """`noisy-oracle:SIGMA`, `default` (the service's shipped predictor), or a trained predictor artifact
+    directory (a version or a root with LATEST).
 
     A trained predictor reads the prompt's text through `text_of(query)`; the
     replayed prompts are real text cut to length, so decoding their tokens gives it.
@@ -128,6 +136,8 @@ def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed:
         except ValueError:
             raise ValueError(f"--predictor {spec!r}: SIGMA must be a number, e.g. noisy-oracle:0.3") from None
         return NoisyOraclePredictor(true_lengths, sigma=sigma, max_len=max_len, seed=seed)
+    if spec == "default":
+        spec = str(DEFAULT_ARTIFACT_ROOT)
     if not Path(spec).is_dir():
         raise ValueError(f"--predictor {spec!r} is neither noisy-oracle:SIGMA nor a predictor artifact directory")
     predictor = load_predictor(spec)
@@ -139,7 +149,10 @@ def run_policy(model, name: str, requests, bounds: dict[str, int], config: Polic
                kv_cache_bytes: int, cost_model: PreemptionCostModel, progress: tqdm,
                prefix_caching: bool = True) -> PolicyRun:
     """Replay the requests through a fresh engine with one policy."""
+    natural = config.workload == "natural"
     kwargs = {"cost_model": cost_model} if name.startswith("s3") else {}
+    if name == "oracle" and natural:
+        kwargs = {"from_prediction": True}  # `bounds` holds the labelled lengths; nothing is forced
     engine = Engine(
         model,
         EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
@@ -157,10 +170,11 @@ def run_policy(model, name: str, requests, bounds: dict[str, int], config: Polic
         now_s = time.monotonic() - start_s
         while next_index < len(pending) and pending[next_index].arrival_s <= now_s:
             request = pending[next_index]
+            max_tokens = config.max_len - len(request.prompt_token_ids)
             engine.add_request(
                 list(request.prompt_token_ids),
-                SamplingParams(max_tokens=config.max_len - len(request.prompt_token_ids), ignore_eos=True,
-                               forced_output_tokens=request.output_tokens),
+                SamplingParams(max_tokens=max_tokens) if natural else  # greedy, to the model's own stop
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True, forced_output_tokens=request.output_tokens),
                 seq_id=request.request_id,
                 predicted_output_tokens=bounds.get(request.request_id),
                 arrival_s=start_s + request.arrival_s,
@@ -181,6 +195,7 @@ def run_policy(model, name: str, requests, bounds: dict[str, int], config: Polic
                 metrics = out.metrics
                 run.output_tokens += metrics.num_output_tokens
                 run.outputs_ok &= metrics.num_output_tokens == expected[out.seq_id]
+                run.digests[out.seq_id] = output_digest(out.output_token_ids)
                 run.ttft_s.append(metrics.ttft_s)
                 run.latency_s.append(metrics.latency_s)
                 if metrics.tpot_s is not None:
@@ -217,82 +232,51 @@ def _bench_model(config: PolicyBenchConfig, model_dir: Path, vocab_size: int):
                              max_position_embeddings=max(config.max_len, 512))
 
 
-STEP_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
-def step_ms_by_batch(steps: list[tuple[float, float, int, int, int]]) -> dict[str, float]:
-    """Mean step time (ms) by sequences in the step, in power-of-two buckets ("4" = 4..7); idle gaps left out.
-
-    Steps mix prefill chunks and decodes (continuous batching), as served."""
-    sums: dict[int, list[float]] = {}
-    for _, duration_s, num_seqs, _, _ in steps:
-        if num_seqs <= 0:
-            continue
-        bucket = max(b for b in STEP_BATCH_BUCKETS if b <= num_seqs)
-        sums.setdefault(bucket, []).append(duration_s)
-    return {str(b): 1000.0 * sum(v) / len(v) for b, v in sorted(sums.items())}
-
-
-def _time_mean(run: PolicyRun, column: int) -> float:
-    """Mean of a step column weighted by step duration (idle gaps count as zero)."""
-    total_s = sum(step[1] for step in run.steps)
-    return sum(step[1] * step[column] for step in run.steps) / total_s if total_s else 0.0
-
-
-def summarize(run: PolicyRun, num_requests: int) -> dict:
-    return {
-        "tokens_per_s": run.output_tokens / run.wall_s,
-        "requests_per_s": num_requests / run.wall_s,
-        "wall_s": run.wall_s,
-        "output_tokens": run.output_tokens,
-        "all_outputs_exact_length": run.outputs_ok,
-        "mean_concurrency": _time_mean(run, 2),
-        "max_concurrency": max((step[2] for step in run.steps), default=0),
-        "kv_blocks_total": run.num_blocks,
-        "kv_used_fraction_mean": _time_mean(run, 3) / run.num_blocks,
-        "kv_reserved_fraction_mean": _time_mean(run, 4) / run.num_blocks,
-        "preemptions": run.num_preemptions,
-        "recomputed_tokens": run.num_recomputed_tokens,
-        "swapped_bytes": run.swapped_bytes,
-        "mispredictions": run.num_mispredictions,
-        "misprediction_events": run.misprediction_events,
-        "latency_p50_s": percentile(run.latency_s, 0.5),
-        "latency_p99_s": percentile(run.latency_s, 0.99),
-        "ttft_p50_s": percentile(run.ttft_s, 0.5),
-        "ttft_p99_s": percentile(run.ttft_s, 0.99),
-        "tpot_p50_s": percentile(run.tpot_s, 0.5),
-        "prefix_caching": run.prefix_caching,
-        "prefix_hit_rate": _ratio(run.num_prefix_hit_tokens, run.num_prompt_tokens),
-        "step_ms_by_batch": step_ms_by_batch(run.steps),
-    }
-
-
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
-
-
 def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None,
-        json_path: Path | None = None, plot_dir: Path | None = None) -> dict:
-    """Run every policy (and the sigma sweep), print tables, write JSON and plots."""
+        json_path: Path | None = None, plot_dir: Path | None = None, labeler: Labeler | None = None) -> dict:
+    """Run every policy (and the sigma sweep), print tables, write JSON and plots.
+
+    `labeler` labels held-out prompts the natural workload's labels file lacks (without it, that is an error)."""
     if config.mode not in ("offline", "online"):
         raise ValueError(f"--mode must be offline or online, got {config.mode!r}")
+    if config.workload not in ("trace", "natural"):
+        raise ValueError(f"--workload must be trace or natural, got {config.workload!r}")
     unknown = [p for p in config.policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     for spec in [config.predictor] + [f"noisy-oracle:{sigma}" for sigma in config.sweep_sigmas]:
         parse_predictor(spec, {}, config.max_len, config.seed)  # fail on a bad spec before loading anything
-    rows = read_trace(config.trace_path, config.num_requests)
-    shares_prefixes = any(row.hash_ids for row in rows)
+    natural = config.workload == "natural"
+    if natural and config.model_shape is not None:
+        raise ValueError("--workload natural needs the model's own weights (it answers until the model stops); "
+                         "drop --model-shape")
+    rows = [] if natural else read_trace(config.trace_path, config.num_requests)
+    shares_prefixes = not natural and any(row.hash_ids for row in rows)
     if shares_prefixes:  # whole conversations: the first N rows of Mooncake barely share (traces docstring)
         rows = select_sessions(read_trace(config.trace_path), config.num_requests)
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
-    requests, capping = build_requests(
-        rows, tokenizer, load_prompt_texts(config.prompts_path), max_len=config.max_len,
-        max_prompt_tokens=config.max_prompt_tokens, mode=config.mode, time_scale=config.time_scale,
-        tokens_per_hash_id=config.tokens_per_hash_id if shares_prefixes else None,
-    )
-    print(f"trace {config.trace_path}: {capping.describe()}")
+    if natural:
+        workload = build_natural_workload(
+            tokenizer, model_name, config.num_requests, config.max_len, config.max_prompt_tokens, config.mode, config.time_scale,
+            config.trace_path, config.labels_path, config.prompts_path, config.seed, labeler)
+        requests, workload_info = workload.requests, workload.describe()
+        print(f"natural workload: {len(requests)} held-out prompts of {config.prompts_path} (none of the "
+              f"{workload_info['split']['num_trained_prompts']} the shipped predictor trained on), greedy to the "
+              f"model's own stop; mean prompt {workload_info['mean_prompt_tokens']:.0f} tokens, mean answer "
+              f"{workload_info['mean_output_tokens']:.0f} tokens, {workload_info['hit_length_limit_fraction']:.0%} "
+              f"reach max_tokens (labels: {config.labels_path})")
+    else:
+        requests, capping = build_requests(
+            rows, tokenizer, load_prompt_texts(config.prompts_path), max_len=config.max_len,
+            max_prompt_tokens=config.max_prompt_tokens, mode=config.mode, time_scale=config.time_scale,
+            tokens_per_hash_id=config.tokens_per_hash_id if shares_prefixes else None,
+        )
+        workload_info = {"description": capping.describe(), "num_prompt_capped": capping.num_prompt_capped,
+                         "num_output_capped": capping.num_output_capped,
+                         "mean_prompt_tokens": capping.mean_prompt_tokens,
+                         "mean_output_tokens": capping.mean_output_tokens}
+        print(f"trace {config.trace_path}: {capping.describe()}")
     if shares_prefixes:
         print(f"shared prefixes: {len(rows)} rows of the {len({r.hash_ids[0] for r in rows if r.hash_ids})} largest sessions; "
               f"each hash id is {config.tokens_per_hash_id} tokens of shared text (trace: {MOONCAKE_BLOCK_TOKENS}, "
@@ -308,6 +292,8 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
                for r in requests]
 
     def text_of(query: LengthQuery) -> str:
+        if natural:  # the message text, as the predictor trained on and as the service passes it
+            return workload.texts[query.prompt_id]
         return tokenizer.decode(list(query.prompt_token_ids), skip_special_tokens=True)
 
     def bounds_for(spec: str) -> dict[str, int]:
@@ -329,7 +315,8 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
             if spec not in bounds_by_spec:
                 bounds_by_spec[spec] = bounds_for(spec)
             # A fresh copy per run: each engine installs its own attention and DeepSpeed wrapper.
-            result = run_policy(copy.deepcopy(model), name, requests, bounds_by_spec[spec], config, kv_cache_bytes,
+            bounds = true_lengths if natural and name == "oracle" else bounds_by_spec[spec]
+            result = run_policy(copy.deepcopy(model), name, requests, bounds, config, kv_cache_bytes,
                                 cost_model, progress, caching)
             if not is_sweep:
                 runs.append(result)
@@ -340,29 +327,7 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
                               "recomputed_tokens": summary["recomputed_tokens"],
                               "mean_concurrency": summary["mean_concurrency"]})
     summaries = {r.policy: summarize(r, len(requests)) for r in runs}
-    ratios = {}
-    for ours in ("s3", "s3_peak"):
-        if ours not in summaries:
-            continue
-        mine = summaries[ours]
-        for other in ("max_reserve", "paged_greedy", "sglang_ratio", "oracle"):
-            if other in summaries:
-                ratios[f"{ours}_vs_{other}"] = _ratio(mine["tokens_per_s"], summaries[other]["tokens_per_s"])
-        if "max_reserve" in summaries:
-            ratios[f"{ours}_vs_max_reserve_concurrency"] = _ratio(
-                mine["mean_concurrency"], summaries["max_reserve"]["mean_concurrency"])
-        if "paged_greedy" in summaries:
-            ratios[f"{ours}_vs_paged_greedy_recomputed_tokens"] = _ratio(
-                mine["recomputed_tokens"], summaries["paged_greedy"]["recomputed_tokens"])
-            ratios[f"{ours}_vs_paged_greedy_latency_p99"] = _ratio(
-                mine["latency_p99_s"], summaries["paged_greedy"]["latency_p99_s"])
-    on_vs_off = {name: _ratio(summaries[name]["tokens_per_s"], summaries[name + NO_CACHE_SUFFIX]["tokens_per_s"])
-                 for name in CACHE_COMPARED if name in summaries and name + NO_CACHE_SUFFIX in summaries}
-    if on_vs_off:
-        best = max(on_vs_off, key=lambda name: summaries[name]["tokens_per_s"])
-        ratios["prefix_cache_on_vs_off"] = on_vs_off[best]
-        ratios["prefix_cache_on_vs_off_policy"] = best
-        ratios.update({f"prefix_cache_on_vs_off_{name}": value for name, value in on_vs_off.items()})
+    ratios = policy_ratios(summaries)
     headers = ["policy", "tok/s", "req/s", "conc_mean", "conc_max", "kv_used", "kv_resv", "preempt",
                "recomp_tok", "swap_MB", "lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50", "prefix_hit"]
     table_rows = [[name, s["tokens_per_s"], s["requests_per_s"], s["mean_concurrency"], s["max_concurrency"],
@@ -377,6 +342,12 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     print(format_table(["policy", *[f"{b}+" for b in buckets]],
                        [[name, *[s["step_ms_by_batch"].get(str(b), "-") for b in buckets]]
                         for name, s in summaries.items()]))
+    if natural:
+        token_check = compare_outputs({r.policy: r.digests for r in runs})
+        workload_info["identical_tokens"] = token_check
+        print("tokens per request: " + ("identical under every policy" if token_check["identical"] else
+              "DIFFER from " + token_check["reference"] + "'s: " +
+              "; ".join(f"{name} {len(ids)} requests" for name, ids in token_check["differing"].items())))
     if sweep:
         print(format_table(["policy", "predictor", "tok/s", "preempt", "mispred", "recomp_tok", "conc_mean"],
                            [[s["policy"], s["predictor"], s["tokens_per_s"], s["preemptions"], s["mispredictions"],
@@ -394,10 +365,8 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
         "kv_cache_bytes": kv_cache_bytes,
         "kv_blocks": runs[0].num_blocks if runs else None,
         "max_reserve_slots": kv_cache_bytes // (config.max_len * bytes_per_token),
-        "capping": {"description": capping.describe(), "num_prompt_capped": capping.num_prompt_capped,
-                    "num_output_capped": capping.num_output_capped,
-                    "mean_prompt_tokens": capping.mean_prompt_tokens,
-                    "mean_output_tokens": capping.mean_output_tokens},
+        "workload": config.workload,
+        ("natural" if natural else "capping"): workload_info,
         "policies": summaries,
         "ratios": ratios,
         "sigma_sweep": sweep,

@@ -61,7 +61,17 @@ def _bench_policies(args: argparse.Namespace) -> int:
     overrides["device"] = args.device
     if args.tokens_per_hash_id is not None:
         overrides["tokens_per_hash_id"] = args.tokens_per_hash_id
-    policy_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.plot)
+    overrides["workload"] = args.workload
+    if args.labels is not None:
+        overrides["labels_path"] = args.labels
+
+    def labeler(records, labels_path, max_len):  # the natural workload's missing true lengths, as `s3serve label`
+        from s3serve_cli.label import LabelConfig, label_records
+
+        label_records(records, LabelConfig(prompt_paths=(), out_path=labels_path, max_len=max_len), args.model,
+                      args.model_cache_dir)
+
+    policy_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.plot, labeler)
     return 0
 
 
@@ -206,11 +216,20 @@ def add_bench_parser(commands) -> None:
                           help="offline: every request at t=0; online: the trace's arrival times (default: %(default)s)")
     policies.add_argument("--time-scale", type=float, default=1.0,
                           help="online mode: multiply arrival times by this (<1 compresses) (default: %(default)s)")
+    policies.add_argument("--workload", choices=("trace", "natural"), default="trace",
+                          help="trace: prompt text cut to the trace's lengths, outputs forced to its lengths; "
+                               "natural: held-out pool prompts (never in the shipped predictor's training labels; "
+                               "the split is in the JSON) answered greedily to the model's own stop, the same "
+                               "tokens under every policy (checked), arrivals from --trace (default: %(default)s)")
+    policies.add_argument("--labels", type=Path, default=None, metavar="FILE",
+                          help="natural workload: true lengths for the oracle, labelled first where missing "
+                               "(default: benchmarks/labels/smollm2-135m-instruct.heldout.greedy.jsonl)")
     policies.add_argument("--predictor", default="noisy-oracle:0.3",
-                          help="noisy-oracle:SIGMA (true length x seeded log-normal error; a benchmark instrument) "
-                               "or a trained predictor artifact directory from train-predictor (default: %(default)s)")
+                          help="noisy-oracle:SIGMA (true length x seeded log-normal error; a benchmark instrument), "
+                               "default (the predictor the service ships and uses by default) or a trained "
+                               "predictor artifact directory from train-predictor (default: %(default)s)")
     policies.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
-                          help="subset of max_reserve paged_greedy s3 s3_peak oracle (default: all five)")
+                          help="subset of max_reserve paged_greedy s3 s3_peak sglang_ratio oracle (default: all six)")
     policies.add_argument("--sweep-sigma", type=float, nargs="+", default=None, metavar="SIGMA",
                           help="also run s3 and s3_peak with noisy-oracle predictors of these sigmas; reports tok/s and preemptions")
     policies.add_argument("--no-prefix-caching", action="store_true",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.prompt_pool import encode_chat, read_prompts
+from benchmarks.prompt_pool import PromptRecord, encode_chat, read_prompts
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
@@ -61,8 +61,10 @@ class LabelConfig:
             raise ValueError("num_samples > 1 needs a temperature > 0: greedy samples are all the same")
 
 
-def read_done(out_path: Path) -> set[tuple[str, int]]:
-    """(prompt_id, sample) pairs already in a labels file; a torn last line is ignored."""
+def read_done(out_path: Path, model: str | None = None, max_len: int | None = None,
+              temperature: float | None = None) -> set[tuple[str, int]]:
+    """(prompt_id, sample) pairs already in a labels file, counting only rows made with the given model,
+    max_len and temperature (those not given match anything); a torn last line is ignored."""
     done = set()
     if out_path.is_file():
         for line in out_path.read_text(encoding="utf-8").splitlines():
@@ -70,7 +72,9 @@ def read_done(out_path: Path) -> set[tuple[str, int]]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # an interrupted write; that label is redone
-            done.add((row["prompt_id"], row["sample"]))
+            if ((model is None or row.get("model") == model) and (max_len is None or row.get("max_len") == max_len)
+                    and (temperature is None or row.get("sampling", {}).get("temperature") == temperature)):
+                done.add((row["prompt_id"], row["sample"]))
     return done
 
 
@@ -79,15 +83,21 @@ def _sample_seed(base_seed: int, prompt_id: str, sample: int) -> int:
 
 
 def run_labeling(config: LabelConfig, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None) -> dict:
-    """Label every pending (prompt, sample); return counts."""
+    """Label every pending (prompt, sample) of the config's prompt files; return counts."""
     records = [r for path in config.prompt_paths for r in read_prompts(path)]
     if config.shuffle:
         random.Random(config.seed).shuffle(records)
     if config.limit is not None:
         records = records[: config.limit]
+    return label_records(records, config, model_name, model_cache_dir)
+
+
+def label_records(records: list[PromptRecord], config: LabelConfig, model_name: str = DEFAULT_MODEL,
+                  model_cache_dir: Path | None = None) -> dict:
+    """Label every pending (prompt, sample) of `records` (the config's prompt files are not read); return counts."""
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
-    done = read_done(config.out_path)
+    done = read_done(config.out_path, model_name, config.max_len, config.temperature)  # other settings: labelled again
     jobs, skipped_too_long = [], 0
     for record in records:
         pending = [s for s in range(config.num_samples) if (record.prompt_id, s) not in done]

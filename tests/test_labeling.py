@@ -50,6 +50,17 @@ def test_read_done_ignores_a_torn_last_line(tmp_path):
     assert read_done(out) == {("a", 0)}
 
 
+def test_read_done_counts_only_rows_made_with_the_same_model_and_settings(tmp_path):
+    out = tmp_path / "labels.jsonl"
+    rows = [{"prompt_id": "a", "sample": 0, "model": "m", "max_len": 256, "sampling": {"temperature": 0.0}},
+            {"prompt_id": "b", "sample": 0, "model": "m", "max_len": 512, "sampling": {"temperature": 0.0}},
+            {"prompt_id": "c", "sample": 0, "model": "other", "max_len": 256, "sampling": {"temperature": 0.0}},
+            {"prompt_id": "d", "sample": 0, "model": "m", "max_len": 256, "sampling": {"temperature": 0.7}}]
+    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert read_done(out, "m", 256, 0.0) == {("a", 0)}
+    assert read_done(out) == {("a", 0), ("b", 0), ("c", 0), ("d", 0)}
+
+
 def test_greedy_labels_refuse_several_samples(tmp_path):
     with pytest.raises(ValueError, match="num_samples > 1 needs a temperature > 0"):
         LabelConfig(prompt_paths=(tmp_path,), out_path=tmp_path / "x", num_samples=3)

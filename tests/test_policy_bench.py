@@ -113,7 +113,7 @@ def test_bench_policies_rejects_a_predictor_that_is_no_artifact(tmp_path, model_
 
 
 def test_step_times_are_grouped_by_sequences_in_the_step():
-    from benchmarks.policy_bench import step_ms_by_batch
+    from benchmarks.policy_summary import step_ms_by_batch
 
     steps = [(0.0, 0.010, 1, 0, 0), (0.0, 0.020, 1, 0, 0), (0.0, 0.5, 0, 0, 0),  # an idle gap: left out
              (0.0, 0.030, 5, 0, 0), (0.0, 0.050, 7, 0, 0), (0.0, 0.100, 300, 0, 0)]

@@ -135,7 +135,8 @@ class SchedulingPolicy(abc.ABC):
         """A step begins with these sequences running; policies that learn from steps update here."""
 
     def on_preempted(self, victim: Sequence, running: list[Sequence]) -> None:
-        """`victim` lost its blocks; `running` are the sequences that kept theirs."""
+        """`victim` lost its blocks because a running sequence could not grow (not to make room for a more
+        urgent class); `running` are the sequences that kept theirs."""
 
 
 class MaxReservePolicy(SchedulingPolicy):
@@ -158,19 +159,31 @@ class PagedGreedyPolicy(SchedulingPolicy):
 
 
 class OraclePolicy(SchedulingPolicy):
-    """Reserve prompt + the true output length (benchmarks force it, so it is known)."""
+    """Reserve prompt + the true output length (benchmarks force it, so it is known).
+
+    Args:
+        from_prediction: the true length arrives as the prediction instead (a benchmark that lets
+            answers end naturally gives the labelled length there); it is then not forced.
+    """
 
     name = "oracle"
     is_serving = False
 
+    def __init__(self, from_prediction: bool = False) -> None:
+        self.from_prediction = from_prediction
+
+    def _true_length(self, predicted: int | None, forced: int | None, where: str) -> int:
+        true = predicted if self.from_prediction else forced
+        if true is None:
+            field_name = "predicted_output_tokens" if self.from_prediction else "forced_output_tokens"
+            raise ValueError(f"the oracle policy needs {field_name} (the true length), a benchmark setting{where}")
+        return true
+
     def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
-        if forced_output_tokens is None:
-            raise ValueError("the oracle policy needs forced_output_tokens (the true length), a benchmark setting")
-        return forced_output_tokens
+        return self._true_length(predicted_output_tokens, forced_output_tokens, "")
 
     def reservation_tokens(self, seq: Sequence) -> int:
-        if seq.params.forced_output_tokens is None:
-            raise ValueError(f"oracle policy needs forced_output_tokens on request {seq.seq_id!r}")
+        self._true_length(seq.predicted_output_tokens, seq.params.forced_output_tokens, f", on request {seq.seq_id!r}")
         return super().reservation_tokens(seq)
 
 
@@ -293,7 +306,8 @@ class SGLangRatioPolicy(SchedulingPolicy):
     admission trusts that they will. When a running sequence cannot grow, the one with the fewest
     decoded tokens (the longest prompt among equals) is retracted and recomputed later, and the
     ratio is reset to what the sequences still running have decoded, plus `retract_steps` tokens of
-    headroom each, over their max_tokens. With nothing running it returns to `init_ratio`.
+    headroom each, over their max_tokens. A step that starts with nothing running (even with requests
+    waiting) returns it to `init_ratio`; SGLang resets when its running batch empties, much the same.
 
     Differences from SGLang, which retracts in one go until every running request has
     `retract_steps` tokens of room: here one victim is taken at a time, until the growing sequence
@@ -317,7 +331,7 @@ class SGLangRatioPolicy(SchedulingPolicy):
         self.ratio = init_ratio
 
     def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
-        return num_output_tokens + math.ceil((max_tokens - num_output_tokens) * self.ratio)
+        return num_output_tokens + math.ceil((max_tokens - num_output_tokens) * self.ratio - 1e-9)  # 3.0000000000000004 is 3
 
     def can_admit(
         self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int, step_token_budget: int

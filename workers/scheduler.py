@@ -218,6 +218,7 @@ class Scheduler:
             victim = self._choose_victim(seq, self.running)
             freed_tokens += self._unschedule(victim, out)
             self._preempt(victim, out)
+            self.policy.on_preempted(victim, self.running)
             if victim is seq:
                 return False, freed_tokens
         return True, freed_tokens
@@ -316,4 +317,3 @@ class Scheduler:
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.insert(0, seq)
-        self.policy.on_preempted(seq, self.running)
