@@ -92,8 +92,13 @@ class PolicyBenchConfig:
     labels_path: Path = HELD_OUT_LABELS
 
 
-def quick_config(**overrides) -> PolicyBenchConfig:
-    return PolicyBenchConfig(**{"num_requests": 32, "max_prompt_tokens": 128, **overrides})
+def quick_config(workload: str = "trace", **overrides) -> PolicyBenchConfig:
+    """32 requests, prompts of at most 128 tokens; the natural workload also halves max_len to 512 (about half
+    of SmolLM2's greedy answers run to the limit, so answers are long: 519 tokens on average at 1024)."""
+    quick = {"num_requests": 32, "max_prompt_tokens": 128, "workload": workload}
+    if workload == "natural":
+        quick["max_len"] = 512
+    return PolicyBenchConfig(**{**quick, **overrides})
 
 
 @dataclass(slots=True)

@@ -39,11 +39,10 @@ def _bench_policies(args: argparse.Namespace) -> int:
 
     from benchmarks import policy_bench
 
-    base = policy_bench.quick_config() if args.quick else policy_bench.PolicyBenchConfig()
+    base = policy_bench.quick_config(args.workload) if args.quick else policy_bench.PolicyBenchConfig()
     overrides = {
         "trace_path": args.trace,
         "prompts_path": args.prompts,
-        "max_len": args.max_len,
         "mode": args.mode,
         "time_scale": args.time_scale,
         "predictor": args.predictor,
@@ -52,6 +51,8 @@ def _bench_policies(args: argparse.Namespace) -> int:
     }
     if args.num_requests is not None:
         overrides["num_requests"] = args.num_requests
+    if args.max_len is not None:
+        overrides["max_len"] = args.max_len
     if args.max_prompt_tokens is not None:
         overrides["max_prompt_tokens"] = args.max_prompt_tokens
     if args.policies is not None:
@@ -208,8 +209,9 @@ def add_bench_parser(commands) -> None:
     policies.add_argument("--device", default="cpu", help="where the engines run: cpu (default) or cuda")
     policies.add_argument("--kv-cache-bytes", type=int, default=None,
                           help="KV budget in bytes (default: room for 4 worst-case sequences of --max-len tokens)")
-    policies.add_argument("--max-len", type=int, default=1024,
-                          help="longest sequence; each request's max_tokens is max-len minus its prompt (default: %(default)s)")
+    policies.add_argument("--max-len", type=int, default=None,
+                          help="longest sequence; each request's max_tokens is max-len minus its prompt (default 1024; "
+                               "512 with --quick --workload natural, where half the answers run to the limit)")
     policies.add_argument("--max-prompt-tokens", type=int, default=None,
                           help="cap on replayed prompt length, reported (default 256; 128 with --quick)")
     policies.add_argument("--mode", choices=("offline", "online"), default="offline",
@@ -238,7 +240,7 @@ def add_bench_parser(commands) -> None:
                           help="traces with Mooncake hash_ids: each id becomes N tokens of shared text (default 16; "
                                "the trace's ids stand for 512) and whole sessions are replayed; paged_greedy, s3 "
                                "and s3_peak then also run with the prefix cache off")
-    policies.add_argument("--quick", action="store_true", help="32 requests, prompts capped at 128 tokens (< 10 min here)")
+    policies.add_argument("--quick", action="store_true", help="32 requests, prompts capped at 128 tokens (< 15 min here)")
     policies.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     policies.add_argument("--plot", type=Path, default=None, metavar="DIR",
                           help="write throughput.png, kv_utilisation.png and concurrency.png here")
