@@ -80,7 +80,7 @@ def test_the_entrypoint_refuses_a_bad_config_before_connecting(tmp_path):
                             capture_output=True, text=True, timeout=120, cwd=REPO_ROOT,
                             env={**os.environ, "RAY_ADDRESS": "127.0.0.1:1"})
     assert result.returncode == 2, result.stderr
-    assert "policy must be one of max_reserve, paged_greedy, s3, s3_peak, got 'fastest'" in result.stderr
+    assert "policy must be one of max_reserve, paged_greedy, s3, s3_peak, sglang_ratio, got 'fastest'" in result.stderr
     assert "Connecting" not in result.stderr and result.stdout == ""
 
 
