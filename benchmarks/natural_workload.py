@@ -119,11 +119,6 @@ def natural_requests(prompts: list[tuple[PromptRecord, list[int]]], lengths: dic
             for (record, ids), arrival_s in zip(prompts, arrivals)]
 
 
-def prompt_text(record: PromptRecord) -> str:
-    """The text a text-reading predictor sees: the message contents, as in training."""
-    return "\n\n".join(message["content"] for message in record.messages)
-
-
 def output_digest(token_ids) -> str:
     """A short fingerprint of one answer's token ids."""
     return hashlib.sha256(",".join(map(str, token_ids)).encode()).hexdigest()[:16]
@@ -193,5 +188,5 @@ def build_natural_workload(tokenizer, model: str, num_requests: int, max_len: in
         if still:
             raise ValueError(f"labelling left {len(still)} prompts without a label (first: {still[0]})")
     requests = natural_requests(prompts, lengths, mode, time_scale, trace_path)
-    texts = {record.prompt_id: prompt_text(record) for record, _ in prompts}
+    texts = {record.prompt_id: record.text for record, _ in prompts}
     return NaturalWorkload(requests, texts, split, Path(labels_path), max_len)

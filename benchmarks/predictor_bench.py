@@ -60,7 +60,7 @@ class PredictorBenchConfig:
 def load_prompt_texts_by_id(paths: Sequence[Path | str]) -> dict[str, str]:
     """Prompt id -> the prompt's message contents joined, over every prompt file."""
     return {
-        record.prompt_id: "\n\n".join(message["content"] for message in record.messages)
+        record.prompt_id: record.text
         for path in paths for record in read_prompts(path)
     }
 

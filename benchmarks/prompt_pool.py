@@ -26,6 +26,11 @@ class PromptRecord:
     prompt_id: str
     messages: tuple[dict, ...]
 
+    @property
+    def text(self) -> str:
+        """The message contents joined: what a text-reading length predictor trains on and reads."""
+        return "\n\n".join(message["content"] for message in self.messages)
+
 
 def _join(instruction: str, extra: str | None) -> str:
     extra = (extra or "").strip()

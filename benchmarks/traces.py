@@ -276,7 +276,7 @@ def select_sessions(rows: list[TraceRow], num_requests: int) -> list[TraceRow]:
 
 def load_prompt_texts(path: Path | str) -> list[str]:
     """One text per prompt record of a prompt JSONL: its message contents joined."""
-    return ["\n\n".join(message["content"] for message in record.messages) for record in read_prompts(path)]
+    return [record.text for record in read_prompts(path)]
 
 
 def _spread_stride(length: int) -> int:
