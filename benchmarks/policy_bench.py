@@ -8,32 +8,30 @@ GPU, and the policies differ only in what they reserve.
 """
 
 import copy
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload, compare_outputs, output_digest
+from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload, compare_outputs
 from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.policy_plots import plot_runs
-from benchmarks.policy_summary import CACHE_COMPARED, NO_CACHE_SUFFIX, policy_ratios, summarize
+from benchmarks.policy_replay import PROBE_SUFFIX, PolicyRun, run_policy
+from benchmarks.policy_summary import CACHE_COMPARED, policy_ratios, summarize
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
 from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, build_requests, load_prompt_texts, read_trace, select_sessions
 from predictor_service.artifacts import load_predictor
+from predictor_service.hidden_probe import load_probe_for
 from predictor_service.length_example import TextOf
 from predictor_service.length_predictor import LengthPredictor, LengthQuery
 from predictor_service.server import DEFAULT_ARTIFACT_ROOT
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
 from workers.model_runner import pool_shape_for
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
-from workers.policies import POLICY_NAMES, PreemptionCostModel, make_policy
-from workers.sampling_params import SamplingParams
+from workers.policies import POLICY_NAMES, PreemptionCostModel
 
 POLICIES = POLICY_NAMES
-MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
+PROBED = ("s3", "s3_peak")  # run again with the hidden-state probe when one is given
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 
 
@@ -67,6 +65,8 @@ class PolicyBenchConfig:
             (each id this many tokens of shared text) and whole sessions are replayed
             (`benchmarks.traces.select_sessions`); paged_greedy, s3 and s3_peak then also run with
             the prefix cache off.
+        probe: a hidden-state probe folder (`s3serve probe train`; "default": the shipped one): s3 and s3_peak
+            run again with it refining their bounds in the engine, reported as s3+probe and s3_peak+probe.
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -90,6 +90,7 @@ class PolicyBenchConfig:
     device: str = "cpu"
     workload: str = "trace"
     labels_path: Path = HELD_OUT_LABELS
+    probe: str | None = None
 
 
 def quick_config(workload: str = "trace", **overrides) -> PolicyBenchConfig:
@@ -99,32 +100,6 @@ def quick_config(workload: str = "trace", **overrides) -> PolicyBenchConfig:
     if workload == "natural":
         quick["max_len"] = 512
     return PolicyBenchConfig(**{**quick, **overrides})
-
-
-@dataclass(slots=True)
-class PolicyRun:
-    """Raw measurements of one policy."""
-
-    policy: str
-    wall_s: float = 0.0
-    output_tokens: int = 0
-    # (end of step s, step duration s, sequences in the step, used blocks, reserved blocks); idle
-    # gaps of online replay are steps with no sequence.
-    steps: list[tuple[float, float, int, int, int]] = field(default_factory=list)
-    ttft_s: list[float] = field(default_factory=list)
-    latency_s: list[float] = field(default_factory=list)
-    tpot_s: list[float] = field(default_factory=list)
-    num_preemptions: int = 0
-    num_recomputed_tokens: int = 0
-    swapped_bytes: int = 0
-    num_mispredictions: int = 0
-    misprediction_events: list[dict] = field(default_factory=list)
-    num_blocks: int = 0
-    outputs_ok: bool = True
-    prefix_caching: bool = True
-    num_prompt_tokens: int = 0  # at first admission
-    num_prefix_hit_tokens: int = 0  # of those, taken from the prefix cache
-    digests: dict[str, str] = field(default_factory=dict)  # request id -> fingerprint of its output tokens
 
 
 def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed: int,
@@ -148,78 +123,6 @@ def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed:
     predictor = load_predictor(spec)
     predictor.text_of = text_of
     return predictor
-
-
-def run_policy(model, name: str, requests, bounds: dict[str, int], config: PolicyBenchConfig,
-               kv_cache_bytes: int, cost_model: PreemptionCostModel, progress: tqdm,
-               prefix_caching: bool = True) -> PolicyRun:
-    """Replay the requests through a fresh engine with one policy."""
-    natural = config.workload == "natural"
-    kwargs = {"cost_model": cost_model} if name.startswith("s3") else {}
-    if name == "oracle" and natural:
-        kwargs = {"from_prediction": True}  # `bounds` holds the labelled lengths; nothing is forced
-    engine = Engine(
-        model,
-        EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
-                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len,
-                     enable_prefix_caching=prefix_caching),
-        policy=make_policy(name, max_model_len=config.max_len, **kwargs),
-    )
-    run = PolicyRun(policy=name if prefix_caching else f"{name}{NO_CACHE_SUFFIX}", num_blocks=engine.allocator.num_blocks,
-                    prefix_caching=prefix_caching)
-    pending = sorted(requests, key=lambda r: r.arrival_s)
-    expected = {r.request_id: r.output_tokens for r in requests}
-    start_s = time.monotonic()
-    next_index = 0
-    while next_index < len(pending) or engine.has_unfinished():
-        now_s = time.monotonic() - start_s
-        while next_index < len(pending) and pending[next_index].arrival_s <= now_s:
-            request = pending[next_index]
-            max_tokens = config.max_len - len(request.prompt_token_ids)
-            engine.add_request(
-                list(request.prompt_token_ids),
-                SamplingParams(max_tokens=max_tokens) if natural else  # greedy, to the model's own stop
-                SamplingParams(max_tokens=max_tokens, ignore_eos=True, forced_output_tokens=request.output_tokens),
-                seq_id=request.request_id,
-                predicted_output_tokens=bounds.get(request.request_id),
-                arrival_s=start_s + request.arrival_s,
-            )
-            next_index += 1
-        if not engine.has_unfinished():
-            idle_s = max(0.0, pending[next_index].arrival_s - now_s)
-            time.sleep(idle_s)
-            run.steps.append((time.monotonic() - start_s, idle_s, 0, 0, 0))
-            continue
-        step_start_s = time.monotonic()
-        outputs = engine.step()
-        now_s = time.monotonic()
-        run.steps.append((now_s - start_s, now_s - step_start_s, engine.last_num_scheduled,
-                          engine.last_used_blocks, engine.last_reserved_blocks))
-        for out in outputs:
-            if out.is_finished:
-                metrics = out.metrics
-                run.output_tokens += metrics.num_output_tokens
-                run.outputs_ok &= metrics.num_output_tokens == expected[out.seq_id]
-                run.digests[out.seq_id] = output_digest(out.output_token_ids)
-                run.ttft_s.append(metrics.ttft_s)
-                run.latency_s.append(metrics.latency_s)
-                if metrics.tpot_s is not None:
-                    run.tpot_s.append(metrics.tpot_s)
-                progress.update(1)
-    run.wall_s = time.monotonic() - start_s
-    stats = engine.scheduler.stats
-    run.num_preemptions = stats.num_preemptions
-    run.num_recomputed_tokens = stats.num_recomputed_tokens
-    run.swapped_bytes = engine.swapped_bytes
-    run.num_mispredictions = len(stats.mispredictions)
-    run.num_prompt_tokens = stats.num_prompt_tokens_admitted
-    run.num_prefix_hit_tokens = stats.num_prefix_hit_tokens
-    run.misprediction_events = [
-        {"request_id": e.seq_id, "predicted_output_tokens": e.predicted_output_tokens,
-         "output_tokens_so_far": e.num_output_tokens, "step": e.step}
-        for e in stats.mispredictions[:MAX_REPORTED_EVENTS]
-    ]
-    return run
 
 
 def _bench_model(config: PolicyBenchConfig, model_dir: Path, vocab_size: int):
@@ -252,6 +155,8 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     for spec in [config.predictor] + [f"noisy-oracle:{sigma}" for sigma in config.sweep_sigmas]:
         parse_predictor(spec, {}, config.max_len, config.seed)  # fail on a bad spec before loading anything
     natural = config.workload == "natural"
+    if config.probe is not None and not natural:
+        raise ValueError("--probe needs --workload natural: forced trace lengths are not the model's to predict")
     if natural and config.model_shape is not None:
         raise ValueError("--workload natural needs the model's own weights (it answers until the model stops); "
                          "drop --model-shape")
@@ -306,23 +211,30 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
         return {q.prompt_id: p.upper_bound_tokens for q, p in zip(queries, predictor.predict(queries))}
 
     bounds_by_spec = {config.predictor: bounds_for(config.predictor)}
-    # (policy, predictor spec, is a sweep run, prefix caching)
-    plan = [(name, config.predictor, False, config.prefix_caching) for name in config.policies]
+    probe = None
+    if config.probe is not None:
+        probe = load_probe_for(config.probe, model.config.hidden_size)
+    # (policy, predictor spec, is a sweep run, prefix caching, probe)
+    plan = [(name, config.predictor, False, config.prefix_caching, None) for name in config.policies]
+    if probe is not None:
+        plan += [(name, config.predictor, False, config.prefix_caching, probe) for name in PROBED
+                 if name in config.policies]
     if shares_prefixes and config.prefix_caching:
-        plan += [(name, config.predictor, False, False) for name in config.policies if name in CACHE_COMPARED]
-    plan += [(name, f"noisy-oracle:{sigma}", True, config.prefix_caching) for sigma in config.sweep_sigmas
+        plan += [(name, config.predictor, False, False, None) for name in config.policies if name in CACHE_COMPARED]
+    plan += [(name, f"noisy-oracle:{sigma}", True, config.prefix_caching, None) for sigma in config.sweep_sigmas
              for name in ("s3", "s3_peak") if name in config.policies]
     runs: list[PolicyRun] = []
     sweep: list[dict] = []
     with tqdm(total=len(plan) * len(requests), desc="requests (all policies)", unit="req") as progress:
-        for name, spec, is_sweep, caching in plan:
-            progress.set_postfix_str(f"{name} {spec}" if name.startswith("s3") else name)
+        for name, spec, is_sweep, caching, run_probe in plan:
+            shown = name if run_probe is None else f"{name}{PROBE_SUFFIX}"
+            progress.set_postfix_str(f"{shown} {spec}" if name.startswith("s3") else shown)
             if spec not in bounds_by_spec:
                 bounds_by_spec[spec] = bounds_for(spec)
             # A fresh copy per run: each engine installs its own attention and DeepSpeed wrapper.
             bounds = true_lengths if natural and name == "oracle" else bounds_by_spec[spec]
             result = run_policy(copy.deepcopy(model), name, requests, bounds, config, kv_cache_bytes,
-                                cost_model, progress, caching)
+                                cost_model, progress, caching, run_probe)
             if not is_sweep:
                 runs.append(result)
             else:

@@ -4,7 +4,8 @@ from benchmarks.report import percentile
 
 NO_CACHE_SUFFIX = "/no-cache"  # a run with the prefix cache off, e.g. "paged_greedy/no-cache"
 CACHE_COMPARED = ("paged_greedy", "s3", "s3_peak")  # run with the cache off too when the trace shares prefixes
-LENGTH_AWARE = ("s3", "s3_peak")  # policies that use the predictor (the oracle is an instrument, never "best")
+# policies that use the predictor (the oracle is an instrument, never "best"); "+probe": bounds refined in the worker
+LENGTH_AWARE = ("s3", "s3_peak", "s3+probe", "s3_peak+probe")
 BASELINES = ("max_reserve", "paged_greedy", "sglang_ratio")
 STEP_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

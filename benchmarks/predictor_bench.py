@@ -6,6 +6,12 @@ be scored as well) and reports, for each, ranking quality, bucket accuracy, erro
 reservation cost and latency. For conformally calibrated predictors it also reports
 what the raw (uncalibrated) bound would have cost: under-reservation and over-reservation.
 Latency is that of `predict_examples` on prompt text already looked up.
+
+With hidden-state features (`probe_features`, the engine's own rows from `s3serve probe
+extract`; the shipped file by default) the hidden-state probes are trained on the same
+train side and scored on the same held-out prompts (`benchmarks.probe_bench`), with their
+re-predictions after 64 and 256 decoded tokens. `split="source"` holds out whole source
+sets of the pool instead of a hash of the prompt id: traffic unlike anything trained on.
 """
 
 import copy
@@ -17,17 +23,24 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from benchmarks import probe_bench
 from benchmarks.prompt_pool import read_prompts
 from benchmarks.report import environment, format_table, write_json
 from predictor_service.artifacts import load_predictor, read_manifest
 from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor
 from predictor_service.metrics import evaluate
-from predictor_service.training import build_dataset, make_predictor, read_labels, split_by_prompt_id
+from predictor_service.hidden_features import HiddenFeatures
+from predictor_service.training import LengthDataset, build_dataset, is_held_out, make_predictor, read_labels
 
 METRICS = ("kendall_tau", "bucket_accuracy", "mae_tokens", "under_reservation_rate", "mean_over_reservation_tokens")
 LATENCY_BATCH_SIZES = (1, 32)
 KINDS = ("mean", "linear", "lightgbm", "transformer")
+SPLITS = ("prompt_id", "source")
+# Held out by `split="source"`: maths word problems, open chat and code completion (30% of the pool's labels)
+HELD_OUT_SOURCES = ("gsm8k", "arenahard", "humaneval")
+SHIPPED_FEATURES = Path(__file__).resolve().parent.parent / "predictor_service" / "labels" / (
+    "smollm2-135m-instruct.pool.greedy.hidden.npz")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +57,9 @@ class PredictorBenchConfig:
         use_embedding: give the LightGBM trained here the MiniLM embedding.
         held_out_fraction: share of prompts (by id hash) held out for scoring.
         num_latency_batches: timed batches per batch size.
+        probe_features: hidden-state rows for the probes (None: no probe rows).
+        split: "prompt_id" (a hash of the id, `held_out_fraction`) or "source" (`held_out_sources`).
+        held_out_sources: source sets (the part of a pool id before the number) held out by the source split.
     """
 
     label_paths: tuple[Path, ...]
@@ -55,6 +71,34 @@ class PredictorBenchConfig:
     use_embedding: bool = True
     held_out_fraction: float = 0.2
     num_latency_batches: int = 50
+    probe_features: Path | None = None
+    split: str = "prompt_id"
+    held_out_sources: tuple[str, ...] = HELD_OUT_SOURCES
+
+    def is_held_out(self, prompt_id: str) -> bool:
+        if self.split == "source":
+            return source_of(prompt_id) in self.held_out_sources
+        return is_held_out(prompt_id, self.held_out_fraction)
+
+
+def source_of(prompt_id: str) -> str:
+    """The source set of a pool prompt id ("pool:gsm8k-12" -> "gsm8k")."""
+    return prompt_id.split(":", 1)[-1].rsplit("-", 1)[0]
+
+
+def split_dataset(dataset: LengthDataset, config: PredictorBenchConfig) -> tuple[LengthDataset, LengthDataset]:
+    """(train, held_out) by the config's split; every sample of one prompt lands on the same side."""
+    if config.split not in SPLITS:
+        raise ValueError(f"unknown split {config.split!r}; choose from {', '.join(SPLITS)}")
+    train, held_out = LengthDataset([], []), LengthDataset([], [])
+    for example, length in zip(dataset.examples, dataset.lengths):
+        side = held_out if config.is_held_out(example.prompt_id) else train
+        side.examples.append(example)
+        side.lengths.append(length)
+    if not train.examples or not held_out.examples:
+        raise ValueError(f"the {config.split} split leaves {len(train.examples)} train and "
+                         f"{len(held_out.examples)} held-out examples: need both")
+    return train, held_out
 
 
 def load_prompt_texts_by_id(paths: Sequence[Path | str]) -> dict[str, str]:
@@ -83,7 +127,7 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
     """Score every predictor on the held-out prompts; print the table and write JSON."""
     rows = read_labels(config.label_paths)
     dataset = build_dataset(rows, load_prompt_texts_by_id(config.prompt_paths))
-    train, held_out = split_by_prompt_id(dataset, config.held_out_fraction)
+    train, held_out = split_dataset(dataset, config)
     print(f"{len(rows)} label rows: {len(dataset.examples)} joined to prompts "
           f"({len(dataset.missing_prompt_ids)} without a prompt), {len(train.examples)} train, "
           f"{len(held_out.examples)} held out")
@@ -99,6 +143,7 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
     artifact_version = None if config.artifact is None else read_manifest(config.artifact)["version"]
 
     results: dict[str, dict] = {}
+    prefill_points: dict[str, dict[str, int]] = {}
     with tqdm(total=len(predictors) + (config.artifact is not None), desc="predictors", unit="model") as progress:
         for name, predictor in predictors.items():
             progress.set_postfix_str(f"fit {name}")
@@ -121,6 +166,17 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
         for batch_size in LATENCY_BATCH_SIZES:
             metrics.update(_latency_ms(predictor, held_out.examples, batch_size, config.num_latency_batches))
         results[name] = metrics
+        prefill_points[name] = {example.prompt_id: prediction.point_tokens for example, prediction
+                                in zip(held_out.examples, predictor.predict_examples(held_out.examples))}
+    probe_sizes = None
+    if config.probe_features is not None:
+        print(f"hidden-state probes: training on the train side of {config.probe_features}", flush=True)
+        features = HiddenFeatures.load(config.probe_features)
+        for name, points in prefill_points.items():
+            results[name].update(probe_bench.text_predictor_remaining(points, features, config.is_held_out))
+        probe_results, probe_sizes = probe_bench.score_probes(features, config.is_held_out, config.max_len,
+                                                              config.quantile, config.num_latency_batches)
+        results.update(probe_results)
 
     headers = ["predictor", "tau", "bucket_acc", "mae_tok", "under_rate", "over_res_tok", "raw_under", "raw_over",
                "p50_ms_b1", "p99_ms_b1", "p50_ms_b32", "p99_ms_b32"]
@@ -128,15 +184,26 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
                    m["raw_mean_over_reservation_tokens"], m["latency_p50_ms_batch1"], m["latency_p99_ms_batch1"],
                    m["latency_p50_ms_batch32"], m["latency_p99_ms_batch32"]] for name, m in results.items()]
     print(format_table(headers, table_rows))
+    if config.probe_features is not None:
+        print("remaining tokens after decoding (MAE): re-predicted where the predictor can, else prefill point minus "
+              "decoded")
+        print(format_table(
+            ["predictor", *(f"mae_at_{n}" for n in probe_bench.REPREDICTION_POINTS),
+             *(f"prefill_only_at_{n}" for n in probe_bench.REPREDICTION_POINTS)],
+            [[name, *(m.get(f"remaining_mae_tokens_at_{n}") for n in probe_bench.REPREDICTION_POINTS),
+              *(m.get(f"prefill_remaining_mae_tokens_at_{n}") for n in probe_bench.REPREDICTION_POINTS)]
+             for name, m in results.items()]))
     result = {
         "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(config).items()
-                   if key not in ("label_paths", "prompt_paths", "artifact", "kinds")}
+                   if key not in ("label_paths", "prompt_paths", "artifact", "kinds", "held_out_sources")}
         | {"kinds": list(kinds)}
         | {"label_paths": [str(p) for p in config.label_paths], "prompt_paths": [str(p) for p in config.prompt_paths],
            "artifact": None if config.artifact is None else str(config.artifact), "artifact_version": artifact_version},
         "dataset": {"num_label_rows": len(rows), "num_joined": len(dataset.examples),
                     "num_missing_prompt": len(dataset.missing_prompt_ids), "num_train": len(train.examples),
-                    "num_held_out": len(held_out.examples)},
+                    "num_held_out": len(held_out.examples), "split": config.split,
+                    "held_out_sources": list(config.held_out_sources) if config.split == "source" else None,
+                    "probe": probe_sizes},
         "environment": environment(),
         "predictors": results,
     }

@@ -60,6 +60,11 @@ class ServiceConfig(BaseModel):
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(
         None, description="predictor versions directory (LATEST); default: the shipped artifact or baseline")
+    length_probe: str | None = Field(
+        None, description="workers re-bound each request's output length from the model's own hidden states after "
+                          "prefill and every 64 decoded tokens: 'default' (the shipped probe, SmolLM2-135M) or a "
+                          "folder from `s3serve probe train`; off by default (the controller still plans by the "
+                          "router's first bound)")
     predictor_mode: str = Field(
         "router", description="where length predictions run: 'router' (in each router replica, no extra hop: the "
                               "shipped LightGBM takes ~0.3 ms) or 'deployment' (a separate batched Serve deployment, "

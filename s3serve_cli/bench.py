@@ -4,7 +4,8 @@ import argparse
 from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from s3serve_cli.args import add_label_args, add_model_args
+from s3serve_cli.args import add_model_args
+from s3serve_cli.bench_predictor import add_predictor_parser
 from s3serve_cli.bench_simulate import add_simulate_parser
 
 
@@ -65,6 +66,7 @@ def _bench_policies(args: argparse.Namespace) -> int:
     overrides["workload"] = args.workload
     if args.labels is not None:
         overrides["labels_path"] = args.labels
+    overrides["probe"] = args.probe
 
     def labeler(records, labels_path, max_len):  # the natural workload's missing true lengths, as `s3serve label`
         from s3serve_cli.label import LabelConfig, label_records
@@ -144,18 +146,6 @@ def _bench_chaos(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_predictor(args: argparse.Namespace) -> int:
-    from benchmarks import predictor_bench
-
-    config = predictor_bench.PredictorBenchConfig(
-        label_paths=tuple(args.labels), prompt_paths=tuple(args.prompts), artifact=args.artifact,
-        kinds=None if args.kinds is None else tuple(args.kinds),
-        max_len=args.max_len, quantile=args.quantile, use_embedding=not args.no_embedding,
-    )
-    predictor_bench.run(config, args.json)
-    return 0
-
-
 def add_bench_parser(commands) -> None:
     """Add `bench` and its benchmarks to the subcommands of the main parser."""
     bench = commands.add_parser(
@@ -226,6 +216,11 @@ def add_bench_parser(commands) -> None:
     policies.add_argument("--labels", type=Path, default=None, metavar="FILE",
                           help="natural workload: true lengths for the oracle, labelled first where missing "
                                "(default: benchmarks/labels/smollm2-135m-instruct.heldout.greedy.jsonl)")
+    policies.add_argument("--probe", default=None, metavar="DIR",
+                          help="natural workload: also run s3 and s3_peak with the hidden-state probe refining "
+                               "their bounds inside the engine (after prefill, then every 64 decoded tokens), as "
+                               "s3+probe and s3_peak+probe; 'default' is the shipped probe, else a folder from "
+                               "`s3serve probe train`")
     policies.add_argument("--predictor", default="noisy-oracle:0.3",
                           help="noisy-oracle:SIGMA (true length x seeded log-normal error; a benchmark instrument), "
                                "default (the predictor the service ships and uses by default) or a trained "
@@ -355,30 +350,7 @@ def add_bench_parser(commands) -> None:
     control.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     control.set_defaults(handler=_bench_control_plane)
 
-    predictor = benches.add_parser(
-        "predictor",
-        help="output-length predictors side by side: mean, prompt-length line, LightGBM, transformer (and an artifact)",
-        description="Splits the labelled prompts into train and held-out by a hash of the prompt id (the split "
-                    "train-predictor uses), fits the baselines, LightGBM and the transformer on the train side, "
-                    "and reports on the held-out side Kendall tau, 10-bucket accuracy, MAE, under-reservation "
-                    "rate, mean over-reservation (calibrated and raw bound) and latency at batch 1 and 32.",
-    )
-    add_label_args(predictor)
-    predictor.add_argument("--artifact", type=Path, default=None, metavar="DIR",
-                           help="also score this train-predictor artifact (trained on the same labels and split); "
-                                "without --kinds only the baselines are trained next to it")
-    predictor.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
-                           choices=("mean", "linear", "lightgbm", "transformer"),
-                           help="predictors to train and score (default: all four; the transformer fine-tunes "
-                                "for a few minutes, leave it out to be quick)")
-    predictor.add_argument("--max-len", type=int, default=1024,
-                           help="longest sequence; the 10 length buckets span [0, max-len] (default: %(default)s)")
-    predictor.add_argument("--quantile", type=float, default=0.9,
-                           help="coverage target of the upper bounds (default: %(default)s)")
-    predictor.add_argument("--no-embedding", action="store_true",
-                           help="train LightGBM without the MiniLM sentence embedding (faster)")
-    predictor.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
-    predictor.set_defaults(handler=_bench_predictor)
+    add_predictor_parser(benches)
 
     chaos = benches.add_parser(
         "chaos",

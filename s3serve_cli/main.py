@@ -11,6 +11,7 @@ from pathlib import Path
 from s3serve_cli.args import add_label_args, add_model_args
 from workers.policies import SERVING_POLICY_NAMES
 from s3serve_cli.bench import add_bench_parser
+from s3serve_cli.probe import add_probe_parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -85,7 +86,7 @@ def _serve(args: argparse.Namespace) -> int:
         "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None,
         "device": args.device, "kv_cache_fraction": args.kv_cache_fraction,
         "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
-        "api_keys": tuple(args.api_key) if args.api_key else None,
+        "api_keys": tuple(args.api_key) if args.api_key else None, "length_probe": args.length_probe,
     }
     overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
     try:
@@ -127,6 +128,10 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="longest prompt + output in tokens (default 2048)")
     serve.add_argument("--predictor-artifact", type=Path, default=None, metavar="DIR",
                        help="length-predictor versions directory (default: the shipped artifact)")
+    serve.add_argument("--length-probe", default=None, metavar="DIR",
+                       help="workers re-bound output lengths from the model's own hidden states (after prefill, "
+                            "then every 64 decoded tokens): 'default' for the shipped SmolLM2 probe or a folder "
+                            "from `s3serve probe train` (default: off)")
     serve.add_argument("--data-dir", type=Path, default=None,
                        help="where the embedded Redis keeps its data (default ./.s3serve); "
                             "set S3_REDIS_URL to use your own Redis instead")
@@ -213,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="after scoring on the held-out split, refit on every label and save that model")
     train.set_defaults(handler=_train_predictor)
 
+    add_probe_parser(commands)
     add_bench_parser(commands)
     return parser
 
@@ -220,8 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
-    command = " ".join(part for part in ("s3serve", args.command, getattr(args, "bench", None)) if part)
-    if args.command in ("bench", "label"):
+    command = " ".join(part for part in ("s3serve", args.command, getattr(args, "bench", None),
+                                            getattr(args, "probe", None)) if part)
+    if args.command in ("bench", "label", "probe"):
         from workers.runtime import tune_cpu_runtime
 
         tune_cpu_runtime()  # these run engines in this process

@@ -64,8 +64,8 @@ def prefill_logits():
         forward = engine.runner.fast.forward
 
         def keep_all_rows(ids, positions, attention, rows):
-            captured["logits"] = forward(ids, positions, attention, torch.arange(ids.shape[0]))
-            return captured["logits"][rows]
+            captured["logits"], hidden = forward(ids, positions, attention, torch.arange(ids.shape[0]))
+            return captured["logits"][rows], hidden[rows]
 
         engine.runner.fast.forward = keep_all_rows
         try:
@@ -90,3 +90,28 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
+@pytest.fixture
+def synthetic_probe_features():
+    """`make(num_prompts, hidden_size, seed)`: probe rows (`HiddenFeatures`) at 0, 64 and 128 decoded tokens whose
+    hidden state carries log(1 + remaining tokens) along a fixed direction, plus unit noise; ids "set:<n>"."""
+    import numpy as np
+
+    from predictor_service.hidden_features import HiddenFeatures
+
+    def make(num_prompts: int, hidden_size: int, seed: int) -> HiddenFeatures:
+        rng = np.random.default_rng(seed)
+        direction = np.random.default_rng(99).normal(size=hidden_size)
+        direction /= np.linalg.norm(direction)
+        totals = rng.integers(2, 400, size=num_prompts)
+        rows = [(p, n) for p in range(num_prompts) for n in (0, 64, 128) if n < totals[p]]
+        prompt = np.array([p for p, _ in rows])
+        decoded = np.array([n for _, n in rows], dtype=np.int64)
+        remaining = totals[prompt] - decoded
+        hidden = rng.normal(size=(len(rows), hidden_size)) + 5 * np.log1p(remaining)[:, None] * direction
+        return HiddenFeatures(np.array([f"set:{p}" for p in prompt]), np.full(len(rows), 20, dtype=np.int64),
+                              decoded, np.full(len(rows), 500, dtype=np.int64), totals[prompt].astype(np.int64),
+                              hidden.astype(np.float16), {"max_len": 520})
+
+    return make

@@ -19,6 +19,7 @@ PURE_MODULES = [
     "workers.policies",
     "workers.scheduler",
     "workers.kv_cache_manager",
+    "workers.length_probe",
     "workers.sequence",
     "workers.sampling_params",
     "workers.engine_config",

@@ -16,6 +16,7 @@ from kv_kernels import KVKernelBackend, backend_for_device
 from workers.engine_config import EngineConfig
 from workers.kv_cache_manager import BlockAllocator
 from workers.kv_transfer import ExportedKV
+from workers.length_probe import LengthProbe, ProbeQuery, refined_bound
 from workers.model_runner import ModelRunner, pool_shape_for
 from workers.policies import SchedulingPolicy
 from workers.sampling import Sampler
@@ -36,6 +37,8 @@ class Engine:
         tokenizer: needed only for stop strings and output text.
         backend: KV kernels; chosen from the model's device when None.
         policy: admission, reservation and preemption rules; on-demand paging when None.
+        probe: re-bounds each sequence's output length from its hidden state (see
+            `workers.length_probe`); the bound given with the request stays when None.
     """
 
     def __init__(
@@ -45,6 +48,7 @@ class Engine:
         tokenizer=None,
         backend: KVKernelBackend | None = None,
         policy: SchedulingPolicy | None = None,
+        probe: LengthProbe | None = None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -76,6 +80,8 @@ class Engine:
             use_fast_path=config.use_fast_path,
         )
         self.sampler = Sampler()
+        self.probe = probe
+        self.num_probe_reads = 0  # sequences the probe has read (prefill samples and re-predictions)
         self.eos_token_ids = _eos_ids(model)
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -246,7 +252,7 @@ class Engine:
             return []
         scheduled_s = time.perf_counter()
         self.last_shape = step_shape(chunks)
-        logits, sampling_chunks = self.runner.run(chunks, self.allocator)
+        logits, hidden, sampling_chunks = self.runner.run(chunks, self.allocator, want_hidden=self.probe is not None)
         forward_done_s = time.perf_counter()
         seqs = [chunk.seq for chunk in sampling_chunks]
         token_ids = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
@@ -260,6 +266,8 @@ class Engine:
         self.last_used_blocks = self.used_blocks()
         self.last_reserved_blocks = self.allocator.num_reserved_blocks
         self.num_steps += 1
+        if self.probe is not None:
+            self._reprobe(seqs, hidden)
         outputs = [self._append_token(seq, token_id) for seq, token_id in zip(seqs, token_ids)]
         forward = self.runner.last_times
         self.last_times = StepTimes(
@@ -282,6 +290,21 @@ class Engine:
                 if out.is_finished:
                     outputs[out.seq_id] = list(out.output_token_ids)
         return [outputs[seq_id] for seq_id in ids]
+
+    def _reprobe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """Let the probe re-bound the sequences it is due to read (hidden: [len(seqs), hidden_size])."""
+        due = [i for i, seq in enumerate(seqs)
+               if seq.params.forced_output_tokens is None and self.probe.is_due(seq.num_output_tokens)
+               and seq.num_output_tokens < seq.params.max_tokens]
+        if not due:
+            return
+        queries = [ProbeQuery(seqs[i].seq_id, seqs[i].num_prompt_tokens, seqs[i].num_output_tokens,
+                              seqs[i].params.max_tokens) for i in due]
+        rows = hidden.index_select(0, torch.tensor(due, device=hidden.device)).float()  # [len(due), hidden_size]
+        bounds = self.probe.bound_remaining(rows, queries)
+        for i, query, remaining in zip(due, queries, bounds, strict=True):
+            seqs[i].predicted_output_tokens = refined_bound(query, remaining, seqs[i].predicted_output_tokens)
+        self.num_probe_reads += len(due)
 
     def _append_token(self, seq: Sequence, token_id: int) -> StepOutput:
         seq.output_token_ids.append(token_id)

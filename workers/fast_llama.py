@@ -152,8 +152,9 @@ class FastLlama:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                sample_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions [T] int64; returns logits [len(sample_rows), vocab] in the model's dtype."""
+                sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions [T] int64; returns logits [N, vocab] and the final-norm hidden states [N, hidden]
+        of the N = len(sample_rows) rows, both in the model's dtype (the hidden rows are the lm_head's input)."""
         num_tokens = input_ids.shape[0]
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         residual = F.embedding(input_ids, self.embed_weight)  # [T, hidden]
@@ -183,4 +184,5 @@ class FastLlama:
                 act = F.silu(layer.gate_up[0](hidden)) * layer.gate_up[1](hidden)  # HF's own ops
             hidden = layer.down(act)
         cpu_kernels.fused_add_rms_norm(hidden, residual, self.final_norm, self.eps)
-        return self.lm_head(hidden.index_select(0, sample_rows))  # [N, vocab]
+        rows = hidden.index_select(0, sample_rows)  # [N, hidden]
+        return self.lm_head(rows), rows  # [N, vocab], [N, hidden]

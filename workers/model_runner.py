@@ -160,8 +160,14 @@ class ModelRunner:
     # -- forward ------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Forward the chunks; return logits [num_sampling, vocab] (model dtype) and the chunks they belong to."""
+    def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator,
+            want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk]]:
+        """Forward the chunks; return logits [num_sampling, vocab], the final-norm hidden states of the same rows
+        [num_sampling, hidden] (model dtype) and the chunks they belong to.
+
+        The fast path returns the hidden rows always (they are the lm_head's input); the HF path
+        only with `want_hidden` (it then keeps every layer's states for the step), else None.
+        """
         start_s = time.perf_counter()
         # Prefill chunks first, longest first (backends may route the longest to GEMM attention), then decodes.
         prefills = sorted((c for c in chunks if c.num_tokens > 1), key=lambda c: c.num_tokens, reverse=True)
@@ -205,11 +211,14 @@ class ModelRunner:
         forward_start_s = time.perf_counter()
         if self.fast is not None:
             scale = self.fast.scale
-            logits = self.fast.forward(ids, pos, lambda i, q, k, v: attention(i, q, k, v, scale), keep)
+            logits, hidden = self.fast.forward(ids, pos, lambda i, q, k, v: attention(i, q, k, v, scale), keep)
         else:
             outputs = self.model(input_ids=ids[None], position_ids=pos[None], logits_to_keep=keep, use_cache=False,
-                                 s3_attention=attention)
+                                 s3_attention=attention, output_hidden_states=want_hidden)
             logits = outputs.logits[0]
+            # the last of the hidden states is the final norm's output, the lm_head's input
+            hidden = outputs.hidden_states[-1][0].index_select(0, keep) if want_hidden else None
         end_s = time.perf_counter()
         self.last_times = ForwardTimes(forward_start_s - start_s, end_s - forward_start_s, attention.elapsed_s)
-        return logits[: len(sample_rows)], sampling_chunks  # [num_sampling, vocab]
+        num_sampling = len(sample_rows)
+        return logits[:num_sampling], None if hidden is None else hidden[:num_sampling], sampling_chunks

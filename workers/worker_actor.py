@@ -56,6 +56,9 @@ class WorkerSettings:
             cuda:N (`workers.device`).
         kv_cache_fraction: on CUDA, the KV budget as this share of the GPU memory free after the model
             is loaded, instead of kv_cache_bytes.
+        length_probe: a hidden-state probe folder (`s3serve probe train`), or "default" for the shipped one:
+            the engine re-bounds each sequence's output from its hidden states after prefill and every
+            N decoded tokens (`workers.length_probe`); None keeps the router's bound.
     """
 
     model: str = DEFAULT_MODEL
@@ -75,6 +78,7 @@ class WorkerSettings:
     enable_prefix_caching: bool = True
     device: str = "auto"
     kv_cache_fraction: float | None = None
+    length_probe: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -90,6 +94,9 @@ class WorkerSettings:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.bucket_tokens is not None and not issubclass(POLICIES[self.policy], S3Policy):
             raise ValueError(f"bucket_tokens applies to the s3 and s3_peak policies, not {self.policy!r}")
+        if self.length_probe not in (None, "default") and not (Path(self.length_probe) / "probe.json").is_file():
+            raise ValueError(f"length_probe {self.length_probe!r} is not a probe folder (no probe.json); give "
+                             "'default' or a folder from `s3serve probe train`")
         # Fail in the caller's process, not later inside the actor.
         self.make_policy()
         EngineConfig(self.kv_cache_bytes, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
@@ -128,7 +135,12 @@ def build_engine(settings: WorkerSettings):
         enable_prefix_caching=settings.enable_prefix_caching,
         cache_salt=prefix_cache_salt(settings.model, settings.dtype),
     )
-    return Engine(model, config, tokenizer=tokenizer, policy=settings.make_policy())
+    probe = None
+    if settings.length_probe is not None:
+        from predictor_service.hidden_probe import load_probe_for
+
+        probe = load_probe_for(settings.length_probe, model.config.hidden_size)
+    return Engine(model, config, tokenizer=tokenizer, policy=settings.make_policy(), probe=probe)
 
 
 class WorkerActor:

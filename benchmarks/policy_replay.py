@@ -1,0 +1,124 @@
+"""One replay of `bench policies`: a fresh engine, one policy (optionally with the hidden-state probe), the
+requests fed at their arrival times, and what it measured."""
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from benchmarks.natural_workload import output_digest
+from benchmarks.policy_summary import NO_CACHE_SUFFIX
+from workers.engine import Engine
+from workers.engine_config import EngineConfig
+from workers.length_probe import LengthProbe
+from workers.policies import PreemptionCostModel, make_policy
+from workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from benchmarks.policy_bench import PolicyBenchConfig
+
+MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
+PROBE_SUFFIX = "+probe"  # a length-aware policy whose bounds the worker-side probe refines
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """Raw measurements of one policy."""
+
+    policy: str
+    wall_s: float = 0.0
+    output_tokens: int = 0
+    # (end of step s, step duration s, sequences in the step, used blocks, reserved blocks); idle
+    # gaps of online replay are steps with no sequence.
+    steps: list[tuple[float, float, int, int, int]] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    swapped_bytes: int = 0
+    num_mispredictions: int = 0
+    misprediction_events: list[dict] = field(default_factory=list)
+    num_blocks: int = 0
+    outputs_ok: bool = True
+    prefix_caching: bool = True
+    num_prompt_tokens: int = 0  # at first admission
+    num_prefix_hit_tokens: int = 0  # of those, taken from the prefix cache
+    digests: dict[str, str] = field(default_factory=dict)  # request id -> fingerprint of its output tokens
+    num_probe_reads: int = 0  # bounds the hidden-state probe set (after prefill and every N decoded tokens)
+
+
+def run_policy(model, name: str, requests, bounds: dict[str, int], config: "PolicyBenchConfig",
+               kv_cache_bytes: int, cost_model: PreemptionCostModel, progress: tqdm,
+               prefix_caching: bool = True, probe: LengthProbe | None = None) -> PolicyRun:
+    """Replay the requests through a fresh engine with one policy (and `probe` refining its bounds, if given)."""
+    natural = config.workload == "natural"
+    kwargs = {"cost_model": cost_model} if name.startswith("s3") else {}
+    if name == "oracle" and natural:
+        kwargs = {"from_prediction": True}  # `bounds` holds the labelled lengths; nothing is forced
+    engine = Engine(
+        model,
+        EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
+                     max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len,
+                     enable_prefix_caching=prefix_caching),
+        policy=make_policy(name, max_model_len=config.max_len, **kwargs),
+        probe=probe,
+    )
+    label = name if probe is None else f"{name}{PROBE_SUFFIX}"
+    run = PolicyRun(policy=label if prefix_caching else f"{label}{NO_CACHE_SUFFIX}", num_blocks=engine.allocator.num_blocks,
+                    prefix_caching=prefix_caching)
+    pending = sorted(requests, key=lambda r: r.arrival_s)
+    expected = {r.request_id: r.output_tokens for r in requests}
+    start_s = time.monotonic()
+    next_index = 0
+    while next_index < len(pending) or engine.has_unfinished():
+        now_s = time.monotonic() - start_s
+        while next_index < len(pending) and pending[next_index].arrival_s <= now_s:
+            request = pending[next_index]
+            max_tokens = config.max_len - len(request.prompt_token_ids)
+            engine.add_request(
+                list(request.prompt_token_ids),
+                SamplingParams(max_tokens=max_tokens) if natural else  # greedy, to the model's own stop
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True, forced_output_tokens=request.output_tokens),
+                seq_id=request.request_id,
+                predicted_output_tokens=bounds.get(request.request_id),
+                arrival_s=start_s + request.arrival_s,
+            )
+            next_index += 1
+        if not engine.has_unfinished():
+            idle_s = max(0.0, pending[next_index].arrival_s - now_s)
+            time.sleep(idle_s)
+            run.steps.append((time.monotonic() - start_s, idle_s, 0, 0, 0))
+            continue
+        step_start_s = time.monotonic()
+        outputs = engine.step()
+        now_s = time.monotonic()
+        run.steps.append((now_s - start_s, now_s - step_start_s, engine.last_num_scheduled,
+                          engine.last_used_blocks, engine.last_reserved_blocks))
+        for out in outputs:
+            if out.is_finished:
+                metrics = out.metrics
+                run.output_tokens += metrics.num_output_tokens
+                run.outputs_ok &= metrics.num_output_tokens == expected[out.seq_id]
+                run.digests[out.seq_id] = output_digest(out.output_token_ids)
+                run.ttft_s.append(metrics.ttft_s)
+                run.latency_s.append(metrics.latency_s)
+                if metrics.tpot_s is not None:
+                    run.tpot_s.append(metrics.tpot_s)
+                progress.update(1)
+    run.wall_s = time.monotonic() - start_s
+    stats = engine.scheduler.stats
+    run.num_preemptions = stats.num_preemptions
+    run.num_recomputed_tokens = stats.num_recomputed_tokens
+    run.swapped_bytes = engine.swapped_bytes
+    run.num_mispredictions = len(stats.mispredictions)
+    run.num_probe_reads = engine.num_probe_reads
+    run.num_prompt_tokens = stats.num_prompt_tokens_admitted
+    run.num_prefix_hit_tokens = stats.num_prefix_hit_tokens
+    run.misprediction_events = [
+        {"request_id": e.seq_id, "predicted_output_tokens": e.predicted_output_tokens,
+         "output_tokens_so_far": e.num_output_tokens, "step": e.step}
+        for e in stats.mispredictions[:MAX_REPORTED_EVENTS]
+    ]
+    return run

@@ -1,0 +1,101 @@
+"""The hidden-state probe's rows of `bench predictor`: trained on the train side's features, scored on held-out ones.
+
+At the prefill's sample (0 decoded tokens) a probe is scored like every text predictor
+(`predictor_service.metrics.evaluate` on total lengths). While decoding it re-predicts:
+after 64 and 256 decoded tokens the MAE on *remaining* tokens of the sequences still
+running is reported next to what the prefill estimate alone says then (its point minus
+the tokens decoded, at least 1), for the probes and for the text predictors alike.
+"""
+
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from predictor_service.hidden_features import HiddenFeatures
+from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
+from predictor_service.metrics import evaluate, mae_tokens
+
+REPREDICTION_POINTS = (64, 256)
+
+# name -> (hidden_units, ranking_weight)
+PROBE_VARIANTS = {"probe_linear": (0, 0.0), "probe": (256, 0.0), "probe_rank": (256, 1.0)}
+
+
+def remaining_mae(point_remaining, features: HiddenFeatures) -> float:
+    return mae_tokens(point_remaining, features.remaining_tokens)
+
+
+def prefill_remaining_mae(prefill_point_by_prompt: Mapping[str, int], at: HiddenFeatures) -> float | None:
+    """MAE on remaining tokens when the prefill's point estimate is all one has: max(1, point - decoded)."""
+    known = np.array([p in prefill_point_by_prompt for p in at.prompt_ids], dtype=bool)
+    if not known.any():
+        return None
+    rows = at.take(known)
+    guess = np.maximum(1, np.array([prefill_point_by_prompt[p] for p in rows.prompt_ids]) - rows.num_output_tokens)
+    return remaining_mae(guess, rows)
+
+
+def _latency_ms(probe: HiddenStateProbe, rows: HiddenFeatures, batch_size: int, num_batches: int) -> dict:
+    take = rows.take(np.arange(len(rows)) < batch_size)
+    times_ms = []
+    for _ in range(num_batches + 1):
+        began = time.perf_counter()
+        probe.predict_rows(take.hidden, take.num_prompt_tokens, take.num_output_tokens, take.max_tokens)
+        times_ms.append((time.perf_counter() - began) * 1e3)
+    times_ms = times_ms[1:]  # the first call warms up
+    return {f"latency_p50_ms_batch{batch_size}": float(np.percentile(times_ms, 50)),
+            f"latency_p99_ms_batch{batch_size}": float(np.percentile(times_ms, 99))}
+
+
+def score_probes(features: HiddenFeatures, is_held_out: Callable[[str], bool], max_len: int, quantile: float,
+                 num_latency_batches: int = 50) -> tuple[dict[str, dict], dict[str, int]]:
+    """Train each probe variant on the train side's rows and score it on the held-out side's."""
+    held = np.array([is_held_out(p) for p in features.prompt_ids], dtype=bool)
+    train, test = features.take(~held), features.take(held)
+    if len(train) == 0 or len(test) == 0:
+        raise ValueError(f"the features split into {len(train)} train and {len(test)} held-out rows: need both")
+    at_prefill = test.take(test.num_output_tokens == 0)
+    results = {}
+    for name, (hidden_units, ranking_weight) in PROBE_VARIANTS.items():
+        config = ProbeConfig(max_len=max_len, quantile=quantile, hidden_units=hidden_units,
+                             ranking_weight=ranking_weight)
+        began = time.perf_counter()
+        probe = HiddenStateProbe(config, features.hidden.shape[1]).fit(train)
+        fit_s = time.perf_counter() - began
+        began = time.perf_counter()
+        predictions = probe.predict_lengths(at_prefill.hidden, at_prefill.num_prompt_tokens,
+                                            at_prefill.num_output_tokens, at_prefill.max_tokens)
+        metrics = evaluate(predictions, at_prefill.output_tokens, max_len)
+        metrics["predict_all_held_out_s"] = time.perf_counter() - began
+        metrics["fit_s"] = fit_s
+        metrics["calibration"] = None if probe.calibration is None else probe.calibration.to_dict()
+        raw = probe._raw(at_prefill.hidden, at_prefill.num_prompt_tokens, at_prefill.num_output_tokens,
+                         at_prefill.max_tokens)[1]
+        raw_upper = np.minimum(np.rint(raw), at_prefill.max_tokens)
+        metrics["raw_under_reservation_rate"] = float(np.mean(at_prefill.output_tokens > raw_upper))
+        metrics["raw_mean_over_reservation_tokens"] = float(np.mean(np.maximum(0, raw_upper - at_prefill.output_tokens)))
+        prefill_points = {p: pred.point_tokens for p, pred in zip(at_prefill.prompt_ids, predictions)}
+        for decoded in REPREDICTION_POINTS:
+            at = test.take(test.num_output_tokens == decoded)
+            out = probe.predict_rows(at.hidden, at.num_prompt_tokens, at.num_output_tokens, at.max_tokens)
+            metrics[f"remaining_mae_tokens_at_{decoded}"] = remaining_mae(out.point_remaining, at) if len(at) else None
+            metrics[f"prefill_remaining_mae_tokens_at_{decoded}"] = prefill_remaining_mae(prefill_points, at)
+            metrics[f"num_running_at_{decoded}"] = len(at)
+        for batch_size in (1, 32):
+            metrics.update(_latency_ms(probe, at_prefill, batch_size, num_latency_batches))
+        results[name] = metrics
+    sizes = {"num_train_rows": len(train), "num_held_out_rows": len(test), "num_held_out_prompts": len(at_prefill)}
+    return results, sizes
+
+
+def text_predictor_remaining(prefill_point_by_prompt: Mapping[str, int], features: HiddenFeatures,
+                             is_held_out: Callable[[str], bool]) -> dict:
+    """A text predictor's prefill estimate judged at the re-prediction points (it cannot re-predict)."""
+    held = features.take(np.array([is_held_out(p) for p in features.prompt_ids], dtype=bool))
+    out = {}
+    for decoded in REPREDICTION_POINTS:
+        value = prefill_remaining_mae(prefill_point_by_prompt, held.take(held.num_output_tokens == decoded))
+        out[f"remaining_mae_tokens_at_{decoded}"] = value
+        out[f"prefill_remaining_mae_tokens_at_{decoded}"] = value
+    return out

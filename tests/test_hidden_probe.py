@@ -1,0 +1,156 @@
+"""The hidden-state length probe: rows taken from the engine's own forward, a probe trained on them, and the
+engine re-bounding sequences with it (tiny random Llama; the shipped probe is scored by `bench predictor`)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from predictor_service.hidden_features import FeatureJob, HiddenStateRecorder, extract_hidden_features
+from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig, load_probe_for
+from predictor_service.metrics import kendall_tau
+from workers.engine import Engine, EngineConfig
+from workers.length_probe import LengthProbe, ProbeQuery, refined_bound
+from workers.models import make_tiny_model
+from workers.sampling_params import SamplingParams
+from workers.worker_actor import WorkerSettings
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BLOCK_SIZE = 4
+BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
+
+
+def _engine(model, probe=None, use_fast_path=True, **fields) -> Engine:
+    config = dict(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=8,
+                  max_num_batched_tokens=64, max_model_len=128, use_fast_path=use_fast_path)
+    config.update(fields)
+    return Engine(copy.deepcopy(model), EngineConfig(**config), probe=probe)
+
+
+@pytest.mark.parametrize("use_fast_path", [True, False], ids=["fast", "hf"])
+def test_engine_hands_the_probe_the_final_norm_hidden_state_of_the_sampled_row(use_fast_path):
+    model = make_tiny_model(seed=5, init_std=0.2)
+    prompt = torch.randint(3, 256, (13,), generator=torch.Generator().manual_seed(5)).tolist()
+    recorder = HiddenStateRecorder(interval_tokens=3, last_checkpoint_tokens=6)
+    engine = _engine(model, recorder, use_fast_path=use_fast_path)
+    assert engine.runner.path == ("fast" if use_fast_path else "hf")
+    [output] = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert sorted(n for _, n in recorder.rows) == [0, 3, 6]  # the prefill's sample, then every 3 decoded tokens
+    with torch.inference_mode():
+        tokens = torch.tensor([prompt + output])
+        want = model.model(tokens).last_hidden_state[0]  # [T, hidden], HF's own forward, final norm applied
+    for (_, decoded), row in recorder.rows.items():
+        # the row that samples output token `decoded` is the state of the token before it
+        torch.testing.assert_close(torch.from_numpy(row).float(), want[len(prompt) + decoded - 1], atol=2e-3,
+                                   rtol=2e-3)
+
+
+class _FixedProbe(LengthProbe):
+    """Answers the same remaining length at every read; records what it was asked."""
+
+    def __init__(self, remaining: int, interval_tokens: int) -> None:
+        self.remaining = remaining
+        self.interval_tokens = interval_tokens
+        self.asked: list[ProbeQuery] = []
+
+    def bound_remaining(self, hidden, queries):
+        assert hidden.dtype == torch.float32 and hidden.shape[0] == len(queries)
+        self.asked.extend(queries)
+        return [self.remaining] * len(queries)
+
+
+def test_reprediction_rewrites_the_bound_the_policies_plan_by():
+    model = make_tiny_model(seed=6, init_std=0.2)
+    probe = _FixedProbe(remaining=3, interval_tokens=5)
+    engine = _engine(model, probe)
+    seq_id = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=20, ignore_eos=True),
+                                predicted_output_tokens=17)
+    forced_id = engine.add_request([9, 10, 11], SamplingParams(max_tokens=20, forced_output_tokens=12))
+    engine.step()  # both prompts prefill and sample their first token
+    assert engine.sequence(seq_id).predicted_output_tokens == 0 + 3  # the router's 17 replaced after prefill
+    for _ in range(5):
+        engine.step()
+    assert engine.sequence(seq_id).predicted_output_tokens == 5 + 3  # re-predicted after 5 decoded tokens
+    assert {q.seq_id for q in probe.asked} == {seq_id}  # forced lengths are not the model's to predict
+    assert [q.num_output_tokens for q in probe.asked] == [0, 5]
+    assert engine.sequence(forced_id).predicted_output_tokens is None
+    assert engine.num_probe_reads == 2
+
+
+def test_refined_bound_stays_inside_what_can_still_happen():
+    query = ProbeQuery("a", num_prompt_tokens=10, num_output_tokens=30, max_tokens=40)
+    assert refined_bound(query, 500, 35) == 40  # never past max_tokens
+    assert refined_bound(query, 0, 35) == 31  # at least the token being sampled
+    assert refined_bound(query, None, 35) == 35  # no answer: the bound stays
+
+
+@pytest.mark.parametrize("hidden_units,ranking_weight", [(0, 0.0), (32, 0.5)], ids=["linear", "mlp-ranking"])
+def test_a_trained_probe_ranks_unseen_rows_covers_its_bound_and_loads_back(tmp_path, hidden_units, ranking_weight,
+                                                                           synthetic_probe_features):
+    train, test = synthetic_probe_features(400, 24, seed=1), synthetic_probe_features(150, 24, seed=2)
+    config = ProbeConfig(max_len=520, hidden_units=hidden_units, ranking_weight=ranking_weight, num_epochs=30)
+    probe = HiddenStateProbe(config, hidden_size=24).fit(train)
+    assert probe.calibration is not None and probe.calibration.num_calibration > 20
+    out = probe.predict_rows(test.hidden, test.num_prompt_tokens, test.num_output_tokens, test.max_tokens)
+    assert kendall_tau(out.point_remaining, test.remaining_tokens) > 0.7
+    assert np.mean(test.remaining_tokens <= out.upper_remaining) >= 0.8  # calibrated for 0.9 on other prompts
+    assert np.all(out.upper_remaining >= out.point_remaining)
+    assert out.bucket_probs.shape == (len(test), 10)
+    loaded = HiddenStateProbe.load(probe.save(tmp_path / "probe"))
+    again = loaded.predict_rows(test.hidden, test.num_prompt_tokens, test.num_output_tokens, test.max_tokens)
+    assert np.array_equal(again.upper_remaining, out.upper_remaining)
+    with pytest.raises(ValueError, match=r"\[N, 24\]"):
+        probe.predict_rows(test.hidden[:, :10], [1], [0], [5])
+
+
+def test_loading_a_folder_without_a_probe_says_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="probe.json"):
+        HiddenStateProbe.load(tmp_path)
+
+
+def test_extracted_rows_train_a_probe_that_the_engine_then_reads_with():
+    model = make_tiny_model(seed=7, vocab_size=16, init_std=0.3)  # a small vocabulary: EOS (2) comes up
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 16, (int(n),), generator=gen).tolist() for n in torch.randint(3, 20, (24,), generator=gen)]
+    params = SamplingParams(max_tokens=40)
+    outputs = _engine(model).generate(prompts, params)
+    assert any(len(o) < 40 for o in outputs)  # some stop on EOS: their labels are checked below
+    jobs = [FeatureJob(f"tiny:{i}", tuple(p), 40, len(o)) for i, (p, o) in enumerate(zip(prompts, outputs))]
+    stopped = next(i for i, o in enumerate(outputs) if len(o) < 40)
+    jobs.append(FeatureJob("tiny:wrong", tuple(prompts[stopped]), 40, len(outputs[stopped]) + 5))
+    features, report = extract_hidden_features(model, jobs, max_len=128, interval_tokens=8, last_checkpoint_tokens=16,
+                                               max_num_seqs=8, kv_cache_bytes=256 * BYTES_PER_BLOCK)
+    assert report.disagreeing_prompt_ids == ("tiny:wrong",)  # it stopped where the real label says, not there
+    assert set(features.num_output_tokens) <= {0, 8, 16} and 0 in features.num_output_tokens
+    assert len(set(features.prompt_ids)) == len(prompts)
+    assert np.all(features.remaining_tokens >= 1)
+
+    probe = HiddenStateProbe(ProbeConfig(max_len=128, hidden_units=16, interval_tokens=8, num_epochs=5),
+                             hidden_size=model.config.hidden_size).fit(features)
+    engine = _engine(model, probe)
+    seq_id = engine.add_request(prompts[0], SamplingParams(max_tokens=40, ignore_eos=True), predicted_output_tokens=40)
+    engine.step()
+    first = engine.sequence(seq_id).predicted_output_tokens
+    assert 1 <= first <= 40 and engine.num_probe_reads == 1
+    for _ in range(8):
+        engine.step()
+    assert engine.num_probe_reads == 2
+    assert 9 <= engine.sequence(seq_id).predicted_output_tokens <= 40  # re-bounded from 8 decoded tokens on
+
+
+def test_the_shipped_probe_loads_for_the_default_model_only():
+    probe = load_probe_for("default", hidden_size=576)  # SmolLM2-135M's width
+    assert probe.calibration is not None and probe.interval_tokens == 64
+    queries = [ProbeQuery("a", 40, 0, 900), ProbeQuery("b", 40, 256, 900)]
+    bounds = probe.bound_remaining(torch.randn(2, 576), queries)
+    assert all(1 <= b <= q.max_remaining_tokens for b, q in zip(bounds, queries))
+    with pytest.raises(ValueError, match="hidden states of size 576, the model has 96"):
+        load_probe_for("default", hidden_size=96)
+
+
+def test_worker_settings_refuse_a_probe_folder_that_holds_none(tmp_path):
+    with pytest.raises(ValueError, match="not a probe folder"):
+        WorkerSettings(length_probe=str(tmp_path))
+    assert WorkerSettings(length_probe="default").length_probe == "default"
