@@ -23,7 +23,7 @@ import torch
 
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
-from workers.length_probe import LengthProbe, ProbeQuery
+from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
 from workers.sampling_params import SamplingParams
 
 
@@ -102,7 +102,7 @@ class HiddenStateRecorder(LengthProbe):
     def is_due(self, num_output_tokens: int) -> bool:
         return num_output_tokens <= self.last_checkpoint_tokens and super().is_due(num_output_tokens)
 
-    def bound_remaining(self, hidden, queries: list[ProbeQuery]) -> list[int | None]:
+    def estimate_remaining(self, hidden, queries: list[ProbeQuery]) -> list[RemainingEstimate | None]:
         values = hidden.to(torch.float16).cpu().numpy()  # [N, hidden_size]
         for row, query in zip(values, queries, strict=True):
             self.rows[(query.seq_id, query.num_output_tokens)] = row

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from predictor_service.calibration import BoundCalibration, fit_calibration, is_calibration_example
 from predictor_service.hidden_features import HiddenFeatures
 from predictor_service.length_predictor import LengthPrediction
-from workers.length_probe import LengthProbe, ProbeQuery
+from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
 
 DEFAULT_PROBE = Path(__file__).parent / "default_probe"  # trained on the shipped labels' features
 PROBE_FILE = "probe.pt"
@@ -222,10 +222,10 @@ class HiddenStateProbe(LengthProbe):
         return [LengthPrediction(int(d + p), int(d + u), tuple(float(v) for v in probs))
                 for d, p, u, probs in zip(done, out.point_remaining, out.upper_remaining, out.bucket_probs)]
 
-    def bound_remaining(self, hidden, queries: list[ProbeQuery]) -> list[int | None]:
+    def estimate_remaining(self, hidden, queries: list[ProbeQuery]) -> list[RemainingEstimate | None]:
         out = self.predict_rows(hidden, [q.num_prompt_tokens for q in queries],
                                 [q.num_output_tokens for q in queries], [q.max_tokens for q in queries])
-        return [int(v) for v in out.upper_remaining]
+        return [RemainingEstimate(int(p), int(u)) for p, u in zip(out.point_remaining, out.upper_remaining)]
 
     # -- files --------------------------------------------------------------
 

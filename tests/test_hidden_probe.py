@@ -11,7 +11,8 @@ from predictor_service.hidden_features import FeatureJob, HiddenStateRecorder, e
 from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig, load_probe_for
 from predictor_service.metrics import kendall_tau
 from workers.engine import Engine, EngineConfig
-from workers.length_probe import LengthProbe, ProbeQuery, refined_bound
+from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate, refined_bound, remaining_for
+from workers.policies import S3PeakPolicy, S3Policy
 from workers.models import make_tiny_model
 from workers.sampling_params import SamplingParams
 from workers.worker_actor import WorkerSettings
@@ -48,23 +49,25 @@ def test_engine_hands_the_probe_the_final_norm_hidden_state_of_the_sampled_row(u
 
 
 class _FixedProbe(LengthProbe):
-    """Answers the same remaining length at every read; records what it was asked."""
+    """Answers the same remaining length at every read (point 3, bound `upper`); records what it was asked."""
 
-    def __init__(self, remaining: int, interval_tokens: int) -> None:
-        self.remaining = remaining
+    def __init__(self, upper: int, interval_tokens: int) -> None:
+        self.upper = upper
         self.interval_tokens = interval_tokens
         self.asked: list[ProbeQuery] = []
 
-    def bound_remaining(self, hidden, queries):
+    def estimate_remaining(self, hidden, queries):
         assert hidden.dtype == torch.float32 and hidden.shape[0] == len(queries)
         self.asked.extend(queries)
-        return [self.remaining] * len(queries)
+        return [RemainingEstimate(3, self.upper)] * len(queries)
 
 
-def test_reprediction_rewrites_the_bound_the_policies_plan_by():
+@pytest.mark.parametrize("policy", [S3Policy(bucket_tokens=8), S3PeakPolicy(bucket_tokens=8)], ids=["s3", "s3_peak"])
+def test_reprediction_rewrites_the_bound_the_policies_plan_by(policy):
     model = make_tiny_model(seed=6, init_std=0.2)
-    probe = _FixedProbe(remaining=3, interval_tokens=5)
-    engine = _engine(model, probe)
+    probe = _FixedProbe(upper=3 if policy.holds_plan else 7, interval_tokens=5)  # s3 takes the bound, s3_peak the point
+    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+                                                       max_model_len=128), policy=policy, probe=probe)
     seq_id = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=20, ignore_eos=True),
                                 predicted_output_tokens=17)
     forced_id = engine.add_request([9, 10, 11], SamplingParams(max_tokens=20, forced_output_tokens=12))
@@ -84,6 +87,9 @@ def test_refined_bound_stays_inside_what_can_still_happen():
     assert refined_bound(query, 500, 35) == 40  # never past max_tokens
     assert refined_bound(query, 0, 35) == 31  # at least the token being sampled
     assert refined_bound(query, None, 35) == 35  # no answer: the bound stays
+    estimate = RemainingEstimate(point_tokens=4, upper_tokens=9)
+    assert remaining_for(estimate, holds_plan=True) == 9 and remaining_for(estimate, holds_plan=False) == 4
+    assert remaining_for(None, holds_plan=True) is None
 
 
 @pytest.mark.parametrize("hidden_units,ranking_weight", [(0, 0.0), (32, 0.5)], ids=["linear", "mlp-ranking"])
@@ -144,8 +150,8 @@ def test_the_shipped_probe_loads_for_the_default_model_only():
     probe = load_probe_for("default", hidden_size=576)  # SmolLM2-135M's width
     assert probe.calibration is not None and probe.interval_tokens == 64
     queries = [ProbeQuery("a", 40, 0, 900), ProbeQuery("b", 40, 256, 900)]
-    bounds = probe.bound_remaining(torch.randn(2, 576), queries)
-    assert all(1 <= b <= q.max_remaining_tokens for b, q in zip(bounds, queries))
+    estimates = probe.estimate_remaining(torch.randn(2, 576), queries)
+    assert all(1 <= e.point_tokens <= e.upper_tokens <= q.max_remaining_tokens for e, q in zip(estimates, queries))
     with pytest.raises(ValueError, match="hidden states of size 576, the model has 96"):
         load_probe_for("default", hidden_size=96)
 

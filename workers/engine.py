@@ -16,7 +16,7 @@ from kv_kernels import KVKernelBackend, backend_for_device
 from workers.engine_config import EngineConfig
 from workers.kv_cache_manager import BlockAllocator
 from workers.kv_transfer import ExportedKV
-from workers.length_probe import LengthProbe, ProbeQuery, refined_bound
+from workers.length_probe import LengthProbe, ProbeQuery, refined_bound, remaining_for
 from workers.model_runner import ModelRunner, pool_shape_for
 from workers.policies import SchedulingPolicy
 from workers.sampling import Sampler
@@ -301,9 +301,11 @@ class Engine:
         queries = [ProbeQuery(seqs[i].seq_id, seqs[i].num_prompt_tokens, seqs[i].num_output_tokens,
                               seqs[i].params.max_tokens) for i in due]
         rows = hidden.index_select(0, torch.tensor(due, device=hidden.device)).float()  # [len(due), hidden_size]
-        bounds = self.probe.bound_remaining(rows, queries)
-        for i, query, remaining in zip(due, queries, bounds, strict=True):
-            seqs[i].predicted_output_tokens = refined_bound(query, remaining, seqs[i].predicted_output_tokens)
+        holds_plan = self.scheduler.policy.holds_plan
+        estimates = self.probe.estimate_remaining(rows, queries)
+        for i, query, estimate in zip(due, queries, estimates, strict=True):
+            seqs[i].predicted_output_tokens = refined_bound(query, remaining_for(estimate, holds_plan),
+                                                            seqs[i].predicted_output_tokens)
         self.num_probe_reads += len(due)
 
     def _append_token(self, seq: Sequence, token_id: int) -> StepOutput:

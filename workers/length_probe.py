@@ -4,10 +4,14 @@ The router's text predictor gives the first bound (placement needs one before an
 forward). Inside the worker the model has already read the prompt: the final-norm
 hidden state of the row a step samples from (the lm_head's input, free since the
 forward computes it anyway) says more about how the answer will go. A `LengthProbe`
-maps those rows to a bound on the tokens still to come, at the prefill's sample and
-again every `interval_tokens` decoded tokens; the engine writes
-`num_output_tokens + bound` as the sequence's `predicted_output_tokens`, which the
-length-aware policies plan by.
+maps those rows to an estimate of the tokens still to come (a point and an upper
+bound), at the prefill's sample and again every `interval_tokens` decoded tokens; the
+engine writes `num_output_tokens + remaining` as the sequence's
+`predicted_output_tokens`, which the length-aware policies plan by. Which of the two:
+a policy that holds its plan (s3 reserves it whole) takes the upper bound, since an
+overrun there costs a preemption; a policy that takes blocks on demand and only admits
+by the plan (s3_peak) takes the point, refined as decoding goes on, since an overrun
+there only stretches a plan (`remaining_for`).
 
 Pure decisions (no torch import): the engine passes the rows, implementations
 (`predictor_service.hidden_probe`) bring their own model.
@@ -38,6 +42,21 @@ class ProbeQuery:
         return self.max_tokens - self.num_output_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class RemainingEstimate:
+    """Tokens still to generate, the one being sampled included: a point estimate and an upper bound."""
+
+    point_tokens: int
+    upper_tokens: int
+
+
+def remaining_for(estimate: RemainingEstimate | None, holds_plan: bool) -> int | None:
+    """The estimate a policy plans by: the upper bound if it reserves its plan, else the point."""
+    if estimate is None:
+        return None
+    return estimate.upper_tokens if holds_plan else estimate.point_tokens
+
+
 class LengthProbe(abc.ABC):
     """Bounds the remaining output of sequences from their hidden states.
 
@@ -52,11 +71,11 @@ class LengthProbe(abc.ABC):
         return num_output_tokens % self.interval_tokens == 0
 
     @abc.abstractmethod
-    def bound_remaining(self, hidden, queries: list[ProbeQuery]) -> list[int | None]:
+    def estimate_remaining(self, hidden, queries: list[ProbeQuery]) -> list[RemainingEstimate | None]:
         """hidden: [len(queries), hidden_size] float32 tensor, row i for queries[i].
 
-        Returns per query an upper bound on the tokens still to generate, the one being
-        sampled included (in [1, max_remaining_tokens]), or None to keep the current bound.
+        Returns per query the tokens still to generate (each in [1, max_remaining_tokens]),
+        or None to keep the current bound.
         """
 
 
