@@ -66,7 +66,8 @@ def _bench_policies(args: argparse.Namespace) -> int:
     overrides["workload"] = args.workload
     if args.labels is not None:
         overrides["labels_path"] = args.labels
-    overrides["probe"] = args.probe
+    probe = args.probe if args.probe is not None else ("default" if args.workload == "natural" else "none")
+    overrides["probe"] = None if probe == "none" else probe
 
     def labeler(records, labels_path, max_len):  # the natural workload's missing true lengths, as `s3serve label`
         from s3serve_cli.label import LabelConfig, label_records
@@ -219,8 +220,8 @@ def add_bench_parser(commands) -> None:
     policies.add_argument("--probe", default=None, metavar="DIR",
                           help="natural workload: also run s3 and s3_peak with the hidden-state probe refining "
                                "their bounds inside the engine (after prefill, then every 64 decoded tokens), as "
-                               "s3+probe and s3_peak+probe; 'default' is the shipped probe, else a folder from "
-                               "`s3serve probe train`")
+                               "s3+probe and s3_peak+probe: 'default' (the shipped probe; the default with "
+                               "--workload natural), a folder from `s3serve probe train`, or 'none'")
     policies.add_argument("--predictor", default="noisy-oracle:0.3",
                           help="noisy-oracle:SIGMA (true length x seeded log-normal error; a benchmark instrument), "
                                "default (the predictor the service ships and uses by default) or a trained "
