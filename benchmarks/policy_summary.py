@@ -46,6 +46,7 @@ def summarize(run, num_requests: int) -> dict:
         "recomputed_tokens": run.num_recomputed_tokens,
         "swapped_bytes": run.swapped_bytes,
         "mispredictions": run.num_mispredictions,
+        "probe_reads": run.num_probe_reads,
         "misprediction_events": run.misprediction_events,
         "latency_p50_s": percentile(run.latency_s, 0.5),
         "latency_p99_s": percentile(run.latency_s, 0.99),

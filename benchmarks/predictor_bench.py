@@ -39,8 +39,9 @@ KINDS = ("mean", "linear", "lightgbm", "transformer")
 SPLITS = ("prompt_id", "source")
 # Held out by `split="source"`: maths word problems, open chat and code completion (30% of the pool's labels)
 HELD_OUT_SOURCES = ("gsm8k", "arenahard", "humaneval")
-SHIPPED_FEATURES = Path(__file__).resolve().parent.parent / "predictor_service" / "labels" / (
-    "smollm2-135m-instruct.pool.greedy.hidden.npz")
+SHIPPED_LABELS = Path(__file__).resolve().parent.parent / "predictor_service" / "labels" / (
+    "smollm2-135m-instruct.pool.greedy.jsonl")
+SHIPPED_FEATURES = SHIPPED_LABELS.with_suffix(".hidden.npz")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,17 @@ def source_of(prompt_id: str) -> str:
     return prompt_id.split(":", 1)[-1].rsplit("-", 1)[0]
 
 
+def check_features_match(features: HiddenFeatures, dataset: LengthDataset, max_len: int) -> None:
+    """Refuse hidden-state rows that are not of these labels' prompts and max_len (they would score other prompts)."""
+    if int(features.meta.get("max_len", -1)) != max_len:
+        raise ValueError(f"the probe features were extracted at max_len {features.meta.get('max_len')}, the bench "
+                         f"runs at {max_len}: pass --max-len {features.meta.get('max_len')} or other features")
+    missing = sorted(set(features.prompt_ids.tolist()) - {e.prompt_id for e in dataset.examples})
+    if missing:
+        raise ValueError(f"{len(missing)} prompts of the probe features are not in these labels (e.g. {missing[0]}): "
+                         "extract features from these labels with `s3serve probe extract`, or pass --no-probe")
+
+
 def split_dataset(dataset: LengthDataset, config: PredictorBenchConfig) -> tuple[LengthDataset, LengthDataset]:
     """(train, held_out) by the config's split; every sample of one prompt lands on the same side."""
     if config.split not in SPLITS:
@@ -125,6 +137,9 @@ def _latency_ms(predictor: FittedLengthPredictor, examples: list, batch_size: in
 
 def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
     """Score every predictor on the held-out prompts; print the table and write JSON."""
+    if config.split == "source" and config.artifact is not None:
+        raise ValueError("--split source cannot score --artifact: the artifact was trained without that split, so "
+                         "the held-out sources may be in its training data")
     rows = read_labels(config.label_paths)
     dataset = build_dataset(rows, load_prompt_texts_by_id(config.prompt_paths))
     train, held_out = split_dataset(dataset, config)
@@ -172,6 +187,7 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
     if config.probe_features is not None:
         print(f"hidden-state probes: training on the train side of {config.probe_features}", flush=True)
         features = HiddenFeatures.load(config.probe_features)
+        check_features_match(features, dataset, config.max_len)
         for name, points in prefill_points.items():
             results[name].update(probe_bench.text_predictor_remaining(points, features, config.is_held_out))
         probe_results, probe_sizes = probe_bench.score_probes(features, config.is_held_out, config.max_len,

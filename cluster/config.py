@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from workers.device import check_device
 from workers.models import DEFAULT_MODEL
@@ -99,6 +99,17 @@ class ServiceConfig(BaseModel):
         32, ge=0, description="move a sequence's KV with it when it holds at least this many tokens, else recompute")
     scale_up_queue_depth: int = Field(4, ge=1, description="pending requests per worker before adding one")
     scale_down_idle_s: float = Field(60.0, gt=0, description="idle time before removing a worker")
+
+    @field_validator("length_probe")
+    @classmethod
+    def _probe_folder(cls, value: str | None) -> str | None:
+        if value in (None, "default"):
+            return value
+        folder = Path(value).expanduser().resolve()
+        if not (folder / "probe.json").is_file() or not (folder / "probe.pt").is_file():
+            raise ValueError(f"length_probe {value!r} is not a probe folder (needs probe.json and probe.pt): give "
+                             "'default' or a folder from `s3serve probe train`")
+        return str(folder)  # absolute: the workers' working directory may differ
 
     @model_validator(mode="after")
     def _check(self) -> "ServiceConfig":

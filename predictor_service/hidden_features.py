@@ -7,10 +7,10 @@ are recorded by running the serving engine itself over labelled prompts with a
 every `interval_tokens` decoded tokens up to `last_checkpoint_tokens`. Greedy decoding
 is deterministic, so the first tokens of a labelled greedy answer come out again here;
 generation stops after the last checkpoint, and the remaining length at a checkpoint
-is the label's length minus the tokens decoded. A sequence that stops earlier than
-that must stop exactly where its label says; `ExtractionReport.num_disagreeing`
-counts the ones that did not (a label made with other settings, or numerics that moved
-a greedy tie).
+is the label's length minus the tokens decoded. Every run must end where its label
+ends, or at that cap when the label runs past it; `ExtractionReport.num_disagreeing`
+counts (and leaves out) the ones that did not: a label made with other settings, or
+numerics that moved a greedy tie.
 """
 
 import json
@@ -91,6 +91,8 @@ class HiddenFeatures:
 class HiddenStateRecorder(LengthProbe):
     """A probe that predicts nothing and keeps a copy of every row it is shown, up to a decoded count."""
 
+    refines_bounds = False
+
     def __init__(self, interval_tokens: int, last_checkpoint_tokens: int) -> None:
         if interval_tokens < 1 or last_checkpoint_tokens < 0:
             raise ValueError(f"interval_tokens must be >= 1 and last_checkpoint_tokens >= 0, got "
@@ -113,7 +115,7 @@ class HiddenStateRecorder(LengthProbe):
 class ExtractionReport:
     num_prompts: int
     num_rows: int
-    num_disagreeing: int  # stopped before the last checkpoint at another length than the label's
+    num_disagreeing: int  # ended at another length than the label's (capped at the last checkpoint + 1)
     disagreeing_prompt_ids: tuple[str, ...]
 
 
@@ -134,7 +136,6 @@ def extract_hidden_features(
                     probe=recorder)
     by_seq: dict[str, FeatureJob] = {}
     decoded: dict[str, int] = {}
-    stopped: dict[str, str] = {}
     next_job = 0
     while next_job < len(jobs) or engine.has_unfinished():
         while next_job < len(jobs) and engine.num_waiting < max_num_seqs:
@@ -147,12 +148,12 @@ def extract_hidden_features(
         for out in engine.step():
             if out.is_finished:
                 decoded[out.seq_id] = len(out.output_token_ids)
-                stopped[out.seq_id] = out.finish_reason
                 if on_finished is not None:
                     on_finished()
+    # Greedy is deterministic: the run must end where the label ends, or at the cap if the label runs past it.
     disagreeing = tuple(
         job.prompt_id for seq_id, job in by_seq.items()
-        if stopped[seq_id] == "stop" and decoded[seq_id] != job.output_tokens)
+        if decoded[seq_id] != min(job.output_tokens, job.max_tokens, last_checkpoint_tokens + 1))
     keys = sorted(k for k in recorder.rows if by_seq[k[0]].prompt_id not in disagreeing
                   and k[1] < by_seq[k[0]].output_tokens)
     rows = [by_seq[seq_id] for seq_id, _ in keys]

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from predictor_service.calibration import BoundCalibration, fit_calibration, is_calibration_example
 from predictor_service.hidden_features import HiddenFeatures
 from predictor_service.length_predictor import LengthPrediction
+from predictor_service.metrics import bucket_of
 from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
 
 DEFAULT_PROBE = Path(__file__).parent / "default_probe"  # trained on the shipped labels' features
@@ -136,13 +137,19 @@ class HiddenStateProbe(LengthProbe):
         self.mean = torch.zeros(hidden_size)
         self.std = torch.ones(hidden_size)
         self.calibration: BoundCalibration | None = None
-        self.bucket_width = config.max_len / config.num_buckets
+        self.last_read_tokens: int | None = None  # the most decoded tokens of a training row; no reads past it
+
+    def is_due(self, num_output_tokens: int) -> bool:
+        """Every `interval_tokens`, but never past the decoded counts the probe was trained on."""
+        within = self.last_read_tokens is None or num_output_tokens <= self.last_read_tokens
+        return within and super().is_due(num_output_tokens)
 
     # -- inputs -------------------------------------------------------------
 
     def _inputs(self, hidden, num_prompt, num_output, max_tokens) -> torch.Tensor:
-        hidden = torch.as_tensor(np.asarray(hidden, dtype=np.float32) if not torch.is_tensor(hidden) else hidden,
-                                 dtype=torch.float32)
+        # the engine's rows may sit on a GPU; the probe is small and runs on the host
+        hidden = (hidden.detach().to("cpu", torch.float32) if torch.is_tensor(hidden)
+                  else torch.as_tensor(np.asarray(hidden, dtype=np.float32)))
         if hidden.ndim != 2 or hidden.shape[1] != self.hidden_size:
             raise ValueError(f"hidden states must be [N, {self.hidden_size}], got {list(hidden.shape)}")
         side = torch.as_tensor(_side_features(num_prompt, num_output, max_tokens, self.config.max_len),
@@ -167,8 +174,8 @@ class HiddenStateProbe(LengthProbe):
         self.std = hidden.std(0).clamp_min(1e-4)
         x = self._inputs(hidden, train.num_prompt_tokens, train.num_output_tokens, train.max_tokens)
         y = torch.as_tensor(np.log1p(train.remaining_tokens), dtype=torch.float32)  # [N]
-        bucket = torch.as_tensor(np.minimum(train.output_tokens // self.bucket_width, config.num_buckets - 1),
-                                 dtype=torch.long)
+        bucket = torch.as_tensor(bucket_of(train.output_tokens, config.max_len, config.num_buckets), dtype=torch.long)
+        self.last_read_tokens = int(features.num_output_tokens.max())
         with torch.no_grad():  # start at the unconditional answer: pinball gradients are small and bounded
             self.net.quantiles.bias.copy_(torch.quantile(y, torch.tensor([0.5, config.quantile])))
             prior = torch.bincount(bucket, minlength=config.num_buckets).float() + 1.0
@@ -234,6 +241,7 @@ class HiddenStateProbe(LengthProbe):
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save({"net": self.net.state_dict(), "mean": self.mean, "std": self.std}, out_dir / PROBE_FILE)
         manifest = {"kind": "hidden_state_probe", "config": asdict(self.config), "hidden_size": self.hidden_size,
+                    "last_read_tokens": self.last_read_tokens,
                     "calibration": None if self.calibration is None else self.calibration.to_dict(),
                     "metrics": metrics or {}}
         (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
@@ -250,6 +258,7 @@ class HiddenStateProbe(LengthProbe):
         state = torch.load(path / PROBE_FILE, weights_only=True)
         probe.net.load_state_dict(state["net"])
         probe.mean, probe.std = state["mean"], state["std"]
+        probe.last_read_tokens = manifest.get("last_read_tokens")
         if manifest.get("calibration"):
             probe.calibration = BoundCalibration.from_dict(manifest["calibration"])
         return probe

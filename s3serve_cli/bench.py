@@ -4,6 +4,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from workers.models import DEFAULT_MODEL
 from s3serve_cli.args import add_model_args
 from s3serve_cli.bench_predictor import add_predictor_parser
 from s3serve_cli.bench_simulate import add_simulate_parser
@@ -66,7 +67,9 @@ def _bench_policies(args: argparse.Namespace) -> int:
     overrides["workload"] = args.workload
     if args.labels is not None:
         overrides["labels_path"] = args.labels
-    probe = args.probe if args.probe is not None else ("default" if args.workload == "natural" else "none")
+    # the shipped probe reads SmolLM2-135M's states: the default only for that model
+    shipped_fits = args.workload == "natural" and args.model == DEFAULT_MODEL and args.model_shape is None
+    probe = args.probe if args.probe is not None else ("default" if shipped_fits else "none")
     overrides["probe"] = None if probe == "none" else probe
 
     def labeler(records, labels_path, max_len):  # the natural workload's missing true lengths, as `s3serve label`
@@ -220,8 +223,9 @@ def add_bench_parser(commands) -> None:
     policies.add_argument("--probe", default=None, metavar="DIR",
                           help="natural workload: also run s3 and s3_peak with the hidden-state probe refining "
                                "their bounds inside the engine (after prefill, then every 64 decoded tokens), as "
-                               "s3+probe and s3_peak+probe: 'default' (the shipped probe; the default with "
-                               "--workload natural), a folder from `s3serve probe train`, or 'none'")
+                               "s3+probe and s3_peak+probe: 'default' (the shipped SmolLM2 probe; the default with "
+                               "--workload natural and the default model), a folder from `s3serve probe train`, "
+                               "or 'none'")
     policies.add_argument("--predictor", default="noisy-oracle:0.3",
                           help="noisy-oracle:SIGMA (true length x seeded log-normal error; a benchmark instrument), "
                                "default (the predictor the service ships and uses by default) or a trained "

@@ -11,14 +11,19 @@ SHIPPED_FEATURES_HELP = "predictor_service/labels/smollm2-135m-instruct.pool.gre
 def _bench_predictor(args: argparse.Namespace) -> int:
     from benchmarks import predictor_bench
 
-    features = args.probe_features
-    if features is None and predictor_bench.SHIPPED_FEATURES.is_file():
-        features = predictor_bench.SHIPPED_FEATURES
+    features = None if args.no_probe else args.probe_features
+    shipped_labels = any(path.resolve() == predictor_bench.SHIPPED_LABELS.resolve() for path in args.labels)
+    if features is None and not args.no_probe:
+        if shipped_labels and predictor_bench.SHIPPED_FEATURES.is_file():
+            features = predictor_bench.SHIPPED_FEATURES  # the hidden states of those very labels
+        else:
+            print("no probe rows: the shipped hidden-state features belong to the shipped labels; make features "
+                  "for these labels with `s3serve probe extract` and pass --probe-features")
     config = predictor_bench.PredictorBenchConfig(
         label_paths=tuple(args.labels), prompt_paths=tuple(args.prompts), artifact=args.artifact,
         kinds=None if args.kinds is None else tuple(args.kinds),
         max_len=args.max_len, quantile=args.quantile, use_embedding=not args.no_embedding,
-        probe_features=None if args.no_probe else features, split=args.split,
+        probe_features=features, split=args.split,
     )
     predictor_bench.run(config, args.json)
     return 0
@@ -55,7 +60,8 @@ def add_predictor_parser(benches) -> None:
                            help="prompt_id: hold out 20%% of prompts by a hash of the id; source: hold out whole "
                                 "source sets (gsm8k, arenahard, humaneval) never trained on (default: %(default)s)")
     predictor.add_argument("--probe-features", type=Path, default=None, metavar="NPZ",
-                           help=f"hidden-state rows for the probes (default: the shipped {SHIPPED_FEATURES_HELP})")
+                           help=f"hidden-state rows for the probes, extracted from these labels (default with the "
+                                f"shipped labels: the shipped {SHIPPED_FEATURES_HELP})")
     predictor.add_argument("--no-probe", action="store_true", help="leave the hidden-state probes out")
     predictor.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     predictor.set_defaults(handler=_bench_predictor)

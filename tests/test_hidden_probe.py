@@ -12,7 +12,7 @@ from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig, load_p
 from predictor_service.metrics import kendall_tau
 from workers.engine import Engine, EngineConfig
 from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate, refined_bound, remaining_for
-from workers.policies import S3PeakPolicy, S3Policy
+from workers.policies import PagedGreedyPolicy, S3PeakPolicy, S3Policy
 from workers.models import make_tiny_model
 from workers.sampling_params import SamplingParams
 from workers.worker_actor import WorkerSettings
@@ -23,11 +23,11 @@ BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
 
 
-def _engine(model, probe=None, use_fast_path=True, **fields) -> Engine:
+def _engine(model, probe=None, use_fast_path=True, policy=None, **fields) -> Engine:
     config = dict(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=8,
                   max_num_batched_tokens=64, max_model_len=128, use_fast_path=use_fast_path)
     config.update(fields)
-    return Engine(copy.deepcopy(model), EngineConfig(**config), probe=probe)
+    return Engine(copy.deepcopy(model), EngineConfig(**config), policy=policy, probe=probe)
 
 
 @pytest.mark.parametrize("use_fast_path", [True, False], ids=["fast", "hf"])
@@ -105,6 +105,7 @@ def test_a_trained_probe_ranks_unseen_rows_covers_its_bound_and_loads_back(tmp_p
     assert np.all(out.upper_remaining >= out.point_remaining)
     assert out.bucket_probs.shape == (len(test), 10)
     loaded = HiddenStateProbe.load(probe.save(tmp_path / "probe"))
+    assert loaded.last_read_tokens == probe.last_read_tokens == 128
     again = loaded.predict_rows(test.hidden, test.num_prompt_tokens, test.num_output_tokens, test.max_tokens)
     assert np.array_equal(again.upper_remaining, out.upper_remaining)
     with pytest.raises(ValueError, match=r"\[N, 24\]"):
@@ -125,17 +126,19 @@ def test_extracted_rows_train_a_probe_that_the_engine_then_reads_with():
     assert any(len(o) < 40 for o in outputs)  # some stop on EOS: their labels are checked below
     jobs = [FeatureJob(f"tiny:{i}", tuple(p), 40, len(o)) for i, (p, o) in enumerate(zip(prompts, outputs))]
     stopped = next(i for i, o in enumerate(outputs) if len(o) < 40)
-    jobs.append(FeatureJob("tiny:wrong", tuple(prompts[stopped]), 40, len(outputs[stopped]) + 5))
+    jobs.append(FeatureJob("tiny:wrong", tuple(prompts[stopped]), 40, len(outputs[stopped]) + 5))  # ran on, it says
+    long_run = next(i for i, o in enumerate(outputs) if len(o) == 40)
+    jobs.append(FeatureJob("tiny:short", tuple(prompts[long_run]), 40, 10))  # stopped at 10, it says; it does not
     features, report = extract_hidden_features(model, jobs, max_len=128, interval_tokens=8, last_checkpoint_tokens=16,
                                                max_num_seqs=8, kv_cache_bytes=256 * BYTES_PER_BLOCK)
-    assert report.disagreeing_prompt_ids == ("tiny:wrong",)  # it stopped where the real label says, not there
+    assert set(report.disagreeing_prompt_ids) == {"tiny:wrong", "tiny:short"}  # both left out, both ways caught
     assert set(features.num_output_tokens) <= {0, 8, 16} and 0 in features.num_output_tokens
     assert len(set(features.prompt_ids)) == len(prompts)
     assert np.all(features.remaining_tokens >= 1)
 
     probe = HiddenStateProbe(ProbeConfig(max_len=128, hidden_units=16, interval_tokens=8, num_epochs=5),
                              hidden_size=model.config.hidden_size).fit(features)
-    engine = _engine(model, probe)
+    engine = _engine(model, probe, policy=S3PeakPolicy(bucket_tokens=8))
     seq_id = engine.add_request(prompts[0], SamplingParams(max_tokens=40, ignore_eos=True), predicted_output_tokens=40)
     engine.step()
     first = engine.sequence(seq_id).predicted_output_tokens
@@ -160,3 +163,21 @@ def test_worker_settings_refuse_a_probe_folder_that_holds_none(tmp_path):
     with pytest.raises(ValueError, match="not a probe folder"):
         WorkerSettings(length_probe=str(tmp_path))
     assert WorkerSettings(length_probe="default").length_probe == "default"
+
+
+def test_policies_that_ignore_predictions_never_run_the_probe():
+    model = make_tiny_model(seed=8, init_std=0.2)
+    probe = _FixedProbe(upper=3, interval_tokens=1)
+    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+                                                       max_model_len=128), policy=PagedGreedyPolicy(), probe=probe)
+    seq_id = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), predicted_output_tokens=5)
+    engine.step()
+    assert engine.probe is None and probe.asked == [] and engine.num_probe_reads == 0
+    assert engine.sequence(seq_id).predicted_output_tokens == 5
+
+
+def test_a_trained_probe_reads_only_as_far_as_its_training_rows_went(synthetic_probe_features):
+    probe = HiddenStateProbe(ProbeConfig(max_len=520, hidden_units=0, num_epochs=2, interval_tokens=64),
+                             hidden_size=8).fit(synthetic_probe_features(60, 8, seed=5))
+    assert probe.last_read_tokens == 128  # the synthetic rows sit at 0, 64 and 128 decoded tokens
+    assert [n for n in (0, 64, 100, 128, 192, 256) if probe.is_due(n)] == [0, 64, 128]

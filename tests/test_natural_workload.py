@@ -108,9 +108,13 @@ def test_bench_policies_natural_workload_labels_first_and_every_policy_gives_the
     assert len(data["natural"]["split"]["chosen_prompt_ids"]) == 4
     assert all(m["all_outputs_exact_length"] for m in data["policies"].values())  # each ended at its labelled length
     assert data["policies"]["oracle"]["preemptions"] == 0
+    # the shipped hidden-state probe runs by default with the default model, refining s3's and s3_peak's bounds
+    length_aware = ("s3", "s3_peak", "s3+probe", "s3_peak+probe")
+    assert all(data["policies"][name]["probe_reads"] >= 4 for name in ("s3+probe", "s3_peak+probe"))
+    assert all(data["policies"][name]["probe_reads"] == 0 for name in ("s3", "s3_peak", "paged_greedy"))
     best = data["ratios"]["best_policy"]
-    assert best in ("s3", "s3_peak") and all(data["policies"][best]["tokens_per_s"] >= data["policies"][name]["tokens_per_s"]
-                                             for name in ("s3", "s3_peak"))
+    assert best in length_aware and all(data["policies"][best]["tokens_per_s"] >= data["policies"][name]["tokens_per_s"]
+                                        for name in length_aware)
     for other in ("max_reserve", "paged_greedy", "sglang_ratio"):
         assert data["ratios"][f"best_vs_{other}"] == pytest.approx(
             data["policies"][best]["tokens_per_s"] / data["policies"][other]["tokens_per_s"])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from benchmarks import probe_bench
-from benchmarks.predictor_bench import PredictorBenchConfig, source_of, split_dataset
+from benchmarks.predictor_bench import PredictorBenchConfig, check_features_match, run, source_of, split_dataset
 from predictor_service.length_example import LengthExample
 from predictor_service.training import LengthDataset
 
@@ -48,3 +48,19 @@ def test_split_by_source_holds_out_whole_sets():
         split_dataset(dataset, PredictorBenchConfig((), (), split="random"))
     with pytest.raises(ValueError, match="need both"):
         split_dataset(dataset, PredictorBenchConfig((), (), split="source", held_out_sources=("nowhere",)))
+
+
+def test_features_of_other_prompts_or_another_max_len_are_refused(synthetic_probe_features):
+    features = synthetic_probe_features(5, 8, seed=6)  # ids set:0 .. set:4, max_len 520
+    dataset = LengthDataset([LengthExample(f"set:{i}", "text", 10, 100) for i in range(5)], [1] * 5)
+    check_features_match(features, dataset, 520)  # the same prompts and max_len: fine
+    with pytest.raises(ValueError, match="max_len 520"):
+        check_features_match(features, dataset, 1024)
+    with pytest.raises(ValueError, match="not in these labels"):
+        check_features_match(features, LengthDataset(dataset.examples[:3], [1] * 3), 520)
+
+
+def test_the_source_split_refuses_an_artifact_trained_without_it(tmp_path):
+    config = PredictorBenchConfig((tmp_path / "labels.jsonl",), (), artifact=tmp_path, split="source")
+    with pytest.raises(ValueError, match="--split source cannot score --artifact"):
+        run(config)

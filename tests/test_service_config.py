@@ -26,6 +26,7 @@ def test_yaml_then_flags(tmp_path):
     ({"block_size": 12}, "power of two"),
     ({"port": 0}, "port"),
     ({"typo_field": 1}, "typo_field"),
+    ({"length_probe": "/nonexistent/probe"}, "not a probe folder"),
 ])
 def test_bad_settings_name_the_field(fields, match):
     with pytest.raises(ValidationError, match=match):
@@ -47,3 +48,14 @@ def test_prefix_caching_is_on_by_default_and_reaches_the_worker_settings():
     assert ServiceConfig().prefix_caching is True
     assert worker_settings(ServiceConfig()).enable_prefix_caching is True
     assert worker_settings(ServiceConfig(prefix_caching=False)).enable_prefix_caching is False
+
+
+def test_a_length_probe_folder_is_made_absolute_for_the_workers(monkeypatch):
+    from cluster.control.controller import worker_settings
+    from predictor_service.hidden_probe import DEFAULT_PROBE
+
+    monkeypatch.chdir(DEFAULT_PROBE.parent)
+    config = ServiceConfig(length_probe=DEFAULT_PROBE.name)  # relative to where `serve` runs
+    assert config.length_probe == str(DEFAULT_PROBE.resolve())
+    assert worker_settings(config).length_probe == config.length_probe
+    assert ServiceConfig().length_probe is None  # off unless asked for

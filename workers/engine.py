@@ -38,7 +38,9 @@ class Engine:
         backend: KV kernels; chosen from the model's device when None.
         policy: admission, reservation and preemption rules; on-demand paging when None.
         probe: re-bounds each sequence's output length from its hidden state (see
-            `workers.length_probe`); the bound given with the request stays when None.
+            `workers.length_probe`); the bound given with the request stays when None. Only policies
+            that plan by a refinable prediction (`reads_prediction`: s3, s3_peak) get it; under the
+            others it is not run.
     """
 
     def __init__(
@@ -80,7 +82,8 @@ class Engine:
             use_fast_path=config.use_fast_path,
         )
         self.sampler = Sampler()
-        self.probe = probe
+        wanted = probe is not None and (self.scheduler.policy.reads_prediction or not probe.refines_bounds)
+        self.probe = probe if wanted else None
         self.num_probe_reads = 0  # sequences the probe has read (prefill samples and re-predictions)
         self.eos_token_ids = _eos_ids(model)
         self._sequences: dict[str, Sequence] = {}
@@ -252,7 +255,9 @@ class Engine:
             return []
         scheduled_s = time.perf_counter()
         self.last_shape = step_shape(chunks)
-        logits, hidden, sampling_chunks = self.runner.run(chunks, self.allocator, want_hidden=self.probe is not None)
+        want_hidden = self.probe is not None and any(
+            c.completes_sequence_tokens and self.probe.is_due(c.seq.num_output_tokens) for c in chunks)
+        logits, hidden, sampling_chunks = self.runner.run(chunks, self.allocator, want_hidden=want_hidden)
         forward_done_s = time.perf_counter()
         seqs = [chunk.seq for chunk in sampling_chunks]
         token_ids = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
@@ -266,7 +271,7 @@ class Engine:
         self.last_used_blocks = self.used_blocks()
         self.last_reserved_blocks = self.allocator.num_reserved_blocks
         self.num_steps += 1
-        if self.probe is not None:
+        if want_hidden:
             self._reprobe(seqs, hidden)
         outputs = [self._append_token(seq, token_id) for seq, token_id in zip(seqs, token_ids)]
         forward = self.runner.last_times

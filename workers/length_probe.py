@@ -62,9 +62,12 @@ class LengthProbe(abc.ABC):
 
     Attributes:
         interval_tokens: read a sequence when its decoded count is a multiple of this (0 included).
+        refines_bounds: False for probes that only watch (feature recording): the engine runs them under every
+            policy, not only under those that plan by a refinable prediction.
     """
 
     interval_tokens: int = 64
+    refines_bounds: bool = True
 
     def is_due(self, num_output_tokens: int) -> bool:
         """Whether a sequence that has decoded `num_output_tokens` is read at this step."""

@@ -73,6 +73,8 @@ class SchedulingPolicy(abc.ABC):
     holds_plan: bool = True
     #: Usable by the service; False for benchmark instruments (they need the true output length).
     is_serving: bool = True
+    #: Plans by `predicted_output_tokens` as a prediction the worker may refine (a length probe's answers go there).
+    reads_prediction: bool = False
 
     @abc.abstractmethod
     def planned_output_tokens(self, num_output_tokens: int, max_tokens: int, predicted_output_tokens: int | None,
@@ -203,6 +205,7 @@ class S3Policy(SchedulingPolicy):
     """
 
     name = "s3"
+    reads_prediction = True
     is_first_fit = True
 
     def __init__(self, bucket_tokens: int = 102, cost_model: PreemptionCostModel | None = None) -> None:

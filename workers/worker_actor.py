@@ -94,9 +94,10 @@ class WorkerSettings:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.bucket_tokens is not None and not issubclass(POLICIES[self.policy], S3Policy):
             raise ValueError(f"bucket_tokens applies to the s3 and s3_peak policies, not {self.policy!r}")
-        if self.length_probe not in (None, "default") and not (Path(self.length_probe) / "probe.json").is_file():
-            raise ValueError(f"length_probe {self.length_probe!r} is not a probe folder (no probe.json); give "
-                             "'default' or a folder from `s3serve probe train`")
+        if self.length_probe not in (None, "default") and not all(
+                (Path(self.length_probe) / name).is_file() for name in ("probe.json", "probe.pt")):
+            raise ValueError(f"length_probe {self.length_probe!r} is not a probe folder (needs probe.json and "
+                             "probe.pt): give 'default' or a folder from `s3serve probe train`")
         # Fail in the caller's process, not later inside the actor.
         self.make_policy()
         EngineConfig(self.kv_cache_bytes, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
