@@ -170,7 +170,8 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
             progress.update()
     for name, predictor in tqdm(predictors.items(), desc="scoring", unit="model"):
         began = time.perf_counter()
-        metrics = evaluate(predictor.predict_examples(held_out.examples), held_out.lengths, config.max_len)
+        predictions = predictor.predict_examples(held_out.examples)
+        metrics = evaluate(predictions, held_out.lengths, config.max_len)
         metrics["predict_all_held_out_s"] = time.perf_counter() - began
         metrics["calibration"] = None if predictor.calibration is None else predictor.calibration.to_dict()
         raw = copy.copy(predictor)  # shares the fitted model; only the bound's calibration is dropped
@@ -181,8 +182,8 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
         for batch_size in LATENCY_BATCH_SIZES:
             metrics.update(_latency_ms(predictor, held_out.examples, batch_size, config.num_latency_batches))
         results[name] = metrics
-        prefill_points[name] = {example.prompt_id: prediction.point_tokens for example, prediction
-                                in zip(held_out.examples, predictor.predict_examples(held_out.examples))}
+        prefill_points[name] = {example.prompt_id: prediction.point_tokens
+                                for example, prediction in zip(held_out.examples, predictions)}
     probe_sizes = None
     if config.probe_features is not None:
         print(f"hidden-state probes: training on the train side of {config.probe_features}", flush=True)
