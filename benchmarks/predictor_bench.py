@@ -31,7 +31,8 @@ from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor
 from predictor_service.metrics import evaluate
 from predictor_service.hidden_features import HiddenFeatures
-from predictor_service.training import LengthDataset, build_dataset, is_held_out, make_predictor, read_labels
+from predictor_service.training import (LengthDataset, build_dataset, is_held_out, make_predictor, read_labels,
+                                        split_by)
 
 METRICS = ("kendall_tau", "bucket_accuracy", "mae_tokens", "under_reservation_rate", "mean_over_reservation_tokens")
 LATENCY_BATCH_SIZES = (1, 32)
@@ -102,11 +103,7 @@ def split_dataset(dataset: LengthDataset, config: PredictorBenchConfig) -> tuple
     """(train, held_out) by the config's split; every sample of one prompt lands on the same side."""
     if config.split not in SPLITS:
         raise ValueError(f"unknown split {config.split!r}; choose from {', '.join(SPLITS)}")
-    train, held_out = LengthDataset([], []), LengthDataset([], [])
-    for example, length in zip(dataset.examples, dataset.lengths):
-        side = held_out if config.is_held_out(example.prompt_id) else train
-        side.examples.append(example)
-        side.lengths.append(length)
+    train, held_out = split_by(dataset, config.is_held_out)
     if not train.examples or not held_out.examples:
         raise ValueError(f"the {config.split} split leaves {len(train.examples)} train and "
                          f"{len(held_out.examples)} held-out examples: need both")

@@ -6,7 +6,7 @@ them to prompt text by prompt id (`prompt_texts`), so this module reads no promp
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,15 +95,21 @@ def is_held_out(prompt_id: str, held_out_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < held_out_fraction
 
 
+def split_by(dataset: LengthDataset, held_out: Callable[[str], bool]) -> tuple[LengthDataset, LengthDataset]:
+    """(train, held_out) by a predicate on the prompt id; every sample of one prompt lands on the same side."""
+    train, held = LengthDataset([], []), LengthDataset([], [])
+    for example, length in zip(dataset.examples, dataset.lengths):
+        side = held if held_out(example.prompt_id) else train
+        side.examples.append(example)
+        side.lengths.append(length)
+    return train, held
+
+
 def split_by_prompt_id(dataset: LengthDataset, held_out_fraction: float = 0.2) -> tuple[LengthDataset, LengthDataset]:
     """(train, held_out); every sample of one prompt lands on the same side."""
     if not 0.0 < held_out_fraction < 1.0:
         raise ValueError(f"held_out_fraction must be in (0, 1), got {held_out_fraction}")
-    train, held_out = LengthDataset([], []), LengthDataset([], [])
-    for example, length in zip(dataset.examples, dataset.lengths):
-        side = held_out if is_held_out(example.prompt_id, held_out_fraction) else train
-        side.examples.append(example)
-        side.lengths.append(length)
+    train, held_out = split_by(dataset, lambda prompt_id: is_held_out(prompt_id, held_out_fraction))
     if not train.examples or not held_out.examples:
         raise ValueError(f"{len(dataset.examples)} examples are too few to split at held_out_fraction="
                          f"{held_out_fraction} ({len(train.examples)} train, {len(held_out.examples)} held out)")
