@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from cluster.control.worker_pool import WorkerBackend
-from workers.work_types import OverrunReport, WorkerStats
+from workers.work_types import BoundReport, OverrunReport, WorkerStats
 
 
 @dataclass(slots=True)
@@ -25,6 +25,7 @@ class SimulatedWorker:
     block_size: int
     held: dict[str, int] = field(default_factory=dict)  # request id -> blocks
     overruns: list[OverrunReport] = field(default_factory=list)
+    rebounded: dict[str, BoundReport] = field(default_factory=dict)  # request id -> its latest re-bound
     num_generated_tokens: int = 0
     num_steps: int = 0
     num_overruns: int = 0
@@ -42,7 +43,7 @@ class SimulatedWorker:
             num_generated_tokens=self.num_generated_tokens, num_overruns=self.num_overruns, num_preemptions=0,
             num_migrated_in=0, num_migrated_out=0, overruns=tuple(self.overruns),
             request_ids=tuple(self.held) + tuple(r.request_id for r in self.overruns),
-            prefix_hashes=self.prefix_hashes)
+            prefix_hashes=self.prefix_hashes, rebounded=tuple(self.rebounded.values()))
 
 
 class SimulatedWorkerBackend(WorkerBackend):
@@ -92,6 +93,7 @@ class SimulatedWorkerBackend(WorkerBackend):
         return handle.stats()
 
     async def move_out(self, handle: SimulatedWorker, request_id: str, target_worker_id: str, with_kv: bool) -> bool:
+        handle.rebounded.pop(request_id, None)
         for report in handle.overruns:
             if report.request_id == request_id:
                 handle.overruns.remove(report)
@@ -114,6 +116,7 @@ class SimulatedWorkerBackend(WorkerBackend):
             worker.num_steps += num_output_tokens
         finally:
             worker.held.pop(request_id, None)
+            worker.rebounded.pop(request_id, None)
 
     def report_overrun(self, worker_id: str, request_id: str, num_prompt_tokens: int, num_output_tokens: int,
                        predicted_output_tokens: int, num_blocks_needed: int) -> None:
@@ -123,6 +126,11 @@ class SimulatedWorkerBackend(WorkerBackend):
         worker.num_overruns += 1
         worker.overruns.append(OverrunReport(request_id, num_prompt_tokens, num_output_tokens,
                                              predicted_output_tokens, num_blocks_needed))
+
+    def report_bound(self, worker_id: str, request_id: str, num_output_tokens: int, predicted_output_tokens: int) -> None:
+        """Make a worker report that its length probe re-bounded a request."""
+        self.workers[worker_id].rebounded[request_id] = BoundReport(request_id, num_output_tokens,
+                                                                    predicted_output_tokens)
 
     def kill_worker(self, worker_id: str) -> None:
         self.workers[worker_id].is_alive = False

@@ -274,3 +274,22 @@ def test_a_request_goes_where_its_prefix_is_cached_and_by_room_when_that_is_off(
         again = await plane.place("shared2", 20, 200, 40, prefix_hashes=(11, 12, 99))
         assert again.worker_id != plane.ledger.get("warm2").worker_id  # by room only
     run(check)
+
+
+def test_a_bound_the_workers_probe_lowers_frees_room_for_a_waiting_request(run):
+    async def check(plane, sim):
+        big = [await plane.place(f"big{i}", 20, 200, 140) for i in range(2)]  # 20 + 140 tokens: 10 blocks each
+        waiter = asyncio.get_running_loop().create_task(plane.place("late", 20, 200, 40))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        sim.report_bound(big[0].worker_id, "big0", 10, 40)  # the probe read big0 after 10 tokens: 40 in all
+        await plane.tick()
+        record = plane.ledger.get("big0")
+        assert (record.predicted_output_tokens, record.num_reserved_blocks) == (40, 4)  # 20 + 40 tokens
+        assert (await plane.store.get_request("big0")).num_reserved_blocks == 4  # written through
+        placement = await asyncio.wait_for(waiter, 2.0)
+        assert placement.worker_id == big[0].worker_id
+        sim.report_bound(big[1].worker_id, "big1", 30, 190)  # raised: the controller reserves more
+        await plane.tick()
+        assert plane.ledger.get("big1").num_reserved_blocks == BLOCKS  # 20 + 190 tokens, clamped to the cache
+    run(check)

@@ -15,7 +15,9 @@ from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate, ref
 from workers.policies import PagedGreedyPolicy, S3PeakPolicy, S3Policy
 from workers.models import make_tiny_model
 from workers.sampling_params import SamplingParams
+from workers.work_types import BoundReport
 from workers.worker_actor import WorkerSettings
+from workers.worker_snapshot import LoopCounters, snapshot
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -80,6 +82,9 @@ def test_reprediction_rewrites_the_bound_the_policies_plan_by(policy):
     assert [q.num_output_tokens for q in probe.asked] == [0, 5]
     assert engine.sequence(forced_id).predicted_output_tokens is None
     assert engine.num_probe_reads == 2
+    # The worker reports the re-bounded sequence, and only it, so that the controller plans by the same bound
+    stats = snapshot(engine, "w1", LoopCounters(0, 0, 0))
+    assert stats.rebounded == (BoundReport(seq_id, 6, 5 + 3),)
 
 
 def test_refined_bound_stays_inside_what_can_still_happen():

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field, replace
 
 from workers.engine import Engine
 from workers.kv_transfer import ExportedKV
-from workers.work_types import (MAX_REPORTED_PREFIX_HASHES, OverrunReport, WorkEvent, WorkerStats, WorkMetrics,
-                                WorkRequest)
+from workers.work_types import OverrunReport, WorkEvent, WorkerStats, WorkMetrics, WorkRequest
+from workers.worker_snapshot import LoopCounters, snapshot
 
 __all__ = ["EngineLoop", "ExportedKV", "OverrunReport", "WorkEvent", "WorkerStats", "WorkMetrics", "WorkRequest"]
 
@@ -344,42 +344,8 @@ class EngineLoop:
         return ended
 
     def _snapshot(self) -> WorkerStats:
-        engine = self._engine
-        scheduler, allocator = engine.scheduler, engine.allocator
-        running, waiting = list(scheduler.running), list(scheduler.waiting)
-        overruns = tuple(
-            OverrunReport(
-                request_id=seq.seq_id,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                num_output_tokens=seq.num_output_tokens,
-                predicted_output_tokens=seq.predicted_output_tokens,
-                num_blocks_needed=allocator.blocks_for(scheduler.policy.reservation_tokens(seq)),
-            )
-            for seq in waiting
-            if seq.num_preemptions > 0
-        )
-        return WorkerStats(
-            worker_id=self.worker_id,
-            num_total_blocks=allocator.num_blocks,
-            num_free_blocks=allocator.num_free_blocks,
-            num_used_blocks=engine.used_blocks(),
-            num_reserved_blocks=allocator.num_reserved_blocks,
-            block_size=allocator.block_size,
-            bytes_per_block=engine.runner.pool_shape.bytes_per_block,
-            num_running=len(running),
-            num_waiting=len(waiting),
-            num_steps=engine.num_steps,
-            num_generated_tokens=self._num_generated_tokens,
-            num_overruns=len(scheduler.stats.mispredictions),
-            num_preemptions=scheduler.stats.num_preemptions,
-            num_migrated_in=self._num_migrated_in,
-            num_migrated_out=self._num_migrated_out,
-            overruns=overruns,
-            request_ids=tuple(seq.seq_id for seq in running + waiting),
-            prefix_hashes=tuple(allocator.cache.recent_hashes(MAX_REPORTED_PREFIX_HASHES)),
-            num_prompt_tokens=scheduler.stats.num_prompt_tokens_admitted,
-            num_prefix_hit_tokens=scheduler.stats.num_prefix_hit_tokens,
-        )
+        counters = LoopCounters(self._num_generated_tokens, self._num_migrated_in, self._num_migrated_out)
+        return snapshot(self._engine, self.worker_id, counters)
 
 
 async def _resolve_kv(request: WorkRequest) -> ExportedKV | None:

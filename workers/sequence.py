@@ -32,6 +32,7 @@ class Sequence:
     output_text: str | None = None
     num_preemptions: int = 0
     predicted_output_tokens: int | None = None  # the length predictor's upper bound, if any
+    num_probe_reads: int = 0  # times the worker's length probe re-bounded it from its hidden state
     is_swapped: bool = False  # its computed KV waits in host memory
     priority: int = 0  # class: lower is more urgent; admitted first, preempted last
     first_token_s: float | None = None

@@ -133,6 +133,21 @@ class OverrunReport:
 
 
 @dataclass(frozen=True, slots=True)
+class BoundReport:
+    """A sequence whose output bound the worker's length probe re-estimated from its hidden state.
+
+    Attributes:
+        num_output_tokens: tokens it had decoded when reported.
+        predicted_output_tokens: the bound the worker plans it with now (decoded + the probe's estimate,
+            raised again if it overran since).
+    """
+
+    request_id: str
+    num_output_tokens: int
+    predicted_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerStats:
     """A worker's KV blocks and load as of its latest step.
 
@@ -148,6 +163,7 @@ class WorkerStats:
             `MAX_REPORTED_PREFIX_HASHES`), for prefix-aware placement.
         num_prompt_tokens: prompt tokens of requests at their first admission, so far.
         num_prefix_hit_tokens: of those, tokens found in the prefix cache.
+        rebounded: sequences the length probe re-bounded, so the controller re-plans their reservations.
     """
 
     worker_id: str
@@ -170,3 +186,4 @@ class WorkerStats:
     prefix_hashes: tuple[int, ...] = ()
     num_prompt_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    rebounded: tuple[BoundReport, ...] = ()

@@ -11,6 +11,7 @@ data between them, the ledger, the worker pool and Redis, and never blocks its l
     run(): every stats_interval_s
         poll stats --no answer--> requeue its requests (the routers re-place them), replace it
                    --overrun----> plan its next bound, migration_target --> source.move_out(target)
+                   --rebounded--> re-plan reservations by the bounds the workers' probes refined
                    --load-------> ScalingPolicy --> start or retire workers
         every 10 s: reconcile ledger entries no router or worker will release
         Redis restarted or a write failed: write memory back (`StoreResync`)
@@ -29,6 +30,7 @@ from cluster.control.messages import (ClusterStatus, Placement, PlacementTimeout
                                       RequestRecord)
 from cluster.control.placement import (PendingRequest, RoomIndex, blocks_for, first_fit_decreasing,
                                        migration_target, prefix_affinity)
+from cluster.control.rebound import rebounded_records
 from cluster.control.scaling import ScalingPolicy
 from cluster.control.store import ControllerStore
 from cluster.control.store_resync import StoreResync
@@ -270,6 +272,7 @@ class ControlPlane:
         self._settle_moves()
         await asyncio.sleep(0)
         await self._move_overruns()
+        await self._follow_rebounds()
         if time.monotonic() - self._last_reconcile_s >= RECONCILE_INTERVAL_S:
             await self._reconcile()
         await self._place_waiting()
@@ -343,6 +346,14 @@ class ControlPlane:
                 else:
                     await self.ledger.put(record)
                     self.moving.pop(report.request_id, None)
+
+    async def _follow_rebounds(self) -> None:
+        """Plan requests by the bounds their workers' length probes refined (`cluster.control.rebound`)."""
+        for stats in list(self.pool.latest.values()):
+            largest = self.pool.largest_cache_blocks or stats.num_total_blocks
+            for record in rebounded_records(stats, self.ledger.get, self.policy.planned_tokens, self.config.block_size,
+                                            largest, self.moving):
+                await self.ledger.put(record)
 
     async def _reconcile(self) -> None:
         """Drop ledger entries nobody will release: a router that died, or a release call that was lost.

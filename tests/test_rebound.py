@@ -1,0 +1,42 @@
+"""`cluster.control.rebound`: reservations re-planned by the bounds workers' probes refined (pure)."""
+
+import time
+
+from cluster.control.messages import RequestRecord
+from cluster.control.rebound import rebounded_records
+from workers.policies import make_policy
+from workers.work_types import BoundReport, WorkerStats
+
+
+def _stats(worker_id: str, *reports: BoundReport) -> WorkerStats:
+    return WorkerStats(worker_id, 100, 100, 0, 0, 16, 0, 0, 0, 0, 0, 0, 0, 0, 0, (), (), rebounded=reports)
+
+
+def _record(request_id: str, worker_id: str | None = "w1", bound: int = 100, state: str = "placed") -> RequestRecord:
+    return RequestRecord(request_id, worker_id, 20, 500, bound, 8, state, 1, time.time())
+
+
+def test_only_this_workers_placed_requests_with_a_new_bound_are_re_planned_by_the_policy_rule():
+    records = {r.request_id: r for r in [_record("same"), _record("lower"), _record("elsewhere", "w2"),
+                                          _record("moving"), _record("pending", None, state="pending")]}
+    stats = _stats("w1", BoundReport("same", 5, 100), BoundReport("lower", 64, 80),
+                   BoundReport("elsewhere", 5, 10), BoundReport("moving", 5, 10), BoundReport("pending", 5, 10),
+                   BoundReport("finished", 5, 10))
+    s3 = make_policy("s3", max_model_len=1024)
+    [lower] = rebounded_records(stats, records.get, s3.planned_tokens, 16, 1000, moving={"moving"})
+    assert (lower.request_id, lower.predicted_output_tokens) == ("lower", 80)
+    assert lower.num_reserved_blocks == 7  # 20 + 80 tokens in blocks of 16
+    assert lower.worker_id == "w1" and lower.num_attempts == 1  # nothing else changes
+
+
+def test_the_re_planned_reservation_follows_the_policy_and_stays_within_the_cache():
+    records = {"a": _record("a")}
+    past_bound = _stats("w1", BoundReport("a", 90, 80))  # decoded past the new bound: s3 plans the next one
+    s3 = make_policy("s3", max_model_len=1000)  # buckets of 100 tokens
+    [a] = rebounded_records(past_bound, records.get, s3.planned_tokens, 16, 1000)
+    assert a.num_reserved_blocks == -(-(20 + 160) // 16)  # next_bound: at least twice 80
+    [clamped] = rebounded_records(_stats("w1", BoundReport("a", 5, 480)), records.get, s3.planned_tokens, 16, 10)
+    assert clamped.num_reserved_blocks == 10
+    paged = make_policy("paged_greedy")  # plans what is held: the bound does not change the reservation size
+    [held] = rebounded_records(_stats("w1", BoundReport("a", 40, 300)), records.get, paged.planned_tokens, 16, 1000)
+    assert held.num_reserved_blocks == -(-(20 + 40) // 16)
