@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from predictor_service.length_example import join_messages
+
 DEFAULT_PROMPTS = Path("../shared/data/prompts/pool.jsonl")
 
 
@@ -29,7 +31,7 @@ class PromptRecord:
     @property
     def text(self) -> str:
         """The message contents joined: what a text-reading length predictor trains on and reads."""
-        return "\n\n".join(message["content"] for message in self.messages)
+        return join_messages(self.messages)
 
 
 def _join(instruction: str, extra: str | None) -> str:

@@ -7,7 +7,7 @@ given to it (a prompt-id lookup in benchmarks, the tokenizer's decode in serving
 """
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +16,11 @@ from predictor_service.calibration import BoundCalibration
 from predictor_service.length_predictor import LengthPrediction, LengthPredictor, LengthQuery
 
 TextOf = Callable[[LengthQuery], str]
+
+
+def join_messages(messages: Sequence[Mapping[str, str]]) -> str:
+    """A chat's message contents as one text: what the text predictors train on and read, in training and serving."""
+    return "\n\n".join(message["content"] for message in messages)
 
 
 @dataclass(frozen=True, slots=True)

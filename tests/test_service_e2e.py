@@ -254,6 +254,14 @@ def test_finished_requests_feed_the_retraining_stream(service, client):
     _, sample = stream.read()[-1]
     assert sample.prompt_text == "Count to five:" and sample.true_output_tokens == 5
     assert sample.predicted_upper_bound_tokens is not None
+    # A chat's messages reach the predictor (and the stream) joined as the training labels join them
+    before = stream.length()
+    client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}])
+    deadline = time.monotonic() + 10
+    while stream.length() == before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stream.read()[-1][1].prompt_text == "Be brief.\n\nName a colour."
     assert ray.get_actor(RETRAINER_NAME, namespace=RAY_NAMESPACE)  # the retraining task runs beside the service
 
 

@@ -34,6 +34,7 @@ from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHa
 from cluster.ingress.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.text_stream import TextStream
+from predictor_service.length_example import join_messages
 from workers.models import chat_token_ids, load_tokenizer, resolve_model_dir
 from workers.prefix_cache import block_hashes, prefix_cache_salt, salt_hash
 from workers.sampling_params import SamplingParams
@@ -154,7 +155,7 @@ class Router:
         if is_chat:
             messages = protocol.chat_messages(req)
             ids = chat_token_ids(self.tokenizer, messages)
-            text = "\n".join(m["content"] for m in messages)
+            text = join_messages(messages)  # as the predictor was trained
         else:
             text = protocol.prompt_text(req)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
