@@ -16,6 +16,7 @@ sets of the pool instead of a hash of the prompt id: traffic unlike anything tra
 
 import copy
 import time
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from benchmarks.report import environment, format_table, write_json
 from predictor_service.artifacts import load_predictor, read_manifest
 from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor
-from predictor_service.metrics import evaluate
+from predictor_service.metrics import distribution_metrics, evaluate
 from predictor_service.hidden_features import HiddenFeatures
 from predictor_service.training import (LengthDataset, build_dataset, is_held_out, make_predictor, read_labels,
                                         split_by)
@@ -118,6 +119,36 @@ def load_prompt_texts_by_id(paths: Sequence[Path | str]) -> dict[str, str]:
     }
 
 
+def scores_by_temperature(predictions: Sequence, held_out: LengthDataset, max_len: int) -> dict[str, dict]:
+    """The held-out scores per sampling temperature, with the per-prompt distribution scores (several samples)."""
+    rows_of: dict[float, list[int]] = defaultdict(list)
+    for index, example in enumerate(held_out.examples):
+        rows_of[example.temperature].append(index)
+    scores = {}
+    for temperature, rows in sorted(rows_of.items()):
+        group = [predictions[index] for index in rows]
+        lengths = [held_out.lengths[index] for index in rows]
+        prompt_ids = [held_out.examples[index].prompt_id for index in rows]
+        scores[f"{temperature:g}"] = (evaluate(group, lengths, max_len)
+                                      | distribution_metrics(group, lengths, prompt_ids, max_len))
+    return scores
+
+
+def prefill_scores_by_temperature(prediction_by_prompt: dict, held_out: LengthDataset, max_len: int) -> dict:
+    """`scores_by_temperature` of one prediction per prompt (a probe's, made at the prefill) on the held-out rows of
+    those prompts, whatever their sampling settings."""
+    rows = [index for index, example in enumerate(held_out.examples) if example.prompt_id in prediction_by_prompt]
+    subset = LengthDataset([held_out.examples[index] for index in rows], [held_out.lengths[index] for index in rows])
+    return scores_by_temperature([prediction_by_prompt[example.prompt_id] for example in subset.examples], subset,
+                                 max_len)
+
+
+def has_samples(held_out: LengthDataset) -> bool:
+    """Whether the held-out rows hold more than one sampling temperature or several samples of a prompt."""
+    keys = [(example.prompt_id, example.temperature) for example in held_out.examples]
+    return len({temperature for _, temperature in keys}) > 1 or len(set(keys)) < len(keys)
+
+
 def _latency_ms(predictor: FittedLengthPredictor, examples: list, batch_size: int, num_batches: int) -> dict:
     """p50 and p99 wall time of one predict_examples call on `batch_size` examples, in ms."""
     predictor.predict_examples(examples[:batch_size])  # warm-up: lazy model loads are not latency
@@ -178,9 +209,13 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
         metrics["raw_mean_over_reservation_tokens"] = raw_metrics["mean_over_reservation_tokens"]
         for batch_size in LATENCY_BATCH_SIZES:
             metrics.update(_latency_ms(predictor, held_out.examples, batch_size, config.num_latency_batches))
+        if has_samples(held_out):
+            metrics["by_temperature"] = scores_by_temperature(predictions, held_out, config.max_len)
         results[name] = metrics
+        # The probe features are greedy runs: the re-prediction table compares greedy rows only.
         prefill_points[name] = {example.prompt_id: prediction.point_tokens
-                                for example, prediction in zip(held_out.examples, predictions)}
+                                for example, prediction in zip(held_out.examples, predictions)
+                                if example.temperature == 0.0}
     probe_sizes = None
     if config.probe_features is not None:
         print(f"hidden-state probes: training on the train side of {config.probe_features}", flush=True)
@@ -188,9 +223,13 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
         check_features_match(features, dataset, config.max_len)
         for name, points in prefill_points.items():
             results[name].update(probe_bench.text_predictor_remaining(points, features, config.is_held_out))
-        probe_results, probe_sizes = probe_bench.score_probes(features, config.is_held_out, config.max_len,
-                                                              config.quantile, config.num_latency_batches)
-        results.update(probe_results)
+        probe_scores = probe_bench.score_probes(features, config.is_held_out, config.max_len, config.quantile,
+                                                config.num_latency_batches)
+        results.update(probe_scores.results)
+        probe_sizes = probe_scores.sizes
+        if has_samples(held_out):
+            for name, by_prompt in probe_scores.prefill_predictions.items():
+                results[name]["by_temperature"] = prefill_scores_by_temperature(by_prompt, held_out, config.max_len)
 
     headers = ["predictor", "tau", "bucket_acc", "mae_tok", "under_rate", "over_res_tok", "raw_under", "raw_over",
                "p50_ms_b1", "p99_ms_b1", "p50_ms_b32", "p99_ms_b32"]
@@ -198,6 +237,16 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
                    m["raw_mean_over_reservation_tokens"], m["latency_p50_ms_batch1"], m["latency_p99_ms_batch1"],
                    m["latency_p50_ms_batch32"], m["latency_p99_ms_batch32"]] for name, m in results.items()]
     print(format_table(headers, table_rows))
+    if has_samples(held_out):
+        print("by sampling temperature; the distribution scores compare each prompt's prediction with all its samples "
+              "(tau and MAE against the prompt's median sample, mean negative log-likelihood of the samples' buckets); the "
+              "probes read greedy states and were trained on greedy rows, whatever the temperature")
+        print(format_table(
+            ["predictor", "temp", "prompts", "answers", "tau", "bucket_acc", "under_rate", "tau_median",
+             "median_mae", "bucket_nll"],
+            [[name, temperature, s["num_prompts"], s["num_examples"], s["kendall_tau"], s["bucket_accuracy"],
+              s["under_reservation_rate"], s["kendall_tau_vs_median"], s["median_mae_tokens"], s["bucket_nll"]]
+             for name, m in results.items() for temperature, s in m.get("by_temperature", {}).items()]))
     if config.probe_features is not None:
         print("remaining tokens after decoding (MAE): re-predicted where the predictor can, else prefill point minus "
               "decoded")

@@ -9,11 +9,13 @@ the tokens decoded, at least 1), for the probes and for the text predictors alik
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from predictor_service.hidden_features import HiddenFeatures
 from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
+from predictor_service.length_predictor import LengthPrediction
 from predictor_service.metrics import evaluate, mae_tokens
 
 REPREDICTION_POINTS = (64, 256)
@@ -48,15 +50,31 @@ def _latency_ms(probe: HiddenStateProbe, rows: HiddenFeatures, batch_size: int, 
             f"latency_p99_ms_batch{batch_size}": float(np.percentile(times_ms, 99))}
 
 
+@dataclass(slots=True)
+class ProbeScores:
+    """What `score_probes` found.
+
+    Attributes:
+        results: probe variant -> its metrics (the keys of the text predictors' rows, and re-prediction MAEs).
+        sizes: train and held-out row and prompt counts.
+        prefill_predictions: probe variant -> held-out prompt id -> its prediction at the prefill's sample.
+    """
+
+    results: dict[str, dict]
+    sizes: dict[str, int]
+    prefill_predictions: dict[str, dict[str, LengthPrediction]] = field(default_factory=dict)
+
+
 def score_probes(features: HiddenFeatures, is_held_out: Callable[[str], bool], max_len: int, quantile: float,
-                 num_latency_batches: int = 50) -> tuple[dict[str, dict], dict[str, int]]:
+                 num_latency_batches: int = 50) -> ProbeScores:
     """Train each probe variant on the train side's rows and score it on the held-out side's."""
     held = np.array([is_held_out(p) for p in features.prompt_ids], dtype=bool)
     train, test = features.take(~held), features.take(held)
     if len(train) == 0 or len(test) == 0:
         raise ValueError(f"the features split into {len(train)} train and {len(test)} held-out rows: need both")
     at_prefill = test.take(test.num_output_tokens == 0)
-    results = {}
+    scores = ProbeScores({}, {"num_train_rows": len(train), "num_held_out_rows": len(test),
+                              "num_held_out_prompts": len(at_prefill)})
     for name, (hidden_units, ranking_weight) in PROBE_VARIANTS.items():
         config = ProbeConfig(max_len=max_len, quantile=quantile, hidden_units=hidden_units,
                              ranking_weight=ranking_weight)
@@ -75,7 +93,8 @@ def score_probes(features: HiddenFeatures, is_held_out: Callable[[str], bool], m
         raw_upper = np.minimum(np.rint(raw), at_prefill.max_tokens)
         metrics["raw_under_reservation_rate"] = float(np.mean(at_prefill.output_tokens > raw_upper))
         metrics["raw_mean_over_reservation_tokens"] = float(np.mean(np.maximum(0, raw_upper - at_prefill.output_tokens)))
-        prefill_points = {p: pred.point_tokens for p, pred in zip(at_prefill.prompt_ids, predictions)}
+        scores.prefill_predictions[name] = dict(zip(at_prefill.prompt_ids.tolist(), predictions))
+        prefill_points = {p: pred.point_tokens for p, pred in scores.prefill_predictions[name].items()}
         for decoded in REPREDICTION_POINTS:
             at = test.take(test.num_output_tokens == decoded)
             out = probe.predict_rows(at.hidden, at.num_prompt_tokens, at.num_output_tokens, at.max_tokens)
@@ -84,9 +103,8 @@ def score_probes(features: HiddenFeatures, is_held_out: Callable[[str], bool], m
             metrics[f"num_running_at_{decoded}"] = len(at)
         for batch_size in (1, 32):
             metrics.update(_latency_ms(probe, at_prefill, batch_size, num_latency_batches))
-        results[name] = metrics
-    sizes = {"num_train_rows": len(train), "num_held_out_rows": len(test), "num_held_out_prompts": len(at_prefill)}
-    return results, sizes
+        scores.results[name] = metrics
+    return scores
 
 
 def text_predictor_remaining(prefill_point_by_prompt: Mapping[str, int], features: HiddenFeatures,

@@ -131,3 +131,39 @@ def evaluate(predictions: Sequence[LengthPrediction], true_lengths, max_len: int
         "mean_over_reservation_tokens": mean_over_reservation_tokens(uppers, true),
         "num_examples": len(true),
     }
+
+
+def distribution_metrics(predictions: Sequence[LengthPrediction], true_lengths, prompt_ids: Sequence[str],
+                         max_len: int) -> dict[str, float | int]:
+    """How well predictions describe each prompt's length distribution, given several samples per prompt.
+
+    One draw is a noisy target when sampling: these scores compare with the distribution
+    instead. The point is scored against each prompt's median sample, the ordering against
+    the prompts' medians, and the bucket probabilities by the mean negative log-likelihood
+    of every sample's bucket (a proper score: lowest when the probabilities are the
+    prompt's own bucket frequencies). A prompt's prediction is that of its first row.
+
+    Returns:
+        {"kendall_tau_vs_median", "median_mae_tokens", "bucket_nll", "num_prompts"}.
+    """
+    true = _as_1d(true_lengths, "true_lengths")
+    if not len(predictions) == len(true) == len(prompt_ids):
+        raise ValueError(f"got {len(predictions)} predictions and {len(prompt_ids)} prompt ids for "
+                         f"{len(true)} true lengths")
+    if len(true) == 0:
+        raise ValueError("no predictions to score")
+    rows_of: dict[str, list[int]] = {}
+    for index, prompt_id in enumerate(prompt_ids):
+        rows_of.setdefault(prompt_id, []).append(index)
+    points = [predictions[rows[0]].point_tokens for rows in rows_of.values()]
+    medians = [float(np.median(true[rows])) for rows in rows_of.values()]
+    num_buckets = len(predictions[0].bucket_probs)
+    buckets = bucket_of(true, max_len, num_buckets)  # [rows]
+    probs = np.asarray([prediction.bucket_probs for prediction in predictions], dtype=np.float64)  # [rows, buckets]
+    sample_probs = np.clip(probs[np.arange(len(true)), buckets], 1e-6, 1.0)
+    return {
+        "kendall_tau_vs_median": kendall_tau(points, medians),
+        "median_mae_tokens": mae_tokens(points, medians),
+        "bucket_nll": float(np.mean(-np.log(sample_probs))),
+        "num_prompts": len(rows_of),
+    }

@@ -28,6 +28,7 @@ class LabelRow:
     num_output_tokens: int
     max_tokens: int
     temperature: float
+    top_p: float = 1.0
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ def read_labels(paths: Sequence[Path | str]) -> list[LabelRow]:
                         prompt_id=str(row["prompt_id"]), num_prompt_tokens=int(row["prompt_tokens"]),
                         num_output_tokens=int(row["output_tokens"]), max_tokens=int(row["sampling"]["max_tokens"]),
                         temperature=float(row["sampling"].get("temperature", 0.0)),
+                        top_p=float(row["sampling"].get("top_p", 1.0)),
                     ))
                 except json.JSONDecodeError as error:
                     # A labelling run being appended to may end in a half-written line.

@@ -40,7 +40,11 @@ def add_predictor_parser(benches) -> None:
                     "under-reservation rate, mean over-reservation (calibrated and raw bound) and latency at batch "
                     "1 and 32. With hidden-state features (the served model's own states, from `s3serve probe "
                     "extract`) it trains the probes on the same split and adds their rows, and the MAE on the "
-                    "remaining tokens after 64 and 256 decoded tokens, re-predicted by the probes.",
+                    "remaining tokens after 64 and 256 decoded tokens, re-predicted by the probes. With labels of "
+                    "several temperatures or several samples per prompt (`s3serve label --temperature 1.0 "
+                    "--num-samples 4`), a further table scores each temperature apart and against each prompt's "
+                    "samples as a distribution: tau and MAE against the prompt's median sample, and the mean "
+                    "negative log-likelihood of the samples' length buckets.",
     )
     add_label_args(predictor)
     predictor.add_argument("--artifact", type=Path, default=None, metavar="DIR",

@@ -62,9 +62,9 @@ class LabelConfig:
 
 
 def read_done(out_path: Path, model: str | None = None, max_len: int | None = None,
-              temperature: float | None = None) -> set[tuple[str, int]]:
+              temperature: float | None = None, top_p: float | None = None) -> set[tuple[str, int]]:
     """(prompt_id, sample) pairs already in a labels file, counting only rows made with the given model,
-    max_len and temperature (those not given match anything); a torn last line is ignored."""
+    max_len, temperature and top_p (those not given match anything); a torn last line is ignored."""
     done = set()
     if out_path.is_file():
         for line in out_path.read_text(encoding="utf-8").splitlines():
@@ -73,7 +73,8 @@ def read_done(out_path: Path, model: str | None = None, max_len: int | None = No
             except json.JSONDecodeError:
                 continue  # an interrupted write; that label is redone
             if ((model is None or row.get("model") == model) and (max_len is None or row.get("max_len") == max_len)
-                    and (temperature is None or row.get("sampling", {}).get("temperature") == temperature)):
+                    and (temperature is None or row.get("sampling", {}).get("temperature") == temperature)
+                    and (top_p is None or row.get("sampling", {}).get("top_p", 1.0) == top_p)):
                 done.add((row["prompt_id"], row["sample"]))
     return done
 
@@ -97,7 +98,8 @@ def label_records(records: list[PromptRecord], config: LabelConfig, model_name: 
     """Label every pending (prompt, sample) of `records` (the config's prompt files are not read); return counts."""
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
-    done = read_done(config.out_path, model_name, config.max_len, config.temperature)  # other settings: labelled again
+    # Rows of other settings do not count: those prompts are labelled again
+    done = read_done(config.out_path, model_name, config.max_len, config.temperature, config.top_p)
     jobs, skipped_too_long = [], 0
     for record in records:
         pending = [s for s in range(config.num_samples) if (record.prompt_id, s) not in done]
@@ -119,7 +121,7 @@ def label_records(records: list[PromptRecord], config: LabelConfig, model_name: 
     )
     config.out_path.parent.mkdir(parents=True, exist_ok=True)
     in_flight: dict[str, dict] = {}
-    next_job = 0
+    next_job, num_at_limit = 0, 0
     with config.out_path.open("a", encoding="utf-8") as out, tqdm(total=len(jobs), desc="labelling", unit="sample") as bar:
         while next_job < len(jobs) or engine.has_unfinished():
             # Keep the queue short so finished labels hit the file early.
@@ -141,6 +143,8 @@ def label_records(records: list[PromptRecord], config: LabelConfig, model_name: 
                     row["sampling"]["stop"] = list(row["sampling"]["stop"])
                     out.write(json.dumps(row) + "\n")
                     out.flush()
+                    num_at_limit += step_out.finish_reason == "length"
                     bar.update(1)
     summary["labelled"] = len(jobs)
+    summary["at_length_limit"] = num_at_limit
     return summary

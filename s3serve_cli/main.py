@@ -44,6 +44,25 @@ def _label(args: argparse.Namespace) -> int:
     return 0
 
 
+def _label_stats(args: argparse.Namespace) -> int:
+    from benchmarks.report import format_table, write_json
+    from predictor_service.label_stats import setting_stats
+    from predictor_service.training import read_labels
+
+    stats = setting_stats(read_labels(args.labels))
+    print(format_table(
+        ["temp", "top_p", "prompts", "answers", "at_limit", "sometimes_at_limit", "mean_tok", "median_tok",
+         "median_range_tok", "explained_by_prompt"],
+        [[s.temperature, s.top_p, s.num_prompts, s.num_answers, s.at_limit_share, s.prompts_sometimes_at_limit,
+          s.mean_output_tokens, s.median_output_tokens, s.median_prompt_range_tokens, s.explained_by_prompt]
+         for s in stats]))
+    print("at_limit: answers that ran to max_tokens; sometimes_at_limit: prompts (with several samples) where some "
+          "samples did and some did not; explained_by_prompt: share of the variance of log length between prompts "
+          "rather than between samples of one prompt (the ceiling for a predictor that sees the prompt only)")
+    write_json(args.json, {"labels": [str(path) for path in args.labels], "settings": [s.as_json() for s in stats]})
+    return 0
+
+
 def _train_predictor(args: argparse.Namespace) -> int:
     from benchmarks.predictor_bench import load_prompt_texts_by_id
     from predictor_service.features import FeatureConfig
@@ -169,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     label = commands.add_parser(
         "label",
         help="label prompts with the served model's own output lengths (predictor training data)",
-        description="Runs each prompt through the engine with the chat template and the service's default "
-                    "sampling settings and appends, per prompt and sample, a JSON line with a stable prompt id, "
+        description="Runs each prompt through the engine with the chat template, greedy or with the given "
+                    "sampling settings (--temperature 1.0 is what an OpenAI-API client gets by default), and appends, per prompt and sample, a JSON line with a stable prompt id, "
                     "prompt and output token counts, finish reason and sampling settings (no prompt text). "
                     "Re-running with the same --out resumes.",
     )
@@ -191,6 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="take prompts in a random order seeded by --seed, so a partial run covers every set")
     label.add_argument("--batch-size", type=int, default=32, help="sequences running at once (default: %(default)s)")
     label.set_defaults(handler=_label)
+
+    label_stats = commands.add_parser(
+        "label-stats",
+        help="what labels say about output lengths: share at the length limit, spread between samples of a prompt",
+        description="Reads labels from `s3serve label` and prints, per sampling setting: prompts, answers, the "
+                    "share of answers that ran to max_tokens, and for prompts sampled several times how often only "
+                    "some samples hit the limit, the median spread in tokens, and the share of the variance of log "
+                    "length that the prompt explains.",
+    )
+    label_stats.add_argument("labels", type=Path, nargs="+", metavar="LABELS", help="labels JSONL files")
+    label_stats.add_argument("--json", type=Path, default=None, help="also write the table to this JSON file")
+    label_stats.set_defaults(handler=_label_stats)
 
     train = commands.add_parser(
         "train-predictor",

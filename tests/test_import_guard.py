@@ -27,6 +27,8 @@ PURE_MODULES = [
     "cluster.control.placement",
     "cluster.control.scaling",
     "cluster.control.messages",
+    "cluster.control.rebound",
+    "predictor_service.label_stats",
 ]
 # Processes that never run a model: Ray and Redis are fine there, torch is not.
 NO_TORCH_MODULES = [

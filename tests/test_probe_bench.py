@@ -15,7 +15,8 @@ def _held(prompt_id: str) -> bool:
 
 def test_every_probe_variant_is_scored_at_prefill_and_after_decoding(synthetic_probe_features):
     features = synthetic_probe_features(300, 16, seed=3)
-    results, sizes = probe_bench.score_probes(features, _held, max_len=520, quantile=0.9, num_latency_batches=2)
+    scores = probe_bench.score_probes(features, _held, max_len=520, quantile=0.9, num_latency_batches=2)
+    results, sizes = scores.results, scores.sizes
     assert set(results) == set(probe_bench.PROBE_VARIANTS)
     assert sizes["num_held_out_prompts"] == 75 and sizes["num_train_rows"] + sizes["num_held_out_rows"] == len(features)
     for metrics in results.values():
