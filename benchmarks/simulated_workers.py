@@ -128,9 +128,10 @@ class SimulatedWorkerBackend(WorkerBackend):
                                              predicted_output_tokens, num_blocks_needed))
 
     def report_bound(self, worker_id: str, request_id: str, num_output_tokens: int, predicted_output_tokens: int) -> None:
-        """Make a worker report that its length probe re-bounded a request."""
-        self.workers[worker_id].rebounded[request_id] = BoundReport(request_id, num_output_tokens,
-                                                                    predicted_output_tokens)
+        """Make a worker report that its length probe re-bounded a request (holding the blocks it holds)."""
+        worker = self.workers[worker_id]
+        worker.rebounded[request_id] = BoundReport(request_id, num_output_tokens, predicted_output_tokens,
+                                                   worker.held.get(request_id, 0) * worker.block_size)
 
     def kill_worker(self, worker_id: str) -> None:
         self.workers[worker_id].is_alive = False

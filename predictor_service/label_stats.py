@@ -55,7 +55,8 @@ def _by_prompt(rows: Sequence[LabelRow]) -> dict[str, list[LabelRow]]:
 
 
 def explained_by_prompt(groups: Sequence[Sequence[float]]) -> float | None:
-    """1 - mean within-group variance / total variance; None with fewer than two multi-value groups or no variance."""
+    """1 - pooled within-group variance / total variance (eta squared), over groups of two or more values;
+    None with fewer than two such groups or no variance at all."""
     groups = [np.asarray(group, dtype=np.float64) for group in groups if len(group) > 1]
     if len(groups) < 2:
         return None

@@ -140,8 +140,9 @@ def distribution_metrics(predictions: Sequence[LengthPrediction], true_lengths, 
     One draw is a noisy target when sampling: these scores compare with the distribution
     instead. The point is scored against each prompt's median sample, the ordering against
     the prompts' medians, and the bucket probabilities by the mean negative log-likelihood
-    of every sample's bucket (a proper score: lowest when the probabilities are the
-    prompt's own bucket frequencies). A prompt's prediction is that of its first row.
+    of every sample's bucket under its row's probabilities (a proper score: lowest when
+    they are the prompt's own bucket frequencies). A prompt's point is that of its first
+    row (a predictor that reads the prompt gives all its rows the same).
 
     Returns:
         {"kendall_tau_vs_median", "median_mae_tokens", "bucket_nll", "num_prompts"}.

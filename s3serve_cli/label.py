@@ -62,9 +62,11 @@ class LabelConfig:
 
 
 def read_done(out_path: Path, model: str | None = None, max_len: int | None = None,
-              temperature: float | None = None, top_p: float | None = None) -> set[tuple[str, int]]:
+              temperature: float | None = None, top_p: float | None = None,
+              base_seed: int | None = None) -> set[tuple[str, int]]:
     """(prompt_id, sample) pairs already in a labels file, counting only rows made with the given model,
-    max_len, temperature and top_p (those not given match anything); a torn last line is ignored."""
+    max_len, temperature, top_p and (sampled rows) base seed; those not given match anything. A torn
+    last line is ignored."""
     done = set()
     if out_path.is_file():
         for line in out_path.read_text(encoding="utf-8").splitlines():
@@ -74,7 +76,9 @@ def read_done(out_path: Path, model: str | None = None, max_len: int | None = No
                 continue  # an interrupted write; that label is redone
             if ((model is None or row.get("model") == model) and (max_len is None or row.get("max_len") == max_len)
                     and (temperature is None or row.get("sampling", {}).get("temperature") == temperature)
-                    and (top_p is None or row.get("sampling", {}).get("top_p", 1.0) == top_p)):
+                    and (top_p is None or row.get("sampling", {}).get("top_p", 1.0) == top_p)
+                    and (base_seed is None or row.get("sampling", {}).get("seed") in
+                         (None, _sample_seed(base_seed, row["prompt_id"], row["sample"])))):
                 done.add((row["prompt_id"], row["sample"]))
     return done
 
@@ -99,7 +103,7 @@ def label_records(records: list[PromptRecord], config: LabelConfig, model_name: 
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
     # Rows of other settings do not count: those prompts are labelled again
-    done = read_done(config.out_path, model_name, config.max_len, config.temperature, config.top_p)
+    done = read_done(config.out_path, model_name, config.max_len, config.temperature, config.top_p, config.seed)
     jobs, skipped_too_long = [], 0
     for record in records:
         pending = [s for s in range(config.num_samples) if (record.prompt_id, s) not in done]

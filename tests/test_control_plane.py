@@ -201,6 +201,9 @@ def test_with_redis_down_placement_fails_fast_and_changes_nothing(tmp_path):
         assert asyncio.get_running_loop().time() - started < 3.0
         assert plane.ledger.reserved_by_worker() == before and plane.ledger.get("b") is None
         assert not (await plane.status()).is_redis_ok
+        plane.pool.backend.report_bound(plane.ledger.get("a").worker_id, "a", 5, 100)
+        await plane.tick()  # the new bound cannot be written: the tick goes on, memory as it was
+        assert plane.ledger.get("a").predicted_output_tokens == 40 and plane.ledger.reserved_by_worker() == before
     asyncio.run(check())
 
 
@@ -289,7 +292,12 @@ def test_a_bound_the_workers_probe_lowers_frees_room_for_a_waiting_request(run):
         assert (await plane.store.get_request("big0")).num_reserved_blocks == 4  # written through
         placement = await asyncio.wait_for(waiter, 2.0)
         assert placement.worker_id == big[0].worker_id
-        sim.report_bound(big[1].worker_id, "big1", 30, 190)  # raised: the controller reserves more
+        sim.workers[big[1].worker_id].held["big1"] = 10  # admitted there: s3 holds its whole reservation
+        sim.report_bound(big[1].worker_id, "big1", 30, 40)
         await plane.tick()
-        assert plane.ledger.get("big1").num_reserved_blocks == BLOCKS  # 20 + 190 tokens, clamped to the cache
+        record = plane.ledger.get("big1")
+        assert (record.predicted_output_tokens, record.num_reserved_blocks) == (40, 10)  # the worker keeps 10
+        sim.report_bound(big[0].worker_id, "big0", 30, 190)  # raised: the controller reserves more
+        await plane.tick()
+        assert plane.ledger.get("big0").num_reserved_blocks == BLOCKS  # 20 + 190 tokens, clamped to the cache
     run(check)

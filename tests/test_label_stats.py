@@ -103,3 +103,14 @@ def test_a_probes_prefill_predictions_are_scored_on_every_sample_of_their_prompt
     assert scores["1"]["median_mae_tokens"] == pytest.approx((0 + 10) / 2)  # medians 30 and 90
     assert scores["1"]["under_reservation_rate"] == pytest.approx(1 / 3)  # 90 > 85
     assert scores["1"]["bucket_nll"] == pytest.approx(-np.log(0.1))
+
+
+def test_the_per_temperature_table_appears_only_with_several_settings_or_samples():
+    from predictor_service.length_example import LengthExample
+    from predictor_service.training import LengthDataset
+
+    greedy = LengthDataset([LengthExample("a", "", 10, 100, 0.0), LengthExample("b", "", 10, 100, 0.0)], [5, 6])
+    assert not predictor_bench.has_samples(greedy)
+    assert predictor_bench.has_samples(LengthDataset(greedy.examples + [LengthExample("a", "", 10, 100, 1.0)],
+                                                     [5, 6, 7]))
+    assert predictor_bench.has_samples(LengthDataset([LengthExample("a", "", 10, 100, 0.7)] * 2, [5, 9]))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from s3serve_cli.label import LabelConfig, read_done
+from s3serve_cli.label import LabelConfig, _sample_seed, read_done
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +63,11 @@ def test_read_done_counts_only_rows_made_with_the_same_model_and_settings(tmp_pa
     assert read_done(out, "m", 256, 0.0) == {("a", 0), ("e", 0)}
     assert read_done(out, "m", 256, 0.0, 1.0) == {("a", 0)}
     assert read_done(out) == {("a", 0), ("b", 0), ("c", 0), ("d", 0), ("e", 0)}
+    sampled = {"prompt_id": "f", "sample": 1, "model": "m", "max_len": 256,
+               "sampling": {"temperature": 1.0, "seed": _sample_seed(7, "f", 1)}}
+    out.write_text(json.dumps(sampled) + "\n")
+    assert read_done(out, "m", 256, 1.0, base_seed=7) == {("f", 1)}
+    assert read_done(out, "m", 256, 1.0, base_seed=8) == set()  # another base seed: other draws, labelled again
 
 
 def test_greedy_labels_refuse_several_samples(tmp_path):

@@ -83,20 +83,25 @@ def test_evaluate_scores_points_bounds_and_bucket_argmax():
 def test_distribution_metrics_score_each_prompt_against_all_its_samples():
     from predictor_service.metrics import distribution_metrics
 
-    spread = (0.05, 0.15, 0.6, 0.1, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0)  # a prompt's own bucket frequencies, roughly
-    sure = tuple(1.0 if i == 2 else 0.0 for i in range(10))  # all mass on one bucket
-    samples = {"a": [25, 28, 30, 5], "b": [60, 62, 70, 64]}  # max_len 100: buckets of width 10
+    def freqs(**mass):  # bucket probabilities from {"b<i>": p}
+        return tuple(mass.get(f"b{i}", 0.0) for i in range(10))
+
+    samples = {"a": [25, 28, 30, 5], "b": [60, 62, 70, 64]}  # max_len 100: buckets of width 10, right-closed
+    own = {"a": freqs(b0=0.25, b2=0.75), "b": freqs(b5=0.25, b6=0.75)}  # each prompt's own bucket frequencies
     ids = [p for p, lengths in samples.items() for _ in lengths]
     true = [length for lengths in samples.values() for length in lengths]
-    medians = [LengthPrediction(26, 40, spread), LengthPrediction(63, 80, spread)]
-    at_medians = distribution_metrics([medians[0]] * 4 + [medians[1]] * 4, true, ids, max_len=100)
-    assert at_medians["median_mae_tokens"] == pytest.approx((0.5 + 0.0) / 2)  # medians are 26.5 and 63
-    assert at_medians["kendall_tau_vs_median"] == pytest.approx(1.0)
-    assert at_medians["num_prompts"] == 2
-    reversed_points = [LengthPrediction(63, 80, sure)] * 4 + [LengthPrediction(26, 40, sure)] * 4
-    wrong = distribution_metrics(reversed_points, true, ids, max_len=100)
-    assert wrong["kendall_tau_vs_median"] == pytest.approx(-1.0)
-    # A sample outside the one bucket predicted costs -log(1e-6): spreading the mass scores better
-    assert at_medians["bucket_nll"] < wrong["bucket_nll"]
+    matched = distribution_metrics([LengthPrediction(26, 40, own["a"])] * 4 + [LengthPrediction(63, 80, own["b"])] * 4,
+                                   true, ids, max_len=100)
+    assert matched["median_mae_tokens"] == pytest.approx((0.5 + 0.0) / 2)  # medians are 26.5 and 63
+    assert matched["kendall_tau_vs_median"] == pytest.approx(1.0)
+    assert matched["num_prompts"] == 2
+    assert matched["bucket_nll"] == pytest.approx(-(0.25 * np.log(0.25) + 0.75 * np.log(0.75)))
+    swapped = distribution_metrics([LengthPrediction(63, 80, own["b"])] * 4 + [LengthPrediction(26, 40, own["a"])] * 4,
+                                   true, ids, max_len=100)
+    assert swapped["kendall_tau_vs_median"] == pytest.approx(-1.0)
+    sure = freqs(b2=0.5, b6=0.5)  # right buckets but not the prompt's proportions
+    hedged = distribution_metrics([LengthPrediction(26, 40, sure)] * 4 + [LengthPrediction(63, 80, sure)] * 4,
+                                  true, ids, max_len=100)
+    assert matched["bucket_nll"] < hedged["bucket_nll"] < swapped["bucket_nll"]  # a miss costs -log(1e-6)
     with pytest.raises(ValueError, match="prompt ids"):
-        distribution_metrics(reversed_points, true, ids[:-1], max_len=100)
+        distribution_metrics([LengthPrediction(1, 2, sure)] * 8, true, ids[:-1], max_len=100)

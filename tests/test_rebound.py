@@ -23,7 +23,7 @@ def test_only_this_workers_placed_requests_with_a_new_bound_are_re_planned_by_th
                    BoundReport("elsewhere", 5, 10), BoundReport("moving", 5, 10), BoundReport("pending", 5, 10),
                    BoundReport("finished", 5, 10))
     s3 = make_policy("s3", max_model_len=1024)
-    [lower] = rebounded_records(stats, records.get, s3.planned_tokens, 16, 1000, moving={"moving"})
+    [lower] = list(rebounded_records(stats, records.get, s3.planned_tokens, 16, 1000, moving={"moving"}))
     assert (lower.request_id, lower.predicted_output_tokens) == ("lower", 80)
     assert lower.num_reserved_blocks == 7  # 20 + 80 tokens in blocks of 16
     assert lower.worker_id == "w1" and lower.num_attempts == 1  # nothing else changes
@@ -33,10 +33,30 @@ def test_the_re_planned_reservation_follows_the_policy_and_stays_within_the_cach
     records = {"a": _record("a")}
     past_bound = _stats("w1", BoundReport("a", 90, 80))  # decoded past the new bound: s3 plans the next one
     s3 = make_policy("s3", max_model_len=1000)  # buckets of 100 tokens
-    [a] = rebounded_records(past_bound, records.get, s3.planned_tokens, 16, 1000)
+    [a] = list(rebounded_records(past_bound, records.get, s3.planned_tokens, 16, 1000))
     assert a.num_reserved_blocks == -(-(20 + 160) // 16)  # next_bound: at least twice 80
-    [clamped] = rebounded_records(_stats("w1", BoundReport("a", 5, 480)), records.get, s3.planned_tokens, 16, 10)
+    [clamped] = list(rebounded_records(_stats("w1", BoundReport("a", 5, 480)), records.get, s3.planned_tokens, 16, 10))
     assert clamped.num_reserved_blocks == 10
     paged = make_policy("paged_greedy")  # plans what is held: the bound does not change the reservation size
-    [held] = rebounded_records(_stats("w1", BoundReport("a", 40, 300)), records.get, paged.planned_tokens, 16, 1000)
+    [held] = list(rebounded_records(_stats("w1", BoundReport("a", 40, 300)), records.get, paged.planned_tokens, 16,
+                                    1000))
     assert held.num_reserved_blocks == -(-(20 + 40) // 16)
+
+
+def test_a_reservation_the_worker_holds_is_not_planned_away_and_a_router_without_prediction_is_re_planned():
+    s3 = make_policy("s3", max_model_len=1024)
+    records = {"held": _record("held"), "unknown": _record("unknown", bound=0)}  # 0: the router had no prediction
+    stats = _stats("w1", BoundReport("held", 10, 30, num_reserved_tokens=128), BoundReport("unknown", 0, 60))
+    held, unknown = rebounded_records(stats, records.get, s3.planned_tokens, 16, 1000)
+    assert (held.predicted_output_tokens, held.num_reserved_blocks) == (30, 128 // 16)  # s3 keeps its blocks
+    assert (unknown.predicted_output_tokens, unknown.num_reserved_blocks) == (60, -(-(20 + 60) // 16))
+
+
+def test_each_record_is_looked_up_as_it_is_yielded_so_a_change_in_between_is_not_overwritten():
+    s3 = make_policy("s3", max_model_len=1024)
+    records = {"a": _record("a"), "b": _record("b")}
+    stats = _stats("w1", BoundReport("a", 5, 50), BoundReport("b", 5, 50))
+    updates = rebounded_records(stats, records.get, s3.planned_tokens, 16, 1000)
+    assert next(updates).request_id == "a"
+    del records["b"]  # finished while "a" was being written
+    assert list(updates) == []

@@ -140,11 +140,14 @@ class BoundReport:
         num_output_tokens: tokens it had decoded when reported.
         predicted_output_tokens: the bound the worker plans it with now (decoded + the probe's estimate,
             raised again if it overran since).
+        num_reserved_tokens: KV tokens the worker holds for it now (a reservation is not shrunk when
+            the bound drops).
     """
 
     request_id: str
     num_output_tokens: int
     predicted_output_tokens: int
+    num_reserved_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

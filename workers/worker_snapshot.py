@@ -31,7 +31,8 @@ def snapshot(engine: Engine, worker_id: str, counters: LoopCounters) -> WorkerSt
         if seq.num_preemptions > 0
     )
     rebounded = tuple(
-        BoundReport(seq.seq_id, seq.num_output_tokens, seq.predicted_output_tokens)
+        BoundReport(seq.seq_id, seq.num_output_tokens, seq.predicted_output_tokens,
+                    allocator.num_reserved_tokens(seq.seq_id) if allocator.has(seq.seq_id) else 0)
         for seq in running + waiting
         if seq.num_probe_reads > 0 and seq.predicted_output_tokens is not None
     )

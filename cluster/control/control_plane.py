@@ -353,7 +353,10 @@ class ControlPlane:
             largest = self.pool.largest_cache_blocks or stats.num_total_blocks
             for record in rebounded_records(stats, self.ledger.get, self.policy.planned_tokens, self.config.block_size,
                                             largest, self.moving):
-                await self.ledger.put(record)
+                try:
+                    await self.ledger.put(record)
+                except redis.RedisError:
+                    return  # memory is put back; the workers report these bounds again next tick
 
     async def _reconcile(self) -> None:
         """Drop ledger entries nobody will release: a router that died, or a release call that was lost.

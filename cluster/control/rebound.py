@@ -7,7 +7,7 @@ write so that it plans by the worker's bound instead, with the same `planned_tok
 the worker's policy uses. Pure: records and reports in, records out.
 """
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterator
 from dataclasses import replace
 
 from cluster.control.messages import RequestRecord
@@ -20,14 +20,17 @@ PlannedTokens = Callable[[int, int, int, int | None], int]
 
 def rebounded_records(stats: WorkerStats, record_of: Callable[[str], RequestRecord | None],
                       planned_tokens: PlannedTokens, block_size: int, largest_cache_blocks: int,
-                      moving: Container[str] = ()) -> list[RequestRecord]:
+                      moving: Container[str] = ()) -> Iterator[RequestRecord]:
     """Ledger records of this worker's requests whose bound the worker changed, re-planned by that bound.
 
     A request is left alone when the ledger does not place it on this worker (it finished,
     moved or is being moved) or its bound is the one already planned with. The reservation
-    is clamped to [1, largest_cache_blocks], as a placement is.
+    is the policy's plan, never less than what the worker holds for the request (a policy
+    that holds its plan keeps its blocks when the bound drops), clamped to
+    [1, largest_cache_blocks] as a placement is. A generator: each record is looked up as
+    it is yielded, so a caller that writes one before asking for the next never writes
+    back a record that changed meanwhile.
     """
-    changed = []
     for report in stats.rebounded:
         record = record_of(report.request_id)
         if (record is None or record.worker_id != stats.worker_id or record.state != "placed"
@@ -35,7 +38,6 @@ def rebounded_records(stats: WorkerStats, record_of: Callable[[str], RequestReco
             continue
         tokens = planned_tokens(record.num_prompt_tokens, report.num_output_tokens, record.max_tokens,
                                 report.predicted_output_tokens)
-        num_blocks = max(1, min(blocks_for(tokens, block_size), largest_cache_blocks))
-        changed.append(replace(record, predicted_output_tokens=report.predicted_output_tokens,
-                               num_reserved_blocks=num_blocks))
-    return changed
+        num_blocks = blocks_for(max(tokens, report.num_reserved_tokens), block_size)
+        yield replace(record, predicted_output_tokens=report.predicted_output_tokens,
+                      num_reserved_blocks=max(1, min(num_blocks, largest_cache_blocks)))
