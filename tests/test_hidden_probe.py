@@ -75,6 +75,8 @@ def test_reprediction_rewrites_the_bound_the_policies_plan_by(policy):
     forced_id = engine.add_request([9, 10, 11], SamplingParams(max_tokens=20, forced_output_tokens=12))
     engine.step()  # both prompts prefill and sample their first token
     assert engine.sequence(seq_id).predicted_output_tokens == 0 + 3  # the router's 17 replaced after prefill
+    if policy.holds_plan:  # s3 reserved 4 + 17 tokens (24) at admission and gives back what 4 + 3 do not need
+        assert engine.allocator.num_reserved_tokens(seq_id) == 8
     for _ in range(5):
         engine.step()
     assert engine.sequence(seq_id).predicted_output_tokens == 5 + 3  # re-predicted after 5 decoded tokens

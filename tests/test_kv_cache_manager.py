@@ -182,3 +182,21 @@ def test_check_invariants_catches_a_double_booked_block():
     allocator._free_block_ids.append(allocator.block_table("a")[0])
     with pytest.raises(AssertionError):
         allocator.check_invariants()
+
+
+def test_shrink_gives_back_the_tail_beyond_the_new_plan_and_keeps_committed_blocks():
+    allocator = make_allocator(num_blocks=16, block_size=4)
+    table = allocator.allocate("s", 40)  # 10 blocks
+    assert allocator.shrink("s", 9) == 7  # 9 tokens need 3 blocks
+    assert allocator.block_table("s") == table[:3] and allocator.num_free_blocks == 13
+    assert allocator.shrink("s", 12) == 0  # already that small: nothing moves
+    allocator.check_invariants()
+    cached = BlockAllocator(16, 4, enable_prefix_caching=True)
+    tokens = list(range(100, 116))  # 4 full blocks
+    cached.allocate("c", 24)
+    cached.commit("c", 16, lambda start, end: tokens[start:end])  # 4 blocks named in the prefix cache
+    assert cached.shrink("c", 0) == 2  # the 4 named blocks stay, the 2 empty ones go
+    assert len(cached.block_table("c")) == 4
+    cached.check_invariants()
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        cached.shrink("c", -1)

@@ -311,7 +311,9 @@ class Engine:
         for i, query, estimate in zip(due, queries, estimates, strict=True):
             seqs[i].predicted_output_tokens = refined_bound(query, remaining_for(estimate, holds_plan),
                                                             seqs[i].predicted_output_tokens)
-            seqs[i].num_probe_reads += estimate is not None and self.probe.refines_bounds
+            if estimate is not None and self.probe.refines_bounds:
+                seqs[i].num_probe_reads += 1
+                self.scheduler.trim(seqs[i])  # s3 gives back what the new bound does not need
         self.num_probe_reads += len(due)
 
     def _append_token(self, seq: Sequence, token_id: int) -> StepOutput:

@@ -228,6 +228,22 @@ class BlockAllocator:
         table.extend(added)
         return added
 
+    def shrink(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Give back the blocks of a reservation beyond what `num_tokens` need; returns how many.
+
+        Blocks named in the prefix cache (full of committed KV) are always kept; callers pass
+        at least the sequence's known tokens, so no computed KV is dropped.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        table = self._tables[seq_id]
+        keep = max(self.blocks_for(num_tokens), len(self._chains.get(seq_id, ())))
+        extra = table[keep:]
+        del table[keep:]
+        for block in reversed(extra):
+            self._drop(block)
+        return len(extra)
+
     def release(self, seq_id: Hashable) -> int:
         """Return all of a sequence's blocks to the pool; returns how many. Unknown ids free nothing."""
         table = self._tables.pop(seq_id, None)

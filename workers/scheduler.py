@@ -150,6 +150,13 @@ class Scheduler:
         """After a step: blocks the sequence filled with computed KV become shareable (prefix caching)."""
         self.allocator.commit(seq.seq_id, seq.num_computed_tokens, seq.tokens_between)
 
+    def trim(self, seq: Sequence) -> int:
+        """After its bound dropped: a policy that holds its plan gives back the blocks beyond the new plan
+        (keeping room for the token being sampled now); returns the blocks freed."""
+        if not self.policy.holds_plan or not self.allocator.has(seq.seq_id):
+            return 0
+        return self.allocator.shrink(seq.seq_id, max(self.policy.reservation_tokens(seq), seq.num_tokens + 1))
+
     def finish(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence's blocks."""
         self.allocator.release(seq.seq_id)
