@@ -48,7 +48,7 @@ def test_a_reservation_the_worker_holds_is_not_planned_away_and_a_router_without
     records = {"held": _record("held"), "unknown": _record("unknown", bound=0)}  # 0: the router had no prediction
     stats = _stats("w1", BoundReport("held", 10, 30, num_reserved_tokens=128), BoundReport("unknown", 0, 60))
     held, unknown = rebounded_records(stats, records.get, s3.planned_tokens, 16, 1000)
-    assert (held.predicted_output_tokens, held.num_reserved_blocks) == (30, 128 // 16)  # s3 keeps its blocks
+    assert (held.predicted_output_tokens, held.num_reserved_blocks) == (30, 128 // 16)  # what the worker holds
     assert (unknown.predicted_output_tokens, unknown.num_reserved_blocks) == (60, -(-(20 + 60) // 16))
 
 

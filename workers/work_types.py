@@ -140,8 +140,7 @@ class BoundReport:
         num_output_tokens: tokens it had decoded when reported.
         predicted_output_tokens: the bound the worker plans it with now (decoded + the probe's estimate,
             raised again if it overran since).
-        num_reserved_tokens: KV tokens the worker holds for it now (a reservation is not shrunk when
-            the bound drops).
+        num_reserved_tokens: KV tokens the worker holds for it now (the controller never plans less).
     """
 
     request_id: str

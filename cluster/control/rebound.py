@@ -25,8 +25,8 @@ def rebounded_records(stats: WorkerStats, record_of: Callable[[str], RequestReco
 
     A request is left alone when the ledger does not place it on this worker (it finished,
     moved or is being moved) or its bound is the one already planned with. The reservation
-    is the policy's plan, never less than what the worker holds for the request (a policy
-    that holds its plan keeps its blocks when the bound drops), clamped to
+    is the policy's plan, never less than what the worker holds for the request (blocks it
+    has not given back, or an overrun's growth), clamped to
     [1, largest_cache_blocks] as a placement is. A generator: each record is looked up as
     it is yielded, so a caller that writes one before asking for the next never writes
     back a record that changed meanwhile.
