@@ -20,11 +20,11 @@ from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS, PromptRecord, encode_chat, read_prompts
 from benchmarks.traces import ReplayRequest, read_trace
-from predictor_service.server import SHIPPED_LABELS
+from predictor_service.server import SHIPPED_LABEL_FILES
 from predictor_service.training import read_labels
 
 #: The labels the shipped default predictor was trained on: their prompts are never benchmarked here.
-TRAINED_LABELS = SHIPPED_LABELS
+TRAINED_LABELS = SHIPPED_LABEL_FILES
 #: True greedy lengths of held-out pool prompts (made by `s3serve label`, appended to by this workload).
 HELD_OUT_LABELS = Path(__file__).resolve().parent / "labels" / "smollm2-135m-instruct.heldout.greedy.jsonl"
 
@@ -57,7 +57,7 @@ class HeldOutSplit:
 
 
 def choose_held_out(tokenizer, num_prompts: int, max_prompt_tokens: int, seed: int = 0,
-                    prompts_path: Path = DEFAULT_PROMPTS, trained_labels: tuple[Path, ...] = (TRAINED_LABELS,),
+                    prompts_path: Path = DEFAULT_PROMPTS, trained_labels: tuple[Path, ...] = TRAINED_LABELS,
                     ) -> tuple[list[tuple[PromptRecord, list[int]]], HeldOutSplit]:
     """`num_prompts` seeded-random prompts the predictor never saw, with their chat token ids (each at most
     `max_prompt_tokens`). Raises ValueError when the pool has fewer such prompts."""

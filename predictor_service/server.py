@@ -3,7 +3,7 @@
 Plain Python (no Ray): `predictor_service.deployment` wraps it in a Ray Serve
 deployment. Until a version exists under the artifact root (or with no root), it
 serves the default artifact shipped in `predictor_service/default_artifact/`
-(LightGBM over hashed n-grams, fitted on the shipped labels); if that cannot be
+(LightGBM over hashed n-grams, fitted on the shipped greedy and sampled labels); if that cannot be
 loaded, the prompt-length baseline fitted on those labels. It logs which.
 """
 
@@ -17,6 +17,10 @@ from predictor_service.training import make_predictor, read_labels
 logger = logging.getLogger(__name__)
 
 SHIPPED_LABELS = Path(__file__).parent / "labels" / "smollm2-135m-instruct.pool.greedy.jsonl"
+#: 4 answers at temperature 1.0 (the OpenAI API's default) for 319 of the greedy labels' prompts
+SHIPPED_SAMPLED_LABELS = SHIPPED_LABELS.with_name("smollm2-135m-instruct.pool.sampled-t1.jsonl")
+#: What the default artifact was fitted on
+SHIPPED_LABEL_FILES = (SHIPPED_LABELS, SHIPPED_SAMPLED_LABELS)
 DEFAULT_ARTIFACT_ROOT = Path(__file__).parent / "default_artifact"
 BASELINE_VERSION = "baseline:prompt-length"
 DEFAULT_VERSION_PREFIX = "default:"

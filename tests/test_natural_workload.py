@@ -22,7 +22,7 @@ MODEL = "smollm2-135m-instruct"
 def test_held_out_prompts_are_none_the_predictor_trained_on_and_the_choice_is_seeded(smollm2_tokenizer, shared_data):
     pool = shared_data / "prompts" / "pool.jsonl"
     chosen, split = choose_held_out(smollm2_tokenizer, 40, 96, seed=3, prompts_path=pool)
-    trained = {row.prompt_id for row in read_labels([TRAINED_LABELS])}
+    trained = {row.prompt_id for row in read_labels(TRAINED_LABELS)}
     ids = [record.prompt_id for record, _ in chosen]
     assert len(set(ids)) == 40 and not set(ids) & trained
     assert all(len(tokens) <= 96 for _, tokens in chosen)

@@ -9,7 +9,8 @@ import pytest
 from predictor_service.artifacts import save_predictor
 from predictor_service.length_example import LengthExample
 from predictor_service.artifacts import load_predictor, read_manifest
-from predictor_service.server import BASELINE_VERSION, DEFAULT_ARTIFACT_ROOT, SHIPPED_LABELS, LengthPredictorServer
+from predictor_service.server import (BASELINE_VERSION, DEFAULT_ARTIFACT_ROOT, SHIPPED_LABEL_FILES,
+                                     LengthPredictorServer)
 from predictor_service.training import make_predictor, read_labels
 
 PAYLOAD = {"prompt_id": "q", "prompt_text": "Write an essay about rivers.", "num_prompt_tokens": 30,
@@ -47,14 +48,17 @@ def test_shipped_default_artifact_is_calibrated_lightgbm_without_torch_features(
     assert json.loads((DEFAULT_ARTIFACT_ROOT / "v0001" / "features.json").read_text())["use_embedding"] is False
     assert sum(f.stat().st_size for f in (DEFAULT_ARTIFACT_ROOT / "v0001").iterdir()) < 5_000_000
     predictor = load_predictor(DEFAULT_ARTIFACT_ROOT)
-    num_shipped_labels = len(read_labels([SHIPPED_LABELS]))
-    # Calibrated out of fold over every shipped label: retrain it whenever the labels grow.
-    assert predictor.calibration is not None and predictor.calibration.num_calibration == num_shipped_labels
-    short, long = predictor.predict_examples([
-        LengthExample("a", "Answer with one word: what is the capital of France?", 40, 980),
-        LengthExample("b", "Write a long, detailed story about a dragon who learns to code.", 40, 980),
-    ])
+    shipped = read_labels(SHIPPED_LABEL_FILES)
+    # Calibrated out of fold over every shipped label, greedy and sampled: retrain it whenever the labels grow.
+    assert predictor.calibration is not None and predictor.calibration.num_calibration == len(shipped)
+    assert {row.temperature for row in shipped} == {0.0, 1.0}
+    prompts = ["Answer with one word: what is the capital of France?",
+               "Write a long, detailed story about a dragon who learns to code."]
+    short, long = predictor.predict_examples([LengthExample(str(i), p, 40, 980) for i, p in enumerate(prompts)])
     assert short.point_tokens < long.point_tokens
+    # Trained on sampled answers too, it answers per temperature (sampled answers run longer here)
+    sampled = predictor.predict_examples([LengthExample(str(i), p, 40, 980, 1.0) for i, p in enumerate(prompts)])
+    assert [s.point_tokens for s in sampled] != [short.point_tokens, long.point_tokens]
 
 
 def test_server_rejects_a_payload_without_lengths(tmp_path: Path):
