@@ -10,6 +10,7 @@
 """
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -137,7 +138,8 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
     finally:
         if outcome_reason is None:  # cancelled or failed: stop the work wherever it is
             try:
-                workers.get(worker_id, actor_name).abort.remote(job.request_id)
+                # no child of a cancelled request either (see `_release`)
+                contextvars.Context().run(workers.get(worker_id, actor_name).abort.remote, job.request_id)
             except Exception:  # noqa: BLE001 - the worker may be gone; nothing left to stop then
                 pass
         outcome = RequestOutcome(job.prompt_text, len(job.prompt_token_ids), job.params.max_tokens,
@@ -146,16 +148,31 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
         _release(controller, job.request_id, outcome)
 
 
-def _release(controller, request_id: str, outcome: RequestOutcome | None) -> None:
+def _release(controller, request_id: str, outcome: RequestOutcome | None, resends_left: int = 2) -> None:
     """Send the release now, without awaiting it (this runs in `finally`, perhaps of a cancelled task).
 
     The call is submitted before this returns; its failure is only logged (a lost release is
-    repaired when the controller reconciles its ledger with the workers).
+    repaired when the controller reconciles its ledger with the workers). Ray cancels the
+    child tasks of a cancelled request (`ray.cancel` is recursive), and an async actor's
+    current task is a context variable: the release is submitted from an empty context, so
+    that it is no child of the request, and sent again should it be cancelled all the same.
     """
-    ref = controller.finish.remote(request_id, outcome)
+    ref = contextvars.Context().run(controller.finish.remote, request_id, outcome)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # called back from a Ray thread (the placement call returned)
+        loop = None
 
     def report(future) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            logger.error("could not release request %s: %r", request_id, future.exception())
+        if future.cancelled() or future.exception() is None:
+            return
+        if isinstance(future.exception(), ray.exceptions.TaskCancelledError) and resends_left > 0:
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(_release, controller, request_id, outcome, resends_left - 1,
+                                          context=contextvars.Context())
+            else:
+                _release(controller, request_id, outcome, resends_left - 1)
+            return
+        logger.error("could not release request %s: %r", request_id, future.exception())
 
     ref.future().add_done_callback(report)
