@@ -32,6 +32,7 @@ from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor
 from predictor_service.metrics import distribution_metrics, evaluate
 from predictor_service.hidden_features import HiddenFeatures
+from predictor_service.server import SHIPPED_LABELS
 from predictor_service.training import (LengthDataset, build_dataset, is_held_out, make_predictor, read_labels,
                                         split_by)
 
@@ -41,9 +42,7 @@ KINDS = ("mean", "linear", "lightgbm", "transformer")
 SPLITS = ("prompt_id", "source")
 # Held out by `split="source"`: maths word problems, open chat and code completion (30% of the pool's labels)
 HELD_OUT_SOURCES = ("gsm8k", "arenahard", "humaneval")
-SHIPPED_LABELS = Path(__file__).resolve().parent.parent / "predictor_service" / "labels" / (
-    "smollm2-135m-instruct.pool.greedy.jsonl")
-SHIPPED_FEATURES = SHIPPED_LABELS.with_suffix(".hidden.npz")
+SHIPPED_FEATURES = SHIPPED_LABELS.with_suffix(".hidden.npz")  # the engine's rows for the shipped greedy labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +170,7 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
     rows = read_labels(config.label_paths)
     dataset = build_dataset(rows, load_prompt_texts_by_id(config.prompt_paths))
     train, held_out = split_dataset(dataset, config)
+    sampled = has_samples(held_out)  # several temperatures or samples: also score per temperature
     print(f"{len(rows)} label rows: {len(dataset.examples)} joined to prompts "
           f"({len(dataset.missing_prompt_ids)} without a prompt), {len(train.examples)} train, "
           f"{len(held_out.examples)} held out")
@@ -209,7 +209,7 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
         metrics["raw_mean_over_reservation_tokens"] = raw_metrics["mean_over_reservation_tokens"]
         for batch_size in LATENCY_BATCH_SIZES:
             metrics.update(_latency_ms(predictor, held_out.examples, batch_size, config.num_latency_batches))
-        if has_samples(held_out):
+        if sampled:
             metrics["by_temperature"] = scores_by_temperature(predictions, held_out, config.max_len)
         results[name] = metrics
         # The probe features are greedy runs: the re-prediction table compares greedy rows only.
@@ -227,7 +227,7 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
                                                 config.num_latency_batches)
         results.update(probe_scores.results)
         probe_sizes = probe_scores.sizes
-        if has_samples(held_out):
+        if sampled:
             for name, by_prompt in probe_scores.prefill_predictions.items():
                 results[name]["by_temperature"] = prefill_scores_by_temperature(by_prompt, held_out, config.max_len)
 
@@ -237,7 +237,7 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
                    m["raw_mean_over_reservation_tokens"], m["latency_p50_ms_batch1"], m["latency_p99_ms_batch1"],
                    m["latency_p50_ms_batch32"], m["latency_p99_ms_batch32"]] for name, m in results.items()]
     print(format_table(headers, table_rows))
-    if has_samples(held_out):
+    if sampled:
         print("by sampling temperature; the distribution scores compare each prompt's prediction with all its samples "
               "(tau and MAE against the prompt's median sample, mean negative log-likelihood of the samples' buckets); the "
               "probes read greedy states and were trained on greedy rows, whatever the temperature")

@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from workers.device import check_device
+from workers.length_probe import check_probe_folder
 from workers.models import DEFAULT_MODEL
 from workers.policies import SERVING_POLICY_NAMES
 
@@ -106,9 +107,7 @@ class ServiceConfig(BaseModel):
         if value in (None, "default"):
             return value
         folder = Path(value).expanduser().resolve()
-        if not (folder / "probe.json").is_file() or not (folder / "probe.pt").is_file():
-            raise ValueError(f"length_probe {value!r} is not a probe folder (needs probe.json and probe.pt): give "
-                             "'default' or a folder from `s3serve probe train`")
+        check_probe_folder(folder, value)
         return str(folder)  # absolute: the workers' working directory may differ
 
     @model_validator(mode="after")

@@ -31,11 +31,10 @@ from predictor_service.calibration import BoundCalibration, fit_calibration, is_
 from predictor_service.hidden_features import HiddenFeatures
 from predictor_service.length_predictor import LengthPrediction
 from predictor_service.metrics import bucket_of
-from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
+from workers.length_probe import (PROBE_MANIFEST_FILE, PROBE_WEIGHTS_FILE, LengthProbe, ProbeQuery,
+                                  RemainingEstimate, is_probe_folder)
 
 DEFAULT_PROBE = Path(__file__).parent / "default_probe"  # trained on the shipped labels' features
-PROBE_FILE = "probe.pt"
-MANIFEST_FILE = "probe.json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,23 +238,24 @@ class HiddenStateProbe(LengthProbe):
     def save(self, out_dir: Path | str, metrics: dict | None = None) -> Path:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"net": self.net.state_dict(), "mean": self.mean, "std": self.std}, out_dir / PROBE_FILE)
+        torch.save({"net": self.net.state_dict(), "mean": self.mean, "std": self.std},
+                   out_dir / PROBE_WEIGHTS_FILE)
         manifest = {"kind": "hidden_state_probe", "config": asdict(self.config), "hidden_size": self.hidden_size,
                     "last_read_tokens": self.last_read_tokens,
                     "calibration": None if self.calibration is None else self.calibration.to_dict(),
                     "metrics": metrics or {}}
-        (out_dir / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        (out_dir / PROBE_MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         return out_dir
 
     @classmethod
     def load(cls, path: Path | str) -> "HiddenStateProbe":
         path = Path(path)
-        if not (path / MANIFEST_FILE).is_file() or not (path / PROBE_FILE).is_file():
-            raise FileNotFoundError(f"{path} holds no hidden-state probe (expected {MANIFEST_FILE} and {PROBE_FILE}; "
-                                    "train one with `s3serve probe train`)")
-        manifest = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+        if not is_probe_folder(path):
+            raise FileNotFoundError(f"{path} holds no hidden-state probe (expected {PROBE_MANIFEST_FILE} and "
+                                    f"{PROBE_WEIGHTS_FILE}; train one with `s3serve probe train`)")
+        manifest = json.loads((path / PROBE_MANIFEST_FILE).read_text(encoding="utf-8"))
         probe = cls(ProbeConfig(**manifest["config"]), int(manifest["hidden_size"]))
-        state = torch.load(path / PROBE_FILE, weights_only=True)
+        state = torch.load(path / PROBE_WEIGHTS_FILE, weights_only=True)
         probe.net.load_state_dict(state["net"])
         probe.mean, probe.std = state["mean"], state["std"]
         probe.last_read_tokens = manifest.get("last_read_tokens")

@@ -309,11 +309,12 @@ class Engine:
         holds_plan = self.scheduler.policy.holds_plan
         estimates = self.probe.estimate_remaining(rows, queries)
         for i, query, estimate in zip(due, queries, estimates, strict=True):
+            if estimate is None:  # no answer (a probe that only records): the bound stays
+                continue
             seqs[i].predicted_output_tokens = refined_bound(query, remaining_for(estimate, holds_plan),
                                                             seqs[i].predicted_output_tokens)
-            if estimate is not None and self.probe.refines_bounds:
-                seqs[i].num_probe_reads += 1
-                self.scheduler.trim(seqs[i])  # s3 gives back what the new bound does not need
+            seqs[i].num_probe_reads += 1
+            self.scheduler.trim(seqs[i])  # s3 gives back what the new bound does not need
         self.num_probe_reads += len(due)
 
     def _append_token(self, seq: Sequence, token_id: int) -> StepOutput:

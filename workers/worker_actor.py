@@ -23,6 +23,7 @@ import ray
 
 from workers.device import check_device, free_device_bytes, kv_budget_bytes, probe_cuda, resolve_device
 from workers.engine_config import EngineConfig
+from workers.length_probe import check_probe_folder
 from workers.models import DEFAULT_MODEL
 from workers.policies import POLICIES, S3Policy, SchedulingPolicy, make_policy
 from workers.prefix_cache import prefix_cache_salt
@@ -94,10 +95,8 @@ class WorkerSettings:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.bucket_tokens is not None and not issubclass(POLICIES[self.policy], S3Policy):
             raise ValueError(f"bucket_tokens applies to the s3 and s3_peak policies, not {self.policy!r}")
-        if self.length_probe not in (None, "default") and not all(
-                (Path(self.length_probe) / name).is_file() for name in ("probe.json", "probe.pt")):
-            raise ValueError(f"length_probe {self.length_probe!r} is not a probe folder (needs probe.json and "
-                             "probe.pt): give 'default' or a folder from `s3serve probe train`")
+        if self.length_probe not in (None, "default"):
+            check_probe_folder(self.length_probe, self.length_probe)
         # Fail in the caller's process, not later inside the actor.
         self.make_policy()
         EngineConfig(self.kv_cache_bytes, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
