@@ -190,7 +190,7 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
                                   seed=config.seed)
     queries = [LengthQuery(r.request_id, r.prompt_token_ids, config.max_model_len - len(r.prompt_token_ids))
                for r in requests]
-    bounds = {q.prompt_id: p.upper_bound_tokens for q, p in zip(queries, oracle.predict(queries))}
+    estimates = {q.prompt_id: (p.point_tokens, p.upper_bound_tokens) for q, p in zip(queries, oracle.predict(queries))}
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="s3serve-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     plan = [(gib, system, policy) for gib in config.kv_gibs for system, policy in
@@ -211,7 +211,7 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
                        "kv_cache_bytes": int(gib * GIB), "startup_s": result["startup_s"],
                        "vllm_version": result["vllm_version"], "scheduler": result["scheduler"]}
             else:
-                row = _run_ours(model, policy, requests, bounds, config, kv_tokens * our_token_bytes,
+                row = _run_ours(model, policy, requests, estimates, config, kv_tokens * our_token_bytes,
                                 our_token_bytes, str(dtype).removeprefix("torch."))
             runs.append({"system": system, "policy": policy, "kv_gib": gib, "kv_tokens": kv_tokens, **row})
             progress.update(1)
@@ -224,13 +224,13 @@ def _model_config(model_dir: Path):
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
 
 
-def _run_ours(model, policy: str, requests, bounds, config: PeersBenchConfig, kv_cache_bytes: int,
+def _run_ours(model, policy: str, requests, estimates, config: PeersBenchConfig, kv_cache_bytes: int,
               token_bytes: int, dtype_name: str) -> dict:
     bench = PolicyBenchConfig(max_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                               max_num_batched_tokens=config.max_num_batched_tokens)
     cost_model = PreemptionCostModel(kv_bytes_per_token=token_bytes)
     with tqdm(total=len(requests), desc=f"  ours {policy}", unit="req", leave=False) as inner:
-        result = run_policy(copy.deepcopy(model), policy, requests, bounds, bench, kv_cache_bytes, cost_model, inner)
+        result = run_policy(copy.deepcopy(model), policy, requests, estimates, bench, kv_cache_bytes, cost_model, inner)
     summary = summarize(result, len(requests))
     return {"tokens_per_s": summary["tokens_per_s"], "preemptions": summary["preemptions"],
             "recomputed_tokens": summary["recomputed_tokens"], "output_tokens": summary["output_tokens"],

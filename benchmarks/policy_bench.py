@@ -206,11 +206,12 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
             return workload.texts[query.prompt_id]
         return tokenizer.decode(list(query.prompt_token_ids), skip_special_tokens=True)
 
-    def bounds_for(spec: str) -> dict[str, int]:
+    def estimates_for(spec: str) -> dict[str, tuple[int, int]]:  # request -> (point, upper bound)
         predictor = parse_predictor(spec, true_lengths, config.max_len, config.seed, text_of)
-        return {q.prompt_id: p.upper_bound_tokens for q, p in zip(queries, predictor.predict(queries))}
+        return {q.prompt_id: (p.point_tokens, p.upper_bound_tokens)
+                for q, p in zip(queries, predictor.predict(queries))}
 
-    bounds_by_spec = {config.predictor: bounds_for(config.predictor)}
+    estimates_by_spec = {config.predictor: estimates_for(config.predictor)}
     probe = None
     if config.probe is not None:
         probe = load_probe_for(config.probe, model.config.hidden_size)
@@ -229,11 +230,12 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
         for name, spec, is_sweep, caching, run_probe in plan:
             shown = name if run_probe is None else f"{name}{PROBE_SUFFIX}"
             progress.set_postfix_str(f"{shown} {spec}" if name.startswith("s3") else shown)
-            if spec not in bounds_by_spec:
-                bounds_by_spec[spec] = bounds_for(spec)
+            if spec not in estimates_by_spec:
+                estimates_by_spec[spec] = estimates_for(spec)
             # A fresh copy per run: each engine installs its own attention and DeepSpeed wrapper.
-            bounds = true_lengths if natural and name == "oracle" else bounds_by_spec[spec]
-            result = run_policy(copy.deepcopy(model), name, requests, bounds, config, kv_cache_bytes,
+            estimates = ({rid: (n, n) for rid, n in true_lengths.items()} if natural and name == "oracle"
+                         else estimates_by_spec[spec])
+            result = run_policy(copy.deepcopy(model), name, requests, estimates, config, kv_cache_bytes,
                                 cost_model, progress, caching, run_probe)
             if not is_sweep:
                 runs.append(result)

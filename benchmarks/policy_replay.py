@@ -49,20 +49,24 @@ class PolicyRun:
     num_probe_reads: int = 0  # bounds the hidden-state probe set (after prefill and every N decoded tokens)
 
 
-def run_policy(model, name: str, requests, bounds: dict[str, int], config: "PolicyBenchConfig",
+def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]], config: "PolicyBenchConfig",
                kv_cache_bytes: int, cost_model: PreemptionCostModel, progress: tqdm,
                prefix_caching: bool = True, probe: LengthProbe | None = None) -> PolicyRun:
-    """Replay the requests through a fresh engine with one policy (and `probe` refining its bounds, if given)."""
+    """Replay the requests through a fresh engine with one policy (and `probe` refining its bounds, if given).
+
+    `estimates` holds each request's (point, upper bound) output tokens; the policy plans by the one it
+    chooses (`SchedulingPolicy.prediction_from`)."""
     natural = config.workload == "natural"
     kwargs = {"cost_model": cost_model} if name.startswith("s3") else {}
     if name == "oracle" and natural:
-        kwargs = {"from_prediction": True}  # `bounds` holds the labelled lengths; nothing is forced
+        kwargs = {"from_prediction": True}  # `estimates` hold the labelled lengths; nothing is forced
+    policy = make_policy(name, max_model_len=config.max_len, **kwargs)
     engine = Engine(
         model,
         EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len,
                      enable_prefix_caching=prefix_caching),
-        policy=make_policy(name, max_model_len=config.max_len, **kwargs),
+        policy=policy,
         probe=probe,
     )
     label = name if probe is None else f"{name}{PROBE_SUFFIX}"
@@ -82,7 +86,8 @@ def run_policy(model, name: str, requests, bounds: dict[str, int], config: "Poli
                 SamplingParams(max_tokens=max_tokens) if natural else  # greedy, to the model's own stop
                 SamplingParams(max_tokens=max_tokens, ignore_eos=True, forced_output_tokens=request.output_tokens),
                 seq_id=request.request_id,
-                predicted_output_tokens=bounds.get(request.request_id),
+                predicted_output_tokens=(policy.prediction_from(*estimates[request.request_id])
+                                         if request.request_id in estimates else None),
                 arrival_s=start_s + request.arrival_s,
             )
             next_index += 1

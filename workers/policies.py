@@ -76,6 +76,12 @@ class SchedulingPolicy(abc.ABC):
     #: Plans by `predicted_output_tokens` as a prediction the worker may refine (a length probe's answers go there).
     reads_prediction: bool = False
 
+    def prediction_from(self, point_tokens: int, upper_tokens: int) -> int:
+        """Which of a predictor's two answers this policy plans by: the upper bound when it reserves its plan
+        whole (an overrun there costs a preemption), the point when it takes blocks on demand and only admits
+        by the plan (an overrun there stretches the plan; `length_probe.remaining_for` chooses the same way)."""
+        return upper_tokens if self.holds_plan else point_tokens
+
     @abc.abstractmethod
     def planned_output_tokens(self, num_output_tokens: int, max_tokens: int, predicted_output_tokens: int | None,
                               forced_output_tokens: int | None = None) -> int:
@@ -269,11 +275,44 @@ class S3PeakPolicy(S3Policy):
 
     With exact bounds it preempts only when prefill chunks shared by several
     prompts stretch a plan (each prompt is planned as if it had the step's
-    token budget to itself); an overrun is handled as in s3.
+    token budget to itself); an overrun moves the bound to the next one, as in s3.
+
+    It plans by the predictor's point estimate, not its upper bound
+    (`prediction_from`): an underestimate costs a stretched plan, not a
+    preemption, and the worker's length probe refines it as decoding goes on.
+    Waiting requests are admitted shortest predicted remaining first, aged by
+    arrival (`wait_s_per_token`); when a sequence cannot grow, the running one
+    predicted to hold its blocks longest is preempted (swapped or recomputed by
+    the cost model), so those about to finish and free theirs keep going.
+
+    Args:
+        wait_s_per_token: seconds of waiting that outweigh one predicted
+            remaining token in the admission order (0: first come first served).
     """
 
     name = "s3_peak"
     holds_plan = False
+
+    def __init__(self, bucket_tokens: int = 102, cost_model: PreemptionCostModel | None = None,
+                 wait_s_per_token: float = 0.05) -> None:
+        super().__init__(bucket_tokens, cost_model)
+        if wait_s_per_token < 0:
+            raise ValueError(f"wait_s_per_token must be >= 0, got {wait_s_per_token}")
+        self.wait_s_per_token = wait_s_per_token
+
+    def remaining_tokens(self, seq: Sequence) -> int:
+        """Output tokens `seq` is still planned to generate (by its refined prediction, or the next bound)."""
+        return self.planned_tokens_of(seq) - seq.num_tokens
+
+    def admission_order(self, waiting: list[Sequence]) -> list[Sequence]:
+        # Shortest predicted remaining first, aged: the key is arrival plus `wait_s_per_token` seconds per
+        # remaining token, so a newer request overtakes an older one only when it is predicted shorter by
+        # more than their arrival gap / wait_s_per_token tokens, and nobody waits forever (0: first come first served).
+        return sorted(waiting, key=lambda s: s.arrival_s + self.wait_s_per_token * self.remaining_tokens(s))
+
+    def choose_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence:
+        # The one predicted to hold its blocks longest; among equals the one with least KV to redo or copy.
+        return max(running, key=lambda s: (self.remaining_tokens(s), -s.num_computed_tokens))
 
     def growth_tokens(self, seq: Sequence) -> int:
         return seq.num_tokens

@@ -36,6 +36,7 @@ from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredic
 from cluster.ingress.text_stream import TextStream
 from predictor_service.length_example import join_messages
 from workers.models import chat_token_ids, load_tokenizer, resolve_model_dir
+from workers.policies import make_policy
 from workers.prefix_cache import block_hashes, prefix_cache_salt, salt_hash
 from workers.sampling_params import SamplingParams
 
@@ -92,6 +93,7 @@ class Router:
 
     def __init__(self, config: dict, redis_url: str, predictor=None) -> None:
         self.config = ServiceConfig(**config)
+        self.policy = make_policy(self.config.policy)  # which predicted length the workers plan by
         self.predictor = (DeploymentPredictor(predictor) if predictor is not None else
                           InRouterPredictor(self.config.predictor_root, self.config.quantile,
                                             self.config.max_model_len))
@@ -185,7 +187,8 @@ class Router:
         payload = {"prompt_id": request_id, "prompt_text": text, "num_prompt_tokens": num_prompt_tokens,
                    "max_tokens": params.max_tokens, "temperature": params.temperature}
         prediction = await self.predictor.predict(payload)
-        return prediction["upper_bound_tokens"], prediction["point_tokens"]
+        point = prediction["point_tokens"]
+        return self.policy.prediction_from(point, prediction["upper_bound_tokens"]), point
 
     # -- generation ----------------------------------------------------------------
 
