@@ -111,6 +111,24 @@ def test_fast_and_hf_paths_generate_the_same_greedy_tokens(kv_blocks):
     assert outputs[True] == outputs[False]
 
 
+def test_a_model_with_one_kv_head_generates_the_same_on_both_paths():
+    # Multi-query attention (or one tensor-parallel rank's share of the KV heads): a single KV head.
+    config = tiny_llama_config()
+    config.num_key_value_heads = 1
+    torch.manual_seed(6)
+    model = modeling_llama.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, 0.2)
+    prompts = [[5, 9, 3, 7, 11], list(range(3, 40))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    bytes_per_block = 2 * 2 * 16 * 1 * 16 * 4  # layers x K,V x block_size x kv_heads x head_dim x fp32
+    outputs = [_engine(model, use_fast_path=fast, kv_cache_bytes=64 * bytes_per_block).generate(prompts, params)
+               for fast in (True, False)]
+    assert outputs[0] == outputs[1]
+
+
 def test_models_the_fast_path_cannot_run_take_the_hf_path():
     config = tiny_llama_config()
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}

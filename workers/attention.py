@@ -68,10 +68,20 @@ def paged_attention_forward(
             "this model is driven by the S3 engine, not by generate()"
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1).contiguous()  # [T, H, D]
-    k = key[0].transpose(0, 1).contiguous()  # [T, KVH, D]
-    v = value[0].transpose(0, 1).contiguous()  # [T, KVH, D]
+    q, k, v = _token_rows(query), _token_rows(key), _token_rows(value)  # [T, H, D], [T, KVH, D], [T, KVH, D]
     return s3_attention(module.layer_idx, q, k, v, scale).unsqueeze(0), None
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[1, heads, T, D] -> [T, heads, D] with each token's heads packed ([T, heads * D] memory).
+
+    `.contiguous()` alone is not enough with one head (a tensor-parallel rank's share of the KV
+    heads, or multi-query attention): a size-1 dimension may keep any stride and still count as
+    contiguous, while the kernels read a token's heads as one row.
+    """
+    rows = x[0].transpose(0, 1)
+    num_tokens, num_heads, head_dim = rows.shape
+    return rows.reshape(num_tokens, num_heads * head_dim).view(num_tokens, num_heads, head_dim)
 
 
 def register_paged_attention() -> str:
