@@ -22,6 +22,7 @@ from workers.policies import SchedulingPolicy
 from workers.sampling import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
+from workers.tensor_parallel import LeadRunner, check_ranks
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import RequestMetrics, StepOutput, StepShape, StepTimes, step_shape
 
@@ -63,7 +64,12 @@ class Engine:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{model_config.max_position_embeddings}"
             )
-        bytes_per_block = pool_shape_for(model_config, 1, config.block_size, model.dtype).bytes_per_block
+        tensor_parallel_size = config.tensor_parallel_size
+        if tensor_parallel_size > 1:
+            check_ranks(tensor_parallel_size)  # before DeepSpeed shards the model across them
+        # Per rank: with tensor parallelism each rank's pool holds 1/tp of the KV heads in the same blocks.
+        bytes_per_block = pool_shape_for(model_config, 1, config.block_size, model.dtype,
+                                         tensor_parallel_size).bytes_per_block
         # Blocks are named by their tokens and the model: the KV of another model (or dtype) never matches.
         cache_salt = config.cache_salt or (
             f"{getattr(model_config, '_name_or_path', '')}:{model_config.model_type}:{model.dtype}")
@@ -72,15 +78,17 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.allocator, policy
         )
-        self.runner = ModelRunner(
+        runner = ModelRunner(
             model,
             self.allocator.num_blocks,
             config.block_size,
             backend or backend_for_device(device),
-            config.tensor_parallel_size,
+            tensor_parallel_size,
             max_model_len=self.max_model_len,
             use_fast_path=config.use_fast_path,
         )
+        # Tensor parallel: the other ranks repeat every runner call (`workers.tensor_parallel`).
+        self.runner = LeadRunner(runner) if tensor_parallel_size > 1 else runner
         self.sampler = Sampler()
         wanted = probe is not None and (self.scheduler.policy.reads_prediction or not probe.refines_bounds)
         self.probe = probe if wanted else None
@@ -95,6 +103,11 @@ class Engine:
         self.last_reserved_blocks = 0  # blocks reserved after the latest step
         self.last_times = StepTimes()
         self.last_shape = StepShape(0, 0, 0, 0)  # what the latest step computed (step-time calibration)
+
+    def close(self) -> None:
+        """Release the follower ranks of a tensor-parallel engine (it cannot step again); a no-op otherwise."""
+        if isinstance(self.runner, LeadRunner):
+            self.runner.close()
 
     # -- requests ---------------------------------------------------------
 

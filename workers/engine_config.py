@@ -8,13 +8,16 @@ class EngineConfig:
     """Engine settings.
 
     Attributes:
-        kv_cache_bytes: KV-cache budget across all layers; sets the number of blocks.
+        kv_cache_bytes: KV-cache budget across all layers; sets the number of blocks. With tensor
+            parallelism, per rank (each rank holds 1/tp of the KV heads of every block).
         block_size: tokens per KV block.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens per forward (prefill chunk budget).
         max_model_len: longest sequence (prompt + output); None takes the model's
             max_position_embeddings.
-        tensor_parallel_size: DeepSpeed tensor parallelism (needs that many torch.distributed ranks).
+        tensor_parallel_size: ranks one engine runs over, DeepSpeed AutoTP in each; torch.distributed
+            must run that many, the engine on rank 0 and `workers.tensor_parallel.follow_engine` on the
+            others. Above 1 the Hugging Face stack runs (no fast path).
         use_fast_path: run Llama-family models on CPU through `FastLlama` (fused C++ kernels,
             packed bf16 weights); False keeps the Hugging Face module stack.
         enable_prefix_caching: share the KV of full blocks of tokens between requests with the

@@ -25,17 +25,46 @@ from workers.kv_cache_manager import BlockAllocator
 from workers.scheduler import ScheduledChunk
 
 
-def pool_shape_for(model_config, num_blocks: int, block_size: int, dtype: torch.dtype) -> BlockPoolShape:
-    """Block-pool geometry of a Hugging Face decoder config."""
+def pool_shape_for(model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
+                   tensor_parallel_size: int = 1) -> BlockPoolShape:
+    """Block-pool geometry of a Hugging Face decoder config, for one of `tensor_parallel_size` ranks
+    (each holds 1/tp of the KV heads). Raises ValueError when the heads do not split evenly."""
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    check_tensor_parallel(model_config, tensor_parallel_size)
     return BlockPoolShape(
         num_layers=model_config.num_hidden_layers,
         num_blocks=num_blocks,
         block_size=block_size,
-        num_kv_heads=model_config.num_key_value_heads,
+        num_kv_heads=model_config.num_key_value_heads // tensor_parallel_size,
         head_dim=head_dim,
         dtype=dtype,
     )
+
+
+def check_tensor_parallel(model_config, tensor_parallel_size: int) -> None:
+    """Raise ValueError unless the attention and KV heads split evenly across the ranks."""
+    heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
+    if tensor_parallel_size < 1 or heads % tensor_parallel_size or kv_heads % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} must divide the model's {heads} attention "
+                         f"heads and {kv_heads} KV heads")
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardInputs:
+    """One step's forward in plain host values (what tensor-parallel ranks are sent).
+
+    Tokens are packed prefill chunks first (longest first), then decodes; `sample_rows` are the
+    packed rows whose logits the step samples from.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]
+    query_lens: list[int]
+    seq_lens: list[int]
+    num_prefills: int
+    sample_rows: list[int]
 
 
 def wrap_with_deepspeed(model: torch.nn.Module, tensor_parallel_size: int) -> torch.nn.Module:
@@ -43,8 +72,8 @@ def wrap_with_deepspeed(model: torch.nn.Module, tensor_parallel_size: int) -> to
 
     With tensor_parallel_size 1 no module is replaced. Above 1, torch.distributed must already
     run that many ranks (nccl on CUDA, gloo on CPU: `tests/test_deepspeed_wrapping.py` runs two),
-    and AutoTP shards every decoder linear layer across them. The engine does not drive several
-    ranks yet: its KV pool and scheduler are one process's.
+    and AutoTP shards every decoder linear layer across them; `workers.tensor_parallel` runs one
+    engine over those ranks.
     """
     import deepspeed
 
@@ -92,10 +121,14 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.backend = backend
         self.block_size = block_size
-        self.pool_shape = pool_shape_for(model.config, num_blocks, block_size, model.dtype)
+        self.tensor_parallel_size = tensor_parallel_size
+        # This rank's share: 1/tp of the KV heads (AutoTP splits k_proj and v_proj by head).
+        self.pool_shape = pool_shape_for(model.config, num_blocks, block_size, model.dtype, tensor_parallel_size)
         self.kv_caches = allocate_block_pool(self.pool_shape, self.device)
         if not use_fast_path:
             self.fast_path_off_reason = "turned off"
+        elif tensor_parallel_size > 1:
+            self.fast_path_off_reason = "tensor parallel runs the Hugging Face stack under DeepSpeed AutoTP"
         elif not isinstance(backend, CpuKVKernels):
             self.fast_path_off_reason = f"the {backend.name} backend has no fused ops (needs the C++ CPU kernels)"
         else:
@@ -159,7 +192,6 @@ class ModelRunner:
 
     # -- forward ------------------------------------------------------------
 
-    @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator,
             want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk]]:
         """Forward the chunks; return logits [num_sampling, vocab], the final-norm hidden states of the same rows
@@ -169,6 +201,15 @@ class ModelRunner:
         only with `want_hidden` (it then keeps every layer's states for the step), else None.
         """
         start_s = time.perf_counter()
+        inputs, sampling_chunks = self.prepare(chunks, allocator)
+        packed_s = time.perf_counter() - start_s
+        logits, hidden = self.forward(inputs, want_hidden)
+        self.last_times.prepare_s += packed_s  # forward() timed building the tensors and metadata
+        return logits, hidden, sampling_chunks
+
+    def prepare(self, chunks: list[ScheduledChunk],
+                allocator: BlockAllocator) -> tuple[ForwardInputs, list[ScheduledChunk]]:
+        """Pack the chunks into one forward's inputs; also the chunks that sample, in their rows' order."""
         # Prefill chunks first, longest first (backends may route the longest to GEMM attention), then decodes.
         prefills = sorted((c for c in chunks if c.num_tokens > 1), key=lambda c: c.num_tokens, reverse=True)
         ordered = prefills + [c for c in chunks if c.num_tokens == 1]
@@ -200,14 +241,23 @@ class ModelRunner:
             if chunk.completes_sequence_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling_chunks.append(chunk)
+        inputs = ForwardInputs(input_ids, positions, slots, tables, query_lens, seq_lens, len(prefills), sample_rows)
+        return inputs, sampling_chunks
+
+    @torch.inference_mode()
+    def forward(self, inputs: ForwardInputs, want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over packed inputs: logits [len(sample_rows), vocab] and, on the fast path or with
+        `want_hidden`, the final-norm hidden states of the same rows (else None)."""
+        start_s = time.perf_counter()
         device = self.device
-        meta = build_attention_metadata(query_lens, seq_lens, tables, slots, len(prefills), self.pool_shape, device)
+        meta = build_attention_metadata(inputs.query_lens, inputs.seq_lens, inputs.block_tables, inputs.slots,
+                                        inputs.num_prefills, self.pool_shape, device)
         attention = StepAttention(self.kv_caches, self.backend, meta)
         # An all-partial-prefill step samples nothing; keep one row so
         # logits_to_keep is never empty (an int 0 would mean "keep all").
-        keep = torch.tensor(sample_rows or [len(input_ids) - 1], dtype=torch.long, device=device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=device)
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        keep = torch.tensor(inputs.sample_rows or [len(inputs.input_ids) - 1], dtype=torch.long, device=device)
+        ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)
+        pos = torch.tensor(inputs.positions, dtype=torch.long, device=device)
         forward_start_s = time.perf_counter()
         if self.fast is not None:
             scale = self.fast.scale
@@ -220,5 +270,5 @@ class ModelRunner:
             hidden = outputs.hidden_states[-1][0].index_select(0, keep) if want_hidden else None
         end_s = time.perf_counter()
         self.last_times = ForwardTimes(forward_start_s - start_s, end_s - forward_start_s, attention.elapsed_s)
-        num_sampling = len(sample_rows)
-        return logits[:num_sampling], None if hidden is None else hidden[:num_sampling], sampling_chunks
+        num_sampling = len(inputs.sample_rows)
+        return logits[:num_sampling], None if hidden is None else hidden[:num_sampling]
