@@ -19,6 +19,7 @@ import heapq
 import itertools
 import time
 from collections import deque
+from dataclasses import replace
 
 from benchmarks.sim_worker import SimConfig, SimRequest, SimResult, SimWorker, new_sequence
 from benchmarks.step_time import StepModel
@@ -154,6 +155,10 @@ class ClusterSimulation:
 
     def _place(self, request: SimRequest, now_s: float) -> None:
         """`ControlPlane.place`: roomiest worker at once when nobody waits, else queue for first-fit."""
+        if request.point_output_tokens is not None and request.predicted_output_tokens is not None:
+            # The router's choice: the point for on-demand policies, the upper bound for those that reserve.
+            request = replace(request, point_output_tokens=None, predicted_output_tokens=self.policy.prediction_from(
+                request.point_output_tokens, request.predicted_output_tokens))
         num_blocks = self._plan_blocks(request, 0, request.predicted_output_tokens)
         seq = new_sequence(request)
         started_s = time.perf_counter()

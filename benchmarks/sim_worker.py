@@ -50,7 +50,9 @@ class _Tokens(list):
 
 @dataclass(frozen=True, slots=True)
 class SimRequest:
-    """One request of the replay: its arrival, its prompt and forced output length, and its predicted bound."""
+    """One request of the replay: its arrival, its prompt and forced output length, and its predicted bound
+    (with the predictor's point estimate, when there is one: the controller plans by the estimate the
+    policy chooses, as the router does)."""
 
     request_id: str
     arrival_s: float
@@ -58,6 +60,7 @@ class SimRequest:
     num_output_tokens: int
     max_tokens: int
     predicted_output_tokens: int | None = None
+    point_output_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

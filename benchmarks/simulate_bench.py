@@ -75,7 +75,7 @@ def quick_config(**overrides) -> SimulateBenchConfig:
 
 def build_sim_requests(rows, count: int, max_len: int, max_prompt_tokens: int, sigma: float,
                        seed: int) -> list[SimRequest]:
-    """`count` requests from the trace rows (cycled), all at t=0, with noisy-oracle upper bounds."""
+    """`count` requests from the trace rows (cycled), all at t=0, with noisy-oracle upper bounds and points."""
     if not rows:
         raise ValueError("the trace has no rows")
     if max_prompt_tokens >= max_len:
@@ -86,7 +86,7 @@ def build_sim_requests(rows, count: int, max_len: int, max_prompt_tokens: int, s
         shapes.append((f"r{index}", prompt, max(1, min(row.generated_tokens, max_len - prompt))))
     oracle = NoisyOraclePredictor({rid: out for rid, _, out in shapes}, sigma=sigma, max_len=max_len, seed=seed)
     bounds = oracle.predict([LengthQuery(rid, (), max_len - prompt) for rid, prompt, _ in shapes])
-    return [SimRequest(rid, 0.0, prompt, out, max_len - prompt, bound.upper_bound_tokens)
+    return [SimRequest(rid, 0.0, prompt, out, max_len - prompt, bound.upper_bound_tokens, bound.point_tokens)
             for (rid, prompt, out), bound in zip(shapes, bounds)]
 
 
@@ -200,7 +200,8 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
         "benchmark": "simulate", "simulation": True, "statement": STATEMENT, "simplifications": SIMPLIFICATIONS,
         "kind": config.kind, "model_shape": config.model_shape if config.kind != CPU_KIND else f"{model_name} (calibrated here)",
         "step_model": step_model.describe(), "kv_budget": budget, "trace": str(config.trace_path),
-        "predictor": f"noisy oracle, log-normal sigma {config.sigma}, upper bound at the 90% quantile",
+        "predictor": (f"noisy oracle, log-normal sigma {config.sigma}: s3 plans by its 90% quantile, s3_peak by "
+                      "its point (SchedulingPolicy.prediction_from)"),
         "config": _config_dict(config),
         "calibration": None if calibration is None else {
             "model": calibration.model.describe(), "calibrated_on": calibration.calibrated_on,

@@ -159,3 +159,15 @@ def test_bad_names_and_too_few_samples_are_clear_errors():
         shape_cost("llama-70b")
     with pytest.raises(ValueError, match="at least 8"):
         fit_linear([(StepShape(1, 1, 1, 1), 0.01)])
+
+
+@pytest.mark.parametrize("policy, runs_together", [("s3_peak", 2), ("s3", 1)])
+def test_the_controller_plans_by_the_estimate_the_policy_chooses(policy, runs_together):
+    # Two 10-token prompts with 20-token answers; the predictor's point says 20, its upper bound 200.
+    # One worker of 16 blocks (256 tokens) holds both plans by the point, not both by the upper bound.
+    requests = [SimRequest(f"r{i}", 0.0, 10, 20, MAX_LEN - 10, 200, 20) for i in range(2)]
+    _, result = _simulate(policy, requests, num_workers=1, num_blocks=16)
+    assert max(shape.num_seqs for shape, _ in result.step_samples) == runs_together
+    without_point = [SimRequest(f"r{i}", 0.0, 10, 20, MAX_LEN - 10, 200) for i in range(2)]
+    _, result = _simulate(policy, without_point, num_workers=1, num_blocks=16)
+    assert max(shape.num_seqs for shape, _ in result.step_samples) == 1
