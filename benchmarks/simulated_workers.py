@@ -77,7 +77,7 @@ class SimulatedWorkerBackend(WorkerBackend):
         worker = self.workers.get(worker_id)
         return worker if worker is not None and worker.is_alive else None
 
-    def kill(self, handle: SimulatedWorker) -> None:
+    def kill(self, worker_id: str, handle: SimulatedWorker) -> None:
         handle.is_alive = False
 
     async def ready(self, handle: SimulatedWorker) -> WorkerStats:

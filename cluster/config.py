@@ -93,6 +93,10 @@ class ServiceConfig(BaseModel):
                                           "after its model is loaded (instead of kv_cache_bytes)")
     worker_num_gpus: float = Field(
         0.0, ge=0, description="Ray GPUs each worker actor asks for (1 on GPU clusters: the autoscaler adds GPU nodes)")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks (GPUs) each worker's engine runs over, in one placement group on one node: "
+                             "DeepSpeed AutoTP shards the model and each rank holds 1/N of the KV heads "
+                             "(kv_cache_bytes is per rank; each rank asks for worker_num_cpus and worker_num_gpus)")
     num_torch_threads: int | None = Field(
         None, ge=1, description="torch threads per worker (default: cores / workers)")
     stats_interval_s: float = Field(0.5, gt=0, description="how often the controller polls worker stats")

@@ -106,6 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device, "kv_cache_fraction": args.kv_cache_fraction,
         "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
         "api_keys": tuple(args.api_key) if args.api_key else None, "length_probe": args.length_probe,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
     try:
@@ -151,6 +152,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                        help="workers re-bound output lengths from the model's own hidden states (after prefill, "
                             "then every 64 decoded tokens): 'default' for the shipped SmolLM2 probe or a folder "
                             "from `s3serve probe train` (default: off)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                       help="ranks (GPUs) each worker's engine runs over, on one node: DeepSpeed AutoTP shards the "
+                            "model, each rank holds 1/N of the KV heads and --kv-cache-bytes is per rank (default 1)")
     serve.add_argument("--data-dir", type=Path, default=None,
                        help="where the embedded Redis keeps its data (default ./.s3serve); "
                             "set S3_REDIS_URL to use your own Redis instead")

@@ -40,6 +40,20 @@ def test_device_settings_travel_from_the_service_config_to_the_worker_settings()
     assert (gpu.device, gpu.kv_cache_fraction) == ("cuda", 0.9)
     with pytest.raises(ValueError, match="device must be"):
         ServiceConfig(device="tpu")
+    assert worker_settings(ServiceConfig()).tensor_parallel_size == 1
+    assert worker_settings(ServiceConfig(tensor_parallel_size=2, worker_num_gpus=1)).tensor_parallel_size == 2
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ServiceConfig(tensor_parallel_size=0)
+
+
+def test_a_tensor_parallel_worker_needs_its_placement_group():
+    from workers.rank_group import start_ranks
+    from workers.worker_actor import WorkerSettings
+
+    with pytest.raises(ValueError, match="needs a placement group of 2 bundles"):
+        start_ranks(WorkerSettings(tensor_parallel_size=2), None)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        WorkerSettings(tensor_parallel_size=0)
 
 
 def test_a_worker_engine_built_for_the_cpu_runs_there():

@@ -59,26 +59,36 @@ def _rank(rank: int, port: int, results) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     model = make_tiny_model(seed=0, init_std=0.2)
     if rank != 0:
-        results.put((rank, {"calls": follow_engine(model, _config(2))}))
+        results.put((rank, {"calls": follow_engine(model)}))
         return
     engine = Engine(model, _config(2), policy=_policy())
     try:
         tokens = _generate(engine)
+        stats = engine.scheduler.stats
+        swaps, preemptions, swapped_bytes = stats.num_swaps, stats.num_preemptions, engine.swapped_bytes
+        # A move: nothing to export (rank 0 holds half the heads), and KV from elsewhere is recomputed.
         seq_id = engine.add_request(PROMPTS[0], PARAMS)
         engine.step()
-        try:
-            engine.export_sequence(seq_id)
-            export_error = None
-        except ValueError as error:
-            export_error = str(error)
+        exported = engine.export_sequence(seq_id).num_computed_tokens
         engine.abort(seq_id)
+        source = Engine(make_tiny_model(seed=0, init_std=0.2), _config(1))
+        source_id = source.add_request(PROMPTS[1], PARAMS)
+        for _ in range(3):
+            source.step()
+        kv = source.export_sequence(source_id)
+        engine.add_request(PROMPTS[1], PARAMS, seq_id="moved", kv=kv,
+                           resumed_output_token_ids=list(source.sequence(source_id).output_token_ids))
+        moved = None
+        while engine.has_unfinished():
+            moved = next((list(o.output_token_ids) for o in engine.step() if o.is_finished), moved)
+        imported = {"kv_tokens": kv.num_computed_tokens, "copied_bytes": engine.swapped_bytes - swapped_bytes,
+                    "tokens": moved}
     finally:
         engine.close()
-    stats = engine.scheduler.stats
-    results.put((0, {"tokens": tokens, "swaps": stats.num_swaps, "preemptions": stats.num_preemptions,
+    results.put((0, {"tokens": tokens, "swaps": swaps, "preemptions": preemptions,
                      "num_blocks": engine.allocator.num_blocks, "kv_heads": engine.runner.pool_shape.num_kv_heads,
                      "path": engine.runner.path, "calls": engine.runner.num_calls_sent,
-                     "export_error": export_error}))
+                     "exported": exported, "imported": imported}))
 
 
 def _collect(ranks, results, timeout_s: float = 600) -> dict:
@@ -126,7 +136,11 @@ def test_two_ranks_give_one_ranks_tokens_and_schedule_with_swaps_included():
     assert lead["path"] == "hf"
     # The follower made every call rank 0 sent (forwards, swaps, drops), and stopped when it closed.
     assert follower["calls"] == lead["calls"] > reference.num_steps
-    assert "not built for tensor parallelism" in lead["export_error"]
+    # A moved request: rank 0 exports nothing; KV that comes with one is recomputed, not copied in.
+    assert lead["exported"] == 0
+    imported = lead["imported"]
+    assert imported["kv_tokens"] > 0 and imported["copied_bytes"] == 0
+    assert imported["tokens"] == expected[1]
 
 
 def test_tensor_parallel_needs_the_ranks_running_and_heads_that_split():

@@ -157,3 +157,37 @@ def test_killing_the_actor_mid_stream_raises_actor_died_at_the_consumer(start_wo
 
     events = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
     assert events and all(event.finish_reason is None for event in events)
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_worker_runs_its_ranks_in_one_placement_group(ray_cluster, local_engine):
+    """Started as the service starts workers: a placement group of two bundles, the worker actor rank 0 in
+    the first, a follower rank in the second; gloo between them, DeepSpeed AutoTP in each."""
+    from dataclasses import replace
+
+    from ray.util.placement_group import get_placement_group
+
+    from cluster.control.worker_pool import RayWorkerBackend
+    from workers.rank_group import rank_group_name
+
+    settings = replace(SETTINGS, tensor_parallel_size=2)
+    backend = RayWorkerBackend(lambda: settings, 0.5, 0.0, "s3-tp-test", lambda worker_id: f"s3-worker-{worker_id}")
+    handle = backend.start("tp")
+    try:
+        stats = ray.get(handle.ready.remote(), timeout=TIMEOUT_S)
+        group = get_placement_group(rank_group_name("s3-worker-tp"))
+        assert [bundle["CPU"] for bundle in group.bundle_specs] == [0.5, 0.5]
+        # Each rank holds half the KV heads, so the same bytes per rank hold twice the blocks.
+        assert stats.num_total_blocks == 2 * 128
+        requests = [make_request(f"t{i}", 6 + 9 * i, 10 + 5 * i, seed=40 + i) for i in range(3)]
+
+        async def main():
+            return await asyncio.wait_for(asyncio.gather(*(collect(handle, r) for r in requests)), TIMEOUT_S)
+
+        for request, events in zip(requests, asyncio.run(main())):
+            assert tokens_of(events) == expected_tokens(local_engine, request)
+        ray.get(handle.close.remote(), timeout=TIMEOUT_S)  # the follower's run returns
+    finally:
+        backend.kill("tp", handle)
+    with pytest.raises(ValueError):
+        get_placement_group(rank_group_name("s3-worker-tp"))  # removed with the worker

@@ -22,7 +22,7 @@ from workers.policies import SchedulingPolicy
 from workers.sampling import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.tensor_parallel import LeadRunner, check_ranks
+from workers.tensor_parallel import LeadRunner, check_ranks, send_config
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import RequestMetrics, StepOutput, StepShape, StepTimes, step_shape
 
@@ -67,6 +67,7 @@ class Engine:
         tensor_parallel_size = config.tensor_parallel_size
         if tensor_parallel_size > 1:
             check_ranks(tensor_parallel_size)  # before DeepSpeed shards the model across them
+            send_config(config)
         # Per rank: with tensor parallelism each rank's pool holds 1/tp of the KV heads in the same blocks.
         bytes_per_block = pool_shape_for(model_config, 1, config.block_size, model.dtype,
                                          tensor_parallel_size).bytes_per_block
@@ -133,7 +134,7 @@ class Engine:
         lengths, stop strings) and generation continues after them. `kv` holds
         the KV of the first prompt + resumed tokens, exported by another engine;
         the sequence enters as if swapped out here, so admission copies it in
-        instead of recomputing it. `priority` is the request's class: lower is more
+        instead of recomputing it (a tensor-parallel engine recomputes it). `priority` is the request's class: lower is more
         urgent (admitted first, preempted last; see `workers.scheduler`).
         """
         seq_id = seq_id if seq_id is not None else f"seq-{next(self._ids)}"
@@ -168,6 +169,8 @@ class Engine:
         limit = params.max_tokens if params.forced_output_tokens is None else params.forced_output_tokens
         if len(resumed) >= limit:
             raise ValueError(f"{len(resumed)} resumed output tokens leave nothing to generate (limit {limit})")
+        if kv is not None and isinstance(self.runner, LeadRunner):
+            kv = None  # each rank would need its share of the heads: a tensor-parallel engine recomputes
         if kv is not None:
             kv.check_fits(self.runner.pool_shape)
         if predicted_output_tokens is not None and (
@@ -215,12 +218,15 @@ class Engine:
     def export_sequence(self, seq_id: str) -> ExportedKV:
         """Host copy of a live sequence's computed KV (its swap copy if it is swapped out); changes nothing.
 
-        A sequence whose KV was dropped (waiting to recompute) exports zero tokens.
+        A sequence whose KV was dropped (waiting to recompute) exports zero tokens, and so does every
+        sequence of a tensor-parallel engine (each rank holds a share of its heads; the target recomputes).
         """
         seq = self._sequences.get(seq_id)
         if seq is None:
             raise ValueError(f"request id {seq_id!r} is unknown or already finished")
         block_size = self.config.block_size
+        if isinstance(self.runner, LeadRunner):
+            return ExportedKV((), 0, block_size)  # rank 0 holds only its share of the heads: the target recomputes
         if seq.is_swapped:
             layers = self.runner.swapped_copy(seq_id)
         elif seq.num_computed_tokens > 0 and self.allocator.has(seq_id):

@@ -120,9 +120,19 @@ def follow(runner: ModelRunner) -> int:
         num_calls += 1
 
 
-def follow_engine(model: torch.nn.Module, config: EngineConfig, backend: KVKernelBackend | None = None) -> int:
-    """A follower rank: this rank's share of `model` and of the KV pool, sized as rank 0's engine sizes
-    its own (`kv_cache_bytes` is per rank), repeating rank 0's calls until it closes. Returns the calls made."""
+def send_config(config: EngineConfig) -> None:
+    """Rank 0: hand the engine's settings to the follower ranks (their `follow_engine` waits for them), so
+    every rank's pool has rank 0's geometry whatever each measured (free GPU memory differs per rank)."""
+    _broadcast(("config", (config,)))
+
+
+def follow_engine(model: torch.nn.Module, backend: KVKernelBackend | None = None) -> int:
+    """A follower rank: takes rank 0's engine settings, builds this rank's share of `model` and of the KV pool
+    as rank 0's engine sizes its own (`kv_cache_bytes` is per rank), then repeats rank 0's calls until it
+    closes. Returns the calls made."""
+    name, (config,) = _broadcast(None)
+    if name != "config":
+        raise RuntimeError(f"rank 0 sent {name!r} before the engine's settings")
     tp = config.tensor_parallel_size
     bytes_per_block = pool_shape_for(model.config, 1, config.block_size, model.dtype, tp).bytes_per_block
     num_blocks = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size).num_blocks

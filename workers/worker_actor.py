@@ -60,6 +60,9 @@ class WorkerSettings:
         length_probe: a hidden-state probe folder (`s3serve probe train`), or "default" for the shipped one:
             the engine re-bounds each sequence's output from its hidden states after prefill and every
             N decoded tokens (`workers.length_probe`); None keeps the router's bound.
+        tensor_parallel_size: processes (GPUs) the worker's engine runs over: this actor is rank 0 and starts
+            the others as `FollowerRank` actors in its placement group (`workers.rank_group`); each holds 1/tp
+            of the model (DeepSpeed AutoTP) and of the KV heads, so `kv_cache_bytes` is per rank.
     """
 
     model: str = DEFAULT_MODEL
@@ -80,6 +83,7 @@ class WorkerSettings:
     device: str = "auto"
     kv_cache_fraction: float | None = None
     length_probe: str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -97,10 +101,12 @@ class WorkerSettings:
             raise ValueError(f"bucket_tokens applies to the s3 and s3_peak policies, not {self.policy!r}")
         if self.length_probe not in (None, "default"):
             check_probe_folder(self.length_probe, self.length_probe)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         # Fail in the caller's process, not later inside the actor.
         self.make_policy()
         EngineConfig(self.kv_cache_bytes, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
-                     self.max_model_len)
+                     self.max_model_len, self.tensor_parallel_size)
 
     def make_policy(self) -> SchedulingPolicy:
         """The worker's policy, built as the controller builds its own (same registry, same buckets)."""
@@ -108,22 +114,30 @@ class WorkerSettings:
         return make_policy(self.policy, max_model_len=self.max_model_len, **kwargs)
 
 
-def build_engine(settings: WorkerSettings):
-    """Load the model (or build the tiny one) and wrap it in an `Engine` with the settings' policy."""
-    # Here, not at the top: the controller imports this module to start workers and must not load torch.
-    from workers.engine import Engine
+def load_worker_model(settings: WorkerSettings):
+    """(model, tokenizer or None for the tiny model, device): the settings' model on the device this process got."""
     from workers.models import load_model, load_tokenizer, make_tiny_model, resolve_model_dir
 
     device = resolve_device(settings.device, *probe_cuda())
     dtype = resolve_dtype(settings.dtype, device)
-    tokenizer = None
     if settings.tiny_model_seed is not None:
         model = make_tiny_model(settings.tiny_model_seed, init_std=settings.tiny_model_init_std).to(device, dtype)
-    else:
-        cache_dir = None if settings.model_cache_dir is None else Path(settings.model_cache_dir)
-        model_dir = resolve_model_dir(settings.model, cache_dir)
-        model = load_model(model_dir, dtype=dtype, device=device)
-        tokenizer = load_tokenizer(model_dir)
+        return model, None, device
+    cache_dir = None if settings.model_cache_dir is None else Path(settings.model_cache_dir)
+    model_dir = resolve_model_dir(settings.model, cache_dir)
+    return load_model(model_dir, dtype=dtype, device=device), load_tokenizer(model_dir), device
+
+
+def build_engine(settings: WorkerSettings):
+    """Load the model (or build the tiny one) and wrap it in an `Engine` with the settings' policy.
+
+    With tensor_parallel_size above 1, torch.distributed must already run the ranks, this process
+    as rank 0 (`WorkerActor` starts them).
+    """
+    # Here, not at the top: the controller imports this module to start workers and must not load torch.
+    from workers.engine import Engine
+
+    model, tokenizer, device = load_worker_model(settings)
     config = EngineConfig(
         kv_cache_bytes=kv_budget_bytes(settings.kv_cache_bytes, settings.kv_cache_fraction, device,
                                        free_device_bytes(device)),
@@ -131,6 +145,7 @@ def build_engine(settings: WorkerSettings):
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size,
         use_fast_path=settings.use_fast_path,
         enable_prefix_caching=settings.enable_prefix_caching,
         cache_salt=prefix_cache_salt(settings.model, settings.dtype),
@@ -149,14 +164,22 @@ class WorkerActor:
     Args:
         worker_id: this worker's id (stats and moves name it).
         settings: how to build the engine.
+        rank_group: with tensor_parallel_size above 1, the placement group this actor runs in (bundle 0);
+            the follower ranks take its other bundles (`workers.rank_group.rank_group`).
     """
 
-    def __init__(self, worker_id: str, settings: WorkerSettings) -> None:
+    def __init__(self, worker_id: str, settings: WorkerSettings, rank_group=None) -> None:
         from workers.engine_loop import EngineLoop
 
         tune_cpu_runtime(settings.num_torch_threads)
         self.worker_id = worker_id
-        self._loop = EngineLoop(build_engine(settings), worker_id)
+        self._followers = None
+        if settings.tensor_parallel_size > 1:
+            from workers.rank_group import start_ranks
+
+            self._followers = start_ranks(settings, rank_group)  # torch.distributed runs them all, this one rank 0
+        self._engine = build_engine(settings)
+        self._loop = EngineLoop(self._engine, worker_id)
 
     async def ready(self) -> WorkerStats:
         """Answers once the engine is built (the constructor loads the model)."""
@@ -185,5 +208,7 @@ class WorkerActor:
         return self._loop.stats()
 
     async def close(self) -> None:
-        """End every stream with "abort" and stop the step thread (before killing the actor on purpose)."""
+        """End every stream with "abort" and stop the step thread (before killing the actor on purpose); the
+        follower ranks of a tensor-parallel engine return."""
         await self._loop.close()
+        self._engine.close()

@@ -45,7 +45,7 @@ class WorkerBackend(abc.ABC):
         """A live worker started earlier (by a previous controller), or None."""
 
     @abc.abstractmethod
-    def kill(self, handle) -> None:
+    def kill(self, worker_id: str, handle) -> None:
         """Stop a worker for good."""
 
     @abc.abstractmethod
@@ -87,10 +87,22 @@ class RayWorkerBackend(WorkerBackend):
 
         from workers.worker_actor import WorkerActor
 
+        settings = self._settings()
+        options = {}
+        group = None
+        if settings.tensor_parallel_size > 1:
+            # One node, a bundle per rank; the worker actor is rank 0 in bundle 0 and starts the others.
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            from workers.rank_group import rank_group, rank_group_name
+
+            group = rank_group(rank_group_name(self.actor_name(worker_id)), settings.tensor_parallel_size,
+                               self._num_cpus, self._num_gpus)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         return ray.remote(WorkerActor).options(
             name=self.actor_name(worker_id), namespace=self._namespace, lifetime="detached",
-            num_cpus=self._num_cpus, num_gpus=self._num_gpus, max_restarts=0, max_concurrency=1000,
-        ).remote(worker_id, self._settings())
+            num_cpus=self._num_cpus, num_gpus=self._num_gpus, max_restarts=0, max_concurrency=1000, **options,
+        ).remote(worker_id, settings, group)
 
     def find(self, worker_id: str, actor_name: str):
         import ray
@@ -100,10 +112,14 @@ class RayWorkerBackend(WorkerBackend):
         except ValueError:
             return None
 
-    def kill(self, handle) -> None:
+    def kill(self, worker_id: str, handle) -> None:
         import ray
 
+        from workers.rank_group import rank_group_name, remove_rank_group
+
         ray.kill(handle, no_restart=True)
+        # A tensor-parallel worker's placement group, by name (also one a previous controller created).
+        remove_rank_group(rank_group_name(self.actor_name(worker_id)))
 
     async def ready(self, handle) -> WorkerStats:
         return await handle.ready.remote()
@@ -239,7 +255,7 @@ class WorkerPool:
         self._starting.discard(worker_id)
         if handle is not None:
             try:
-                self.backend.kill(handle)
+                self.backend.kill(worker_id, handle)
             except Exception:  # noqa: BLE001 - it may already be dead
                 pass
         record = self.records.get(worker_id)

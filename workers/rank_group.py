@@ -1,0 +1,108 @@
+"""The ranks of a tensor-parallel worker: one Ray placement group, rank 0 the `WorkerActor`, the others
+`FollowerRank` actors.
+
+    placement group "<worker actor>-ranks" (STRICT_PACK: one node)
+      bundle 0: WorkerActor  rank 0  engine: scheduler, allocator, sampler; its share of the model
+      bundle 1: FollowerRank rank 1  follow_engine: its share, repeating rank 0's runner calls
+      ...
+
+The worker pool creates the group and starts the `WorkerActor` in bundle 0; the actor starts the
+followers in the other bundles, with the same resources, and every rank joins torch.distributed
+(gloo on CPU, nccl on CUDA) at the actor's node address before the engines are built
+(`workers.tensor_parallel`). Followers are owned by the worker actor, so they die with it;
+removing the group (the pool does when it kills the worker) frees their resources.
+
+No torch import at module level: the controller imports this to create groups.
+"""
+
+import os
+import socket
+
+import ray
+
+
+def rank_group_name(actor_name: str) -> str:
+    """The placement group of the worker actor named `actor_name`."""
+    return f"{actor_name}-ranks"
+
+
+def rank_group(name: str, tensor_parallel_size: int, num_cpus: float, num_gpus: float):
+    """A detached placement group of one bundle per rank on one node (what each rank's actor asks for)."""
+    from ray.util.placement_group import placement_group
+
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+    return placement_group([bundle] * tensor_parallel_size, strategy="STRICT_PACK", name=name, lifetime="detached")
+
+
+def remove_rank_group(name: str) -> bool:
+    """Remove the named group (its actors die with it); False if there is none."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    try:
+        group = get_placement_group(name)
+    except ValueError:
+        return False
+    remove_placement_group(group)
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def join_ranks(rank: int, world_size: int, address: str, port: int, device: str) -> None:
+    """Join torch.distributed as `rank` of `world_size` (DeepSpeed's communication, which AutoTP uses)."""
+    os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
+    import deepspeed
+
+    on_cuda = str(device).startswith("cuda")
+    if on_cuda:
+        import torch
+
+        torch.cuda.set_device(0)  # Ray shows each rank's actor only its own GPU
+    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)
+
+
+class FollowerRank:
+    """A follower rank of a tensor-parallel worker (no `@ray.remote`: `start_ranks` picks its options)."""
+
+    def run(self, rank: int, world_size: int, address: str, port: int, settings) -> int:
+        """Join the ranks, load this rank's share of the model, repeat rank 0's runner calls until its engine
+        closes; returns the calls made. Blocks for the worker's lifetime."""
+        from workers.runtime import tune_cpu_runtime
+        from workers.tensor_parallel import follow_engine
+        from workers.worker_actor import load_worker_model
+
+        tune_cpu_runtime(settings.num_torch_threads)
+        model, _, device = load_worker_model(settings)
+        join_ranks(rank, world_size, address, port, device)
+        return follow_engine(model)
+
+
+def start_ranks(settings, group) -> list[tuple]:
+    """From rank 0 (the worker actor, in bundle 0 of `group`): start the follower ranks in the other bundles,
+    and join torch.distributed with them. Returns (actor handle, pending `run` call) per follower: keep them,
+    an actor whose handles are all gone is stopped."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from workers.device import probe_cuda, resolve_device
+
+    world_size = settings.tensor_parallel_size
+    if group is None or len(group.bundle_specs) != world_size:
+        found = "none" if group is None else f"{len(group.bundle_specs)} bundles"
+        raise ValueError(f"tensor_parallel_size {world_size} needs a placement group of {world_size} bundles "
+                         f"(workers.rank_group.rank_group), got {found}")
+    address, port = ray.util.get_node_ip_address(), _free_port()
+    followers = []
+    for rank in range(1, world_size):
+        bundle = group.bundle_specs[rank]
+        follower = ray.remote(FollowerRank).options(
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+        ).remote()
+        followers.append((follower, follower.run.remote(rank, world_size, address, port, settings)))
+    join_ranks(0, world_size, address, port, resolve_device(settings.device, *probe_cuda()))
+    return followers
