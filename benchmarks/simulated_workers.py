@@ -77,8 +77,9 @@ class SimulatedWorkerBackend(WorkerBackend):
         worker = self.workers.get(worker_id)
         return worker if worker is not None and worker.is_alive else None
 
-    def kill(self, worker_id: str, handle: SimulatedWorker) -> None:
-        handle.is_alive = False
+    def kill(self, worker_id: str, handle: SimulatedWorker | None) -> None:
+        if handle is not None:
+            handle.is_alive = False
 
     async def ready(self, handle: SimulatedWorker) -> WorkerStats:
         if self.start_delay_s:

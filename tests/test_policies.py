@@ -238,6 +238,10 @@ def test_s3_peak_preempts_the_sequence_predicted_to_hold_its_blocks_longest():
     twin = _waiting("twin", 3.0, predicted=300, decoded=20)
     twin.num_computed_tokens, long_left.num_computed_tokens = 5, 30
     assert policy.choose_victim(grower, [long_left, twin]) is twin
+    # One preempted before goes last: the same long request is not pushed out each time it returns.
+    twin.num_preemptions = 1
+    assert policy.choose_victim(grower, [long_left, twin]) is long_left
+    assert policy.choose_victim(grower, [twin, grower]) is grower
 
 
 def test_s3_peak_under_pressure_preempts_long_predicted_ones_not_the_newest():

@@ -207,12 +207,12 @@ class Engine:
 
     def abort(self, seq_id: str) -> bool:
         """Drop a request and free its blocks; False if it is unknown or already done."""
-        seq = self._sequences.pop(seq_id, None)
-        if seq is None:
+        if seq_id not in self._sequences:
             return False
+        self.runner.drop_swapped(seq_id)  # first: with tensor parallelism it can fail, and nothing changed yet
+        seq = self._sequences.pop(seq_id)
         self.scheduler.finish(seq)
         self.sampler.forget(seq_id)
-        self.runner.drop_swapped(seq_id)
         return True
 
     def export_sequence(self, seq_id: str) -> ExportedKV:

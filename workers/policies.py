@@ -311,8 +311,9 @@ class S3PeakPolicy(S3Policy):
         return sorted(waiting, key=lambda s: s.arrival_s + self.wait_s_per_token * self.remaining_tokens(s))
 
     def choose_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence:
-        # The one predicted to hold its blocks longest; among equals the one with least KV to redo or copy.
-        return max(running, key=lambda s: (self.remaining_tokens(s), -s.num_computed_tokens))
+        # The one predicted to hold its blocks longest, among those preempted least often (so the same long
+        # request is not pushed out again each time it comes back); then the one with least KV to redo or copy.
+        return max(running, key=lambda s: (-s.num_preemptions, self.remaining_tokens(s), -s.num_computed_tokens))
 
     def growth_tokens(self, seq: Sequence) -> int:
         return seq.num_tokens

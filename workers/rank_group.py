@@ -15,6 +15,7 @@ removing the group (the pool does when it kills the worker) frees their resource
 No torch import at module level: the controller imports this to create groups.
 """
 
+import datetime
 import os
 import socket
 
@@ -52,18 +53,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Followers wait in a collective for rank 0's next call, however long the worker stays idle: the default
+# timeout (10 minutes) would end them after an idle spell.
+RANK_TIMEOUT = datetime.timedelta(days=365)
+
+
 def join_ranks(rank: int, world_size: int, address: str, port: int, device: str) -> None:
     """Join torch.distributed as `rank` of `world_size` (DeepSpeed's communication, which AutoTP uses)."""
+    on_cuda = str(device).startswith("cuda")
+    # Ray shows each rank's actor only its own GPU, which is then device 0 (DeepSpeed picks LOCAL_RANK's).
+    local_rank = 0 if on_cuda else rank
     os.environ.update(MASTER_ADDR=address, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
+                      LOCAL_RANK=str(local_rank), LOCAL_SIZE=str(world_size))
     import deepspeed
 
-    on_cuda = str(device).startswith("cuda")
     if on_cuda:
         import torch
 
-        torch.cuda.set_device(0)  # Ray shows each rank's actor only its own GPU
-    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", verbose=False)
+        torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", timeout=RANK_TIMEOUT, verbose=False)
 
 
 class FollowerRank:
@@ -82,10 +90,11 @@ class FollowerRank:
         return follow_engine(model)
 
 
-def start_ranks(settings, group) -> list[tuple]:
-    """From rank 0 (the worker actor, in bundle 0 of `group`): start the follower ranks in the other bundles,
-    and join torch.distributed with them. Returns (actor handle, pending `run` call) per follower: keep them,
-    an actor whose handles are all gone is stopped."""
+def start_ranks(settings, group) -> tuple[list[tuple], "callable"]:
+    """From rank 0 (the worker actor, in bundle 0 of `group`): start the follower ranks in the other bundles
+    (each loads its model, then waits for the others). Returns (actor handle, pending `run` call) per
+    follower, to keep (an actor whose handles are all gone is stopped), and the function rank 0 calls to
+    join them once its own model is loaded, so that every rank loads at the same time."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from workers.device import probe_cuda, resolve_device
@@ -104,5 +113,5 @@ def start_ranks(settings, group) -> list[tuple]:
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
         ).remote()
         followers.append((follower, follower.run.remote(rank, world_size, address, port, settings)))
-    join_ranks(0, world_size, address, port, resolve_device(settings.device, *probe_cuda()))
-    return followers
+    device = resolve_device(settings.device, *probe_cuda())
+    return followers, lambda: join_ranks(0, world_size, address, port, device)

@@ -12,9 +12,11 @@ in lock-step; every rank ends with the full logits, and rank 0 samples.
     rank 0:  schedule -> send(forward, inputs) -> forward (all-reduce) -> sample -> ...
     rank k:              recv(forward, inputs) -> forward (all-reduce)
 
-torch.distributed must already run the ranks (gloo on CPU, nccl on CUDA). Not built: moving a
-request's KV off or onto a tensor-parallel engine (each rank holds only a share of it), and a
-service worker over several GPU actors (the worker actor runs one process).
+torch.distributed must already run the ranks (gloo on CPU, nccl on CUDA); in the service,
+`workers.rank_group` starts them. A request moved off or onto a tensor-parallel engine is
+recomputed (each rank holds only a share of its KV). A call that fails on rank 0 after it was
+sent leaves the ranks out of step: every later call is refused, so the worker fails its
+requests instead of hanging, and must be replaced.
 """
 
 import time
@@ -62,6 +64,7 @@ class LeadRunner:
         self.runner = runner
         self.num_calls_sent = 0
         self.closed = False
+        self.broken: str | None = None  # why the ranks fell out of step, once they have
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
@@ -69,8 +72,19 @@ class LeadRunner:
     def _send(self, name: str, *args) -> None:
         if self.closed:
             raise RuntimeError("the follower ranks were released (Engine.close); this engine cannot run again")
+        if self.broken is not None:
+            raise RuntimeError(f"the tensor-parallel ranks are out of step since rank 0 failed a call they made "
+                               f"({self.broken}); the worker must be replaced")
         _broadcast((name, args))
         self.num_calls_sent += 1
+
+    def _local(self, call, *args):
+        """Make a call the followers were sent; if it fails here, the ranks are out of step for good."""
+        try:
+            return call(*args)
+        except BaseException as error:
+            self.broken = f"{type(error).__name__}: {error}"
+            raise
 
     def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator,
             want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk]]:
@@ -78,21 +92,23 @@ class LeadRunner:
         inputs, sampling_chunks = self.runner.prepare(chunks, allocator)
         self._send("forward", inputs, want_hidden)
         packed_s = time.perf_counter() - start_s
-        logits, hidden = self.runner.forward(inputs, want_hidden)
+        logits, hidden = self._local(self.runner.forward, inputs, want_hidden)
         self.runner.last_times.prepare_s += packed_s
         return logits, hidden, sampling_chunks
 
     def swap_out(self, seq_id: str, block_ids: list[int]) -> int:
         self._send("swap_out", seq_id, list(block_ids))
-        return self.runner.swap_out(seq_id, block_ids)
+        return self._local(self.runner.swap_out, seq_id, block_ids)
 
     def swap_in(self, seq_id: str, block_ids: list[int]) -> int:
         self._send("swap_in", seq_id, list(block_ids))
-        return self.runner.swap_in(seq_id, block_ids)
+        return self._local(self.runner.swap_in, seq_id, block_ids)
 
     def drop_swapped(self, seq_id: str) -> None:
+        if self.runner.swapped_copy(seq_id) is None:
+            return  # nothing held here, nor on the followers (they swap exactly when rank 0 does)
         self._send("drop_swapped", seq_id)
-        self.runner.drop_swapped(seq_id)
+        self._local(self.runner.drop_swapped, seq_id)
 
     def _whole_kv(self, *args, **kwargs):
         raise ValueError(f"moving a request's KV is not built for tensor parallelism: each of the "

@@ -128,16 +128,18 @@ def load_worker_model(settings: WorkerSettings):
     return load_model(model_dir, dtype=dtype, device=device), load_tokenizer(model_dir), device
 
 
-def build_engine(settings: WorkerSettings):
+def build_engine(settings: WorkerSettings, join_ranks=None):
     """Load the model (or build the tiny one) and wrap it in an `Engine` with the settings' policy.
 
-    With tensor_parallel_size above 1, torch.distributed must already run the ranks, this process
-    as rank 0 (`WorkerActor` starts them).
+    With tensor_parallel_size above 1, `join_ranks()` (from `workers.rank_group.start_ranks`) makes this
+    process rank 0 of the ranks once its model is loaded; torch.distributed may also run them already.
     """
     # Here, not at the top: the controller imports this module to start workers and must not load torch.
     from workers.engine import Engine
 
     model, tokenizer, device = load_worker_model(settings)
+    if join_ranks is not None:
+        join_ranks()
     config = EngineConfig(
         kv_cache_bytes=kv_budget_bytes(settings.kv_cache_bytes, settings.kv_cache_fraction, device,
                                        free_device_bytes(device)),
@@ -173,12 +175,13 @@ class WorkerActor:
 
         tune_cpu_runtime(settings.num_torch_threads)
         self.worker_id = worker_id
-        self._followers = None
+        self._followers, join = [], None
         if settings.tensor_parallel_size > 1:
             from workers.rank_group import start_ranks
 
-            self._followers = start_ranks(settings, rank_group)  # torch.distributed runs them all, this one rank 0
-        self._engine = build_engine(settings)
+            # They load their share while this actor loads its own; all join torch.distributed after.
+            self._followers, join = start_ranks(settings, rank_group)
+        self._engine = build_engine(settings, join)
         self._loop = EngineLoop(self._engine, worker_id)
 
     async def ready(self) -> WorkerStats:

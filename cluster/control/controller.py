@@ -28,7 +28,9 @@ REDIS_RETRY_S = 2.0
 
 def worker_settings(config: ServiceConfig) -> WorkerSettings:
     """What a new worker is built with, from the config in force."""
-    threads = config.num_torch_threads or max(1, (os.cpu_count() or 1) // config.max_workers_resolved)
+    # Every rank of a tensor-parallel worker runs its own torch threads.
+    ranks = config.max_workers_resolved * config.tensor_parallel_size
+    threads = config.num_torch_threads or max(1, (os.cpu_count() or 1) // ranks)
     return WorkerSettings(
         model=config.model, model_cache_dir=config.model_cache_dir, policy=config.policy,
         kv_cache_bytes=config.kv_cache_bytes, block_size=config.block_size, max_num_seqs=config.max_num_seqs,

@@ -46,7 +46,7 @@ class WorkerBackend(abc.ABC):
 
     @abc.abstractmethod
     def kill(self, worker_id: str, handle) -> None:
-        """Stop a worker for good."""
+        """Stop a worker for good, and free what it held; `handle` is None for a worker already gone."""
 
     @abc.abstractmethod
     async def ready(self, handle) -> WorkerStats:
@@ -99,10 +99,17 @@ class RayWorkerBackend(WorkerBackend):
             group = rank_group(rank_group_name(self.actor_name(worker_id)), settings.tensor_parallel_size,
                                self._num_cpus, self._num_gpus)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
-        return ray.remote(WorkerActor).options(
-            name=self.actor_name(worker_id), namespace=self._namespace, lifetime="detached",
-            num_cpus=self._num_cpus, num_gpus=self._num_gpus, max_restarts=0, max_concurrency=1000, **options,
-        ).remote(worker_id, settings, group)
+        try:
+            return ray.remote(WorkerActor).options(
+                name=self.actor_name(worker_id), namespace=self._namespace, lifetime="detached",
+                num_cpus=self._num_cpus, num_gpus=self._num_gpus, max_restarts=0, max_concurrency=1000, **options,
+            ).remote(worker_id, settings, group)
+        except BaseException:
+            if group is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(group)
+            raise
 
     def find(self, worker_id: str, actor_name: str):
         import ray
@@ -117,9 +124,12 @@ class RayWorkerBackend(WorkerBackend):
 
         from workers.rank_group import rank_group_name, remove_rank_group
 
-        ray.kill(handle, no_restart=True)
-        # A tensor-parallel worker's placement group, by name (also one a previous controller created).
-        remove_rank_group(rank_group_name(self.actor_name(worker_id)))
+        try:
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
+        finally:
+            # A tensor-parallel worker's placement group, by name (also one a previous controller created).
+            remove_rank_group(rank_group_name(self.actor_name(worker_id)))
 
     async def ready(self, handle) -> WorkerStats:
         return await handle.ready.remote()
@@ -253,11 +263,10 @@ class WorkerPool:
         handle = self.handles.pop(worker_id, None)
         self.latest.pop(worker_id, None)
         self._starting.discard(worker_id)
-        if handle is not None:
-            try:
-                self.backend.kill(worker_id, handle)
-            except Exception:  # noqa: BLE001 - it may already be dead
-                pass
+        try:  # also without a handle: a worker found gone may leave resources (a tensor-parallel group)
+            self.backend.kill(worker_id, handle)
+        except Exception:  # noqa: BLE001 - it may already be dead
+            pass
         record = self.records.get(worker_id)
         if record is not None and record.state != "dead":
             dead = WorkerRecord(record.worker_id, record.actor_name, record.num_total_blocks, record.block_size,
