@@ -67,7 +67,6 @@ class Engine:
         tensor_parallel_size = config.tensor_parallel_size
         if tensor_parallel_size > 1:
             check_ranks(tensor_parallel_size)  # before DeepSpeed shards the model across them
-            send_config(config)
         # Per rank: with tensor parallelism each rank's pool holds 1/tp of the KV heads in the same blocks.
         bytes_per_block = pool_shape_for(model_config, 1, config.block_size, model.dtype,
                                          tensor_parallel_size).bytes_per_block
@@ -79,6 +78,8 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.allocator, policy
         )
+        if tensor_parallel_size > 1:
+            send_config(config, self.allocator.num_blocks)  # the followers build their runners alongside
         runner = ModelRunner(
             model,
             self.allocator.num_blocks,

@@ -26,7 +26,7 @@ import torch
 from kv_kernels import KVKernelBackend, backend_for_device
 from workers.engine_config import EngineConfig
 from workers.kv_cache_manager import BlockAllocator
-from workers.model_runner import ModelRunner, pool_shape_for
+from workers.model_runner import ModelRunner
 from workers.scheduler import ScheduledChunk
 
 STOP = "stop"
@@ -136,23 +136,21 @@ def follow(runner: ModelRunner) -> int:
         num_calls += 1
 
 
-def send_config(config: EngineConfig) -> None:
-    """Rank 0: hand the engine's settings to the follower ranks (their `follow_engine` waits for them), so
-    every rank's pool has rank 0's geometry whatever each measured (free GPU memory differs per rank)."""
-    _broadcast(("config", (config,)))
+def send_config(config: EngineConfig, num_blocks: int) -> None:
+    """Rank 0: hand the engine's settings and its pool's block count to the follower ranks (their
+    `follow_engine` waits for them), so every rank's pool has rank 0's geometry whatever each measured
+    (free GPU memory differs per rank)."""
+    _broadcast(("config", (config, num_blocks)))
 
 
 def follow_engine(model: torch.nn.Module, backend: KVKernelBackend | None = None) -> int:
-    """A follower rank: takes rank 0's engine settings, builds this rank's share of `model` and of the KV pool
-    as rank 0's engine sizes its own (`kv_cache_bytes` is per rank), then repeats rank 0's calls until it
-    closes. Returns the calls made."""
-    name, (config,) = _broadcast(None)
+    """A follower rank: takes rank 0's engine settings and block count, builds this rank's share of `model`
+    and of the KV pool, then repeats rank 0's calls until it closes. Returns the calls made."""
+    name, args = _broadcast(None)
     if name != "config":
         raise RuntimeError(f"rank 0 sent {name!r} before the engine's settings")
-    tp = config.tensor_parallel_size
-    bytes_per_block = pool_shape_for(model.config, 1, config.block_size, model.dtype, tp).bytes_per_block
-    num_blocks = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size).num_blocks
+    config, num_blocks = args
     device = next(model.parameters()).device
-    runner = ModelRunner(model, num_blocks, config.block_size, backend or backend_for_device(device), tp,
-                         max_model_len=config.max_model_len, use_fast_path=False)
+    runner = ModelRunner(model, num_blocks, config.block_size, backend or backend_for_device(device),
+                         config.tensor_parallel_size, max_model_len=config.max_model_len, use_fast_path=False)
     return follow(runner)
