@@ -20,6 +20,7 @@ PURE_MODULES = [
     "workers.scheduler",
     "workers.kv_cache_manager",
     "workers.length_probe",
+    "workers.kv_peak",
     "workers.sequence",
     "workers.sampling_params",
     "workers.engine_config",

@@ -26,6 +26,7 @@ import enum
 import math
 from dataclasses import dataclass
 
+from workers.kv_peak import peak_fits
 from workers.sequence import Sequence
 
 
@@ -327,16 +328,7 @@ class S3PeakPolicy(S3Policy):
             (s.num_tokens, self.planned_tokens_of(s), max(0, -(-s.num_uncomputed_tokens // step_token_budget) - 1))
             for s in [*running, seq]
         ]
-        # Use only rises until someone leaves, so the peak falls on some sequence's last step.
-        for horizon in sorted({delay + final - held for held, final, delay in plans}):
-            in_use = sum(
-                -(-min(held + max(0, horizon - delay), final) // block_size)
-                for held, final, delay in plans
-                if delay + final - held >= horizon
-            )
-            if in_use > num_blocks:
-                return False
-        return True
+        return peak_fits(plans, block_size, num_blocks)
 
 
 class SGLangRatioPolicy(SchedulingPolicy):

@@ -1,0 +1,50 @@
+"""The future peak of KV plans: the sweep against summing every plan at every end."""
+
+import random
+
+import pytest
+
+from workers.kv_peak import peak_fits, planned_totals
+
+
+def _brute_totals(plans, block_size):
+    """The definition: at each distinct end, every plan still there, in blocks."""
+    return [(end, sum(-(-min(held + max(0, end - delay), final) // block_size)
+                      for held, final, delay in plans if delay + final - held >= end))
+            for end in sorted({delay + final - held for held, final, delay in plans})]
+
+
+def _random_plans(rng: random.Random, n: int) -> list[tuple[int, int, int]]:
+    plans = []
+    for _ in range(n):
+        held = rng.randint(0, 300)
+        final = held + rng.randint(0, 400) if rng.random() > 0.1 else rng.randint(0, held)  # some past their plan
+        plans.append((held, final, rng.choice((0, 0, 0, rng.randint(1, 20)))))
+    return plans
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16, 17])
+def test_the_sweep_gives_the_definitions_totals_at_every_end(block_size):
+    rng = random.Random(block_size)
+    for n in (1, 2, 3, 10, 60):
+        for _ in range(40):
+            plans = _random_plans(rng, n)
+            assert list(planned_totals(plans, block_size)) == _brute_totals(plans, block_size), plans
+
+
+def test_fits_matches_the_definition_at_and_around_the_peak():
+    rng = random.Random(7)
+    for _ in range(300):
+        plans, block_size = _random_plans(rng, rng.randint(1, 30)), rng.choice((4, 16))
+        peak = max(total for _, total in _brute_totals(plans, block_size))
+        assert peak_fits(plans, block_size, peak)
+        assert not peak_fits(plans, block_size, peak - 1)
+
+
+def test_two_sequences_growing_into_each_other():
+    # a: 8 tokens now, 40 at its end (step 32); b: 4 now, 24 at its end (step 20). Blocks of 4.
+    plans = [(8, 40, 0), (4, 24, 0)]
+    assert list(planned_totals(plans, 4)) == [(20, 7 + 6), (32, 10)]
+    assert peak_fits(plans, 4, 13) and not peak_fits(plans, 4, 12)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        list(planned_totals(plans, 0))
