@@ -5,7 +5,6 @@ sends completions, opens `/dashboard#key=...` in Debian's Chromium through Playw
 checks what a person would see, including a screenshot.
 """
 
-import socket
 from pathlib import Path
 
 import httpx
@@ -14,6 +13,7 @@ import pytest
 from cluster.control.messages import ClusterStatus, WorkerRecord
 from cluster.ingress.dashboard import DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data, generated_tokens_by_worker
 from workers.work_types import WorkerStats
+from ports import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 API_KEY = "dash-key-1"
@@ -148,19 +148,13 @@ def test_page_is_self_contained():
 # -- the real page in headless Chromium ----------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, model_cache_dir):
     from cluster.config import ServiceConfig
     from s3serve_cli.serve import start_service, stop_service
 
     config = ServiceConfig(
-        port=_free_port(), num_workers=1, model_cache_dir=str(model_cache_dir), max_model_len=512,
+        port=free_port(), num_workers=1, model_cache_dir=str(model_cache_dir), max_model_len=512,
         kv_cache_bytes=32 * 1024**2, default_max_tokens=16, api_keys=(API_KEY,), max_concurrent_requests=4,
         data_dir=str(tmp_path_factory.mktemp("s3serve-dash")), num_cpus=4, num_torch_threads=1,
         stats_interval_s=0.25)

@@ -8,13 +8,13 @@ layer's linear layers across the ranks and the logits still match the unsharded 
 
 import copy
 import multiprocessing
-import socket
 
 import pytest
 import torch
 
 from workers.model_runner import wrap_with_deepspeed
 from workers.models import make_tiny_model
+from ports import free_port
 
 PROMPT = [[5, 9, 3, 7, 11]]
 
@@ -33,12 +33,6 @@ def test_one_rank_wraps_without_replacing_a_module_and_computes_the_same():
     assert next(wrapped.module.parameters()).dtype == torch.float32
     with torch.no_grad():
         assert torch.equal(wrapped(torch.tensor(PROMPT)).logits, reference(torch.tensor(PROMPT)).logits)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tensor_parallel_rank(rank: int, world_size: int, port: int, results) -> None:
@@ -66,7 +60,7 @@ def _tensor_parallel_rank(rank: int, world_size: int, port: int, results) -> Non
 def test_two_ranks_over_gloo_shard_every_decoder_linear_and_match_the_unsharded_logits():
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     ranks = [context.Process(target=_tensor_parallel_rank, args=(rank, 2, port, results)) for rank in range(2)]
     for process in ranks:
         process.start()

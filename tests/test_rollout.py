@@ -11,7 +11,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,17 +26,12 @@ import yaml
 
 from deploy.rollout import AppBaseline, AppTarget, RolloutError, app_progress
 from deploy.rollout import main as rollout_main
+from ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 MODEL = "smollm2-135m-instruct"
 FORCED_TOKENS = 1000
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- the config is checked before any cluster is touched -------------------------------------
@@ -89,7 +83,7 @@ def test_an_address_nothing_listens_on_fails_fast_with_exit_1(tmp_path, capsys):
     config_path.write_text(yaml.safe_dump({"applications": [
         {"name": "s3serve", "import_path": "cluster.app:build_app", "args": {}}]}))
     start_s = time.monotonic()
-    assert rollout_main(["--config", str(config_path), "--address", f"127.0.0.1:{_free_port()}"]) == 1
+    assert rollout_main(["--config", str(config_path), "--address", f"127.0.0.1:{free_port()}"]) == 1
     assert time.monotonic() - start_s < 30
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2 and "no Ray cluster answers at 127.0.0.1:" in lines[0] and lines[1].startswith("hint: ")
@@ -212,7 +206,7 @@ def cluster(tmp_path):
     temp_dir = Path(tempfile.mkdtemp(prefix="s3ro", dir="/tmp"))
     token_path = temp_dir / "auth_token"
     token_path.write_text(secrets.token_hex(32))
-    gcs_port, dashboard_port = _free_port(), _free_port()
+    gcs_port, dashboard_port = free_port(), free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            # Token auth (Ray's own default for new clusters), with a token of this test's: the CLI,
            # the job and the nodes read it from here, and it marks every process of this cluster.
@@ -311,7 +305,7 @@ def _stop_embedded_redis_and_workers(cluster: LocalCluster) -> subprocess.Comple
 
 @pytest.mark.slow
 def test_ray_job_submit_rollout_then_a_changed_config_keeps_in_flight_streams(cluster, tmp_path, model_cache_dir):
-    http_port = _free_port()
+    http_port = free_port()
     base_url = f"http://127.0.0.1:{http_port}"
     data_dir = tmp_path / "data"
     one = _write_config(tmp_path / "one_worker.yaml", http_port, data_dir, model_cache_dir, num_workers=1)

@@ -14,13 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ports import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _is_listening(port: int) -> bool:
@@ -42,7 +38,7 @@ def _cpu_hogs(count: int) -> list[subprocess.Popen]:
 def test_serve_on_a_busy_machine_prints_a_working_curl_and_stops_on_ctrl_c(tmp_path, model_cache_dir):
     """Every core busy with another process while Ray, Redis and Serve's HTTP proxy start (start-up used to die
     in the proxy's readiness check with a Ray traceback)."""
-    port = _free_port()
+    port = free_port()
     hogs = _cpu_hogs(os.cpu_count() or 2)
     try:
         _serve_and_curl(port, tmp_path, model_cache_dir, hogs)
@@ -53,7 +49,7 @@ def test_serve_on_a_busy_machine_prints_a_working_curl_and_stops_on_ctrl_c(tmp_p
 
 
 def test_a_start_up_that_gives_up_says_why_in_one_line(tmp_path, model_cache_dir):
-    command = _serve_command(_free_port(), tmp_path, model_cache_dir, "--start-timeout", "1")
+    command = _serve_command(free_port(), tmp_path, model_cache_dir, "--start-timeout", "1")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("S3_REDIS_URL", None)
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)

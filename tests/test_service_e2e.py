@@ -9,7 +9,6 @@ import json
 import os
 import random
 import signal
-import socket
 import threading
 import time
 
@@ -21,6 +20,7 @@ import ray
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
 from cluster.control.redis_server import connect
 from s3serve_cli.serve import start_service, stop_service
+from ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +29,10 @@ MODEL = "smollm2-135m-instruct"
 MAX_MODEL_LEN = 512
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, model_cache_dir):
     config = ServiceConfig(
-        port=_free_port(), num_workers=2, model_cache_dir=str(model_cache_dir), max_model_len=MAX_MODEL_LEN,
+        port=free_port(), num_workers=2, model_cache_dir=str(model_cache_dir), max_model_len=MAX_MODEL_LEN,
         kv_cache_bytes=64 * 1024**2, default_max_tokens=32, api_keys=(API_KEY,), max_concurrent_requests=6,
         data_dir=str(tmp_path_factory.mktemp("s3serve-data")), num_cpus=8, num_torch_threads=1,
         stats_interval_s=0.25, max_body_bytes=64 * 1024)

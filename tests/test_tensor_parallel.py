@@ -2,7 +2,6 @@
 scheduling as one rank, swaps included; and the clear errors when the ranks are not there."""
 
 import multiprocessing
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from workers.model_runner import pool_shape_for
 from workers.models import make_tiny_model, tiny_llama_config
 from workers.policies import PreemptionCostModel, S3Policy
 from workers.sampling_params import SamplingParams
+from ports import free_port
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24  # six requests of up to 44 tokens: they must take turns, and preempted ones swap
@@ -38,12 +38,6 @@ def _generate(engine: Engine) -> list[list[int]]:
             if out.is_finished:
                 outputs[out.seq_id] = list(out.output_token_ids)
     return [outputs[seq_id] for seq_id in ids]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank(rank: int, port: int, results) -> None:
@@ -114,7 +108,7 @@ def test_two_ranks_give_one_ranks_tokens_and_schedule_with_swaps_included():
     expected = _generate(reference)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     ranks = [context.Process(target=_rank, args=(rank, port, results)) for rank in range(2)]
     for process in ranks:
         process.start()
