@@ -17,6 +17,7 @@ prefix ids); no worker failures.
 
 import heapq
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import replace
@@ -27,6 +28,7 @@ from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, 
                                        migration_target)
 from workers.sequence import Sequence
 
+STEADY_FRACTION = 0.9  # the steady rate counts until this share of the requests has finished
 MAX_IDLE_TICKS = 1000  # ticks in a row with nothing running before the run is declared stalled
 SIMPLIFICATIONS = ("the controller sees each worker's reservations as of its latest step; no RPC latency; a moved "
                    "request carries its KV (charged as a host copy); no prefix caching; no failures")
@@ -68,6 +70,7 @@ class ClusterSimulation:
         expected = {r.request_id: r.num_output_tokens for r in requests}
         arrivals = {r.request_id: r.arrival_s for r in requests}
         first_token: dict[str, float] = {}
+        steady_done = math.ceil(STEADY_FRACTION * len(requests))  # the steady span ends as this many have finished
         start_wall_s = time.perf_counter()
         for request in requests:
             self._push(request.arrival_s, "arrive", request)
@@ -100,6 +103,9 @@ class ClusterSimulation:
                     first_token.setdefault(seq.seq_id, now_s)
                 for seq in finished:
                     num_done += 1
+                    if num_done == steady_done:
+                        result.steady_s = now_s - min(arrivals.values())
+                        result.steady_output_tokens = result.output_tokens
                     result.outputs_exact &= seq.num_output_tokens == expected[seq.seq_id]
                     result.latency_s.append(now_s - arrivals[seq.seq_id])
                     result.ttft_s.append(first_token[seq.seq_id] - arrivals[seq.seq_id])

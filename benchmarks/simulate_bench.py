@@ -6,14 +6,26 @@ model. For GPU kinds that model is a roofline over datasheet numbers with assume
 (`benchmarks.step_time.GPU_KINDS`); no GPU measured it. What was measured is how well the
 simulator tracks the real engine on this CPU (`benchmarks.sim_calibration`): that error is
 printed first, and `kind="cpu"` simulates the cluster with the CPU-calibrated model itself.
+
+Two workloads: `trace` replays a serving trace's lengths (default Azure conv: long prompts,
+mean 1,155 context and 211 generated tokens); `paper` is the S3 paper's kind of workload,
+short instructions with text-davinci-003's answers (`benchmarks.answer_lengths`, mean about
+86 + 87 tokens), where reserving the worst case wastes the most.
+
+Every request arrives at t=0, so two rates are reported: `tokens_per_s` over the whole run,
+and `steady_tokens_per_s` until 90% of the requests have finished. The first includes the
+drain, when a few of the longest answers decode alone whatever the policy; the second is
+the cluster's capacity. (It does not end at the last request's start: a policy that admits
+everything at once would then be judged on its first prefills alone.)
 """
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.answer_lengths import DEFAULT_ANSWERS, read_answer_rows
 from benchmarks.cluster_sim import SIMPLIFICATIONS, ClusterSimulation
 from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.report import environment, format_table, percentile, write_json
@@ -29,6 +41,10 @@ DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 DEFAULT_POLICIES = ("max_reserve", "paged_greedy", "s3", "s3_peak")
 LENGTH_AWARE = ("s3", "s3_peak")
 CPU_KIND = "cpu"
+WORKLOADS = ("trace", "paper")
+# (worker counts, requests per worker) for the paper workload: its answers are short, so each worker
+# needs several times max_num_seqs requests before the steady rate means anything
+PAPER_SIZES = {False: ((8, 64), 1000), True: ((8,), 600)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +52,7 @@ class SimulateBenchConfig:
     """What `bench simulate` runs.
 
     Attributes:
+        workload: "trace" (the rows of `trace_path`) or "paper" (the answers of `answers_path`).
         kind: a GPU kind of `benchmarks.step_time.GPU_KINDS`, or "cpu" (the step model calibrated here).
         model_shape: a `workers.model_shapes` name (ignored for "cpu": SmolLM2-135M, as calibrated).
         worker_counts: cluster sizes.
@@ -49,6 +66,8 @@ class SimulateBenchConfig:
     """
 
     trace_path: Path = DEFAULT_TRACE
+    workload: str = "trace"
+    answers_path: Path = DEFAULT_ANSWERS
     kind: str = "a100-80gb"
     model_shape: str = "llama-7b"
     worker_counts: tuple[int, ...] = (8, 64, 256, 1024)
@@ -71,6 +90,17 @@ class SimulateBenchConfig:
 def quick_config(**overrides) -> SimulateBenchConfig:
     return SimulateBenchConfig(**{"worker_counts": (8, 64), "requests_per_worker": 150,
                                   "calibration_requests": 16, **overrides})
+
+
+def default_config(workload: str = "trace", quick: bool = False) -> SimulateBenchConfig:
+    """The sizes `bench simulate` runs a workload at, before the command line's overrides."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+    base = quick_config() if quick else SimulateBenchConfig()
+    if workload == "paper":
+        worker_counts, requests_per_worker = PAPER_SIZES[quick]
+        return replace(base, workload=workload, worker_counts=worker_counts, requests_per_worker=requests_per_worker)
+    return base
 
 
 def build_sim_requests(rows, count: int, max_len: int, max_prompt_tokens: int, sigma: float,
@@ -145,6 +175,8 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
     unknown = [p for p in config.policies if p not in DEFAULT_POLICIES + ("oracle",)]
     if unknown:
         raise ValueError(f"unknown policies {unknown}; choose from {', '.join(DEFAULT_POLICIES + ('oracle',))}")
+    if config.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {config.workload!r}; choose from {', '.join(WORKLOADS)}")
     if any(n < 1 for n in config.worker_counts):
         raise ValueError(f"worker counts must be >= 1, got {config.worker_counts}")
     if config.kind != CPU_KIND:
@@ -153,7 +185,8 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
     elif not config.calibrate:
         raise ValueError("kind 'cpu' simulates with the CPU-calibrated step model: leave calibration on")
     print(STATEMENT)
-    rows = read_trace(config.trace_path)
+    rows, workload = _workload_rows(config, model_name, model_cache_dir)
+    print(f"workload: {workload}")
     calibration = _run_calibration(config, rows, model_name, model_cache_dir) if config.calibrate else None
     if calibration is not None:
         print(f"step model {calibration.model.describe()}")
@@ -179,6 +212,7 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
             runs.append({
                 "policy": policy, "num_workers": num_workers, "num_requests": len(requests),
                 "tokens_per_s": result.tokens_per_s, "tokens_per_s_per_worker": result.tokens_per_s / num_workers,
+                "steady_tokens_per_s": result.steady_tokens_per_s, "steady_s": result.steady_s,
                 "makespan_s": result.makespan_s, "latency_p50_s": percentile(result.latency_s, 0.5),
                 "latency_p99_s": percentile(result.latency_s, 0.99), "ttft_p99_s": percentile(result.ttft_s, 0.99),
                 "migrations": result.num_migrations, "preemptions": result.num_preemptions,
@@ -187,19 +221,23 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
                 "placement_decision_us": 1e6 * result.placement_wall_s / max(1, result.num_placement_decisions),
                 "all_outputs_exact_length": result.outputs_exact, "simulation_wall_s": result.simulation_wall_s,
             })
-    ratios = _ratios(runs, config)
-    headers = ["workers", "policy", "tok/s", "tok/s/worker", "lat_p50_s", "lat_p99_s", "migrations", "preempt",
-               "place/s", "us/decision", "sim_wall_s"]
+    ratios = _ratios(runs, config, "tokens_per_s")
+    ratios["steady"] = _ratios(runs, config, "steady_tokens_per_s")
+    headers = ["workers", "policy", "tok/s", "tok/s/worker", "steady_tok/s", "lat_p50_s", "lat_p99_s", "migrations",
+               "preempt", "place/s", "us/decision", "sim_wall_s"]
     print(format_table(headers, [[r["num_workers"], r["policy"], r["tokens_per_s"], r["tokens_per_s_per_worker"],
-                                  r["latency_p50_s"], r["latency_p99_s"], r["migrations"], r["preemptions"],
-                                  r["placements_per_s"], r["placement_decision_us"], r["simulation_wall_s"]]
-                                 for r in runs]))
-    print(format_table(["ratio", "value"], [[k, v if v is not None else "n/a"] for k, v in ratios.items()
-                                            if not isinstance(v, dict)]))
+                                  r["steady_tokens_per_s"], r["latency_p50_s"], r["latency_p99_s"],
+                                  r["migrations"], r["preemptions"], r["placements_per_s"],
+                                  r["placement_decision_us"], r["simulation_wall_s"]] for r in runs]))
+    print(format_table(["ratio", "whole run (tok/s)", "steady (steady_tok/s)"],
+                       [[k, v, ratios["steady"].get(k, "n/a")] for k, v in ratios.items()
+                        if not isinstance(v, dict)]))
     result = {
         "benchmark": "simulate", "simulation": True, "statement": STATEMENT, "simplifications": SIMPLIFICATIONS,
         "kind": config.kind, "model_shape": config.model_shape if config.kind != CPU_KIND else f"{model_name} (calibrated here)",
-        "step_model": step_model.describe(), "kv_budget": budget, "trace": str(config.trace_path),
+        "step_model": step_model.describe(), "kv_budget": budget,
+        "workload": config.workload, "workload_description": workload,
+        "trace": str(config.trace_path if config.workload == "trace" else config.answers_path),
         "predictor": (f"noisy oracle, log-normal sigma {config.sigma}: s3 plans by its 90% quantile, s3_peak by "
                       "its point (SchedulingPolicy.prediction_from)"),
         "config": _config_dict(config),
@@ -222,9 +260,22 @@ def _config_dict(config: SimulateBenchConfig) -> dict:
             for name in config.__dataclass_fields__}
 
 
-def _ratios(runs: list[dict], config: SimulateBenchConfig) -> dict:
-    """Best length-aware policy over max_reserve and paged_greedy, at the largest cluster and per size."""
-    by = {(r["num_workers"], r["policy"]): r["tokens_per_s"] for r in runs}
+def _workload_rows(config: SimulateBenchConfig, model_name: str, model_cache_dir: Path | None):
+    """(rows, one line saying what they are) for the config's workload."""
+    if config.workload == "trace":
+        return read_trace(config.trace_path), f"trace {config.trace_path}"
+    from workers.models import load_tokenizer, resolve_model_dir
+
+    rows = read_answer_rows(config.answers_path, load_tokenizer(resolve_model_dir(model_name, model_cache_dir)))
+    prompt = sum(r.context_tokens for r in rows) / len(rows)
+    answer = sum(r.generated_tokens for r in rows) / len(rows)
+    return rows, (f"paper: {len(rows)} instructions with text-davinci-003's answers ({config.answers_path}), "
+                  f"mean {prompt:.0f} prompt + {answer:.0f} answer tokens ({model_name}'s tokenizer)")
+
+
+def _ratios(runs: list[dict], config: SimulateBenchConfig, key: str) -> dict:
+    """Best length-aware policy by `key` over max_reserve and paged_greedy, at the largest cluster and per size."""
+    by = {(r["num_workers"], r["policy"]): r[key] for r in runs}
     ratios: dict = {}
     per_size: dict = {}
     for num_workers in config.worker_counts:

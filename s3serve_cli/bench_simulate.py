@@ -12,9 +12,9 @@ from workers.model_shapes import MODEL_SHAPES
 def _bench_simulate(args: argparse.Namespace) -> int:
     from benchmarks import simulate_bench
 
-    base = simulate_bench.quick_config() if args.quick else simulate_bench.SimulateBenchConfig()
-    overrides = {"trace_path": args.trace, "kind": args.kind, "model_shape": args.model_shape,
-                 "calibrate": not args.no_calibration}
+    base = simulate_bench.default_config(args.workload, args.quick)
+    overrides = {"trace_path": args.trace, "answers_path": args.answers, "kind": args.kind,
+                 "model_shape": args.model_shape, "calibrate": not args.no_calibration}
     for name in ("worker_counts", "requests_per_worker", "max_len", "max_prompt_tokens", "sigma", "policies",
                  "calibration_requests"):
         value = getattr(args, name)
@@ -34,21 +34,31 @@ def add_simulate_parser(benches) -> None:
                     "roofline says for the model shape on the GPU kind (datasheet bandwidth and FLOPs with assumed "
                     "efficiencies). First, unless --no-calibration, the real engine runs a small workload on this "
                     "CPU and the simulator, calibrated on one policy's steps, is compared with it on the others: "
-                    "that error is printed. Every request arrives at t=0 (capacity, not latency under a given load).",
+                    "that error is printed. Every request arrives at t=0 (capacity, not latency under a given load): "
+                    "tok/s is over the whole run, steady_tok/s until 90% of the requests have finished (without the "
+                    "drain, when the longest answers decode nearly alone whatever the policy).",
     )
     add_model_args(simulate)
+    simulate.add_argument("--workload", choices=("trace", "paper"), default="trace",
+                          help="trace: replay --trace's lengths (long Azure prompts); paper: the S3 paper's kind of "
+                               "workload, short instructions with text-davinci-003's answers (--answers), where "
+                               "reserving the worst case wastes the most (default: %(default)s)")
     simulate.add_argument("--trace", type=Path, default=Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv"),
-                          help="Azure CSV trace to replay (default: %(default)s)")
+                          help="Azure CSV trace to replay with --workload trace (default: %(default)s)")
+    simulate.add_argument("--answers", type=Path,
+                          default=Path("../shared/data/prompts/text-davinci-003_predictions.jsonl"),
+                          help="JSONL of instruction, input, response for --workload paper, measured in the model's "
+                               "tokens (default: %(default)s)")
     simulate.add_argument("--kind", default="a100-80gb", choices=(*GPU_KINDS, "cpu"),
                           help="GPU kind of every worker, or cpu: the step model calibrated on this machine "
                                "(default: %(default)s)")
     simulate.add_argument("--model-shape", default="llama-7b", choices=tuple(MODEL_SHAPES),
                           help="model shape the roofline prices, bf16 (default: %(default)s)")
     simulate.add_argument("--workers", dest="worker_counts", type=int, nargs="+", default=None, metavar="N",
-                          help="cluster sizes (default 8 64 256 1024; 8 64 with --quick)")
+                          help="cluster sizes (default 8 64 256 1024, 8 64 with --quick; paper: 8 64, 8 with --quick)")
     simulate.add_argument("--requests-per-worker", type=int, default=None,
                           help="trace rows per worker, reused when the trace runs out "
-                               "(default 200; 150 with --quick)")
+                               "(default 200, 150 with --quick; paper: 1000, 600 with --quick)")
     simulate.add_argument("--max-len", type=int, default=None, help="longest sequence in tokens (default 2048)")
     simulate.add_argument("--max-prompt-tokens", type=int, default=None, help="prompts are capped to this (default 1024)")
     simulate.add_argument("--sigma", type=float, default=None,
@@ -61,7 +71,7 @@ def add_simulate_parser(benches) -> None:
                                "--quick)")
     simulate.add_argument("--no-calibration", action="store_true",
                           help="skip the real-engine comparison on this CPU (not allowed with --kind cpu)")
-    simulate.add_argument("--quick", action="store_true", help="8 and 64 workers, 150 requests each (a few minutes)")
+    simulate.add_argument("--quick", action="store_true", help="fewer workers and requests (a few minutes)")
     simulate.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     simulate.add_argument("--plot", type=Path, default=None, metavar="PNG",
                           help="tokens/s per worker and p99 latency against cluster size")

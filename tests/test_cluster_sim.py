@@ -171,3 +171,16 @@ def test_the_controller_plans_by_the_estimate_the_policy_chooses(policy, runs_to
     without_point = [SimRequest(f"r{i}", 0.0, 10, 20, MAX_LEN - 10, 200) for i in range(2)]
     _, result = _simulate(policy, without_point, num_workers=1, num_blocks=16)
     assert max(shape.num_seqs for shape, _ in result.step_samples) == 1
+
+
+def test_the_steady_rate_counts_tokens_until_nine_in_ten_requests_have_finished():
+    # 10 ms a step whatever runs; all ten prompts prefill in the first step, which samples their first tokens
+    requests = [SimRequest(f"r{i}", 0.0, 8, 2, MAX_LEN - 8, 2) for i in range(9)]
+    requests.append(SimRequest("long", 0.0, 8, 20, MAX_LEN - 8, 20))
+    config = SimConfig(1, 64, block_size=16, max_num_seqs=10, max_num_batched_tokens=128)
+    result = ClusterSimulation(config, lambda: make_policy("paged_greedy", max_model_len=MAX_LEN), CONSTANT).run(requests)
+    assert result.output_tokens == 9 * 2 + 20 and result.makespan_s == pytest.approx(0.20)
+    assert result.steady_s == pytest.approx(0.02)  # the ninth request finished in the second step
+    assert result.steady_output_tokens == 20
+    assert result.steady_tokens_per_s == pytest.approx(1000.0)
+    assert result.tokens_per_s == pytest.approx(190.0)  # the drain: the long answer decoding alone

@@ -37,7 +37,29 @@ def test_simulate_writes_the_table_json_and_plot(tmp_path, shared_data):
     assert plot.stat().st_size > 10_000
 
 
+def test_the_paper_workload_runs_instructions_with_their_answers_lengths(tmp_path, model_cache_dir, shared_data):
+    out_json = tmp_path / "out.json"
+    result = _simulate("--workload", "paper", "--answers", str(shared_data / "prompts" / "text-davinci-003_predictions.jsonl"),
+                       "--workers", "2", "--requests-per-worker", "40", "--no-calibration",
+                       "--model-cache-dir", str(model_cache_dir), "--json", str(out_json))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "workload: paper: 252 instructions with text-davinci-003's answers" in result.stdout
+    data = json.loads(out_json.read_text())
+    assert data["workload"] == "paper" and data["trace"].endswith("text-davinci-003_predictions.jsonl")
+    assert {r["num_requests"] for r in data["runs"]} == {80}
+    for run in data["runs"]:
+        assert run["all_outputs_exact_length"]
+        assert 0 < run["steady_s"] < run["makespan_s"]
+        assert run["steady_tokens_per_s"] > 0
+    by = {r["policy"]: r["steady_tokens_per_s"] for r in data["runs"]}
+    steady = data["ratios"]["steady"]
+    best = max(by["s3"], by["s3_peak"])
+    assert steady["s3_vs_max_reserve"] == pytest.approx(best / by["max_reserve"])
+    assert steady["best_length_aware"] == max(("s3", "s3_peak"), key=by.get)
+
+
 @pytest.mark.parametrize("args, message", [
+    (("--workload", "paper", "--answers", "no/such/answers.jsonl"), "answers file no/such/answers.jsonl not found"),
     (("--kind", "cpu", "--no-calibration"), "kind 'cpu' simulates with the CPU-calibrated step model"),
     (("--workers", "0"), "worker counts must be >= 1"),
     (("--max-prompt-tokens", "4096"), "must be below max_len"),
