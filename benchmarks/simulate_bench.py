@@ -19,7 +19,8 @@ the cluster's capacity. (It does not end at the last request's start: a policy t
 everything at once would then be judged on its first prefills alone.)
 """
 
-import itertools
+import random
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -105,19 +106,33 @@ def default_config(workload: str = "trace", quick: bool = False) -> SimulateBenc
 
 def build_sim_requests(rows, count: int, max_len: int, max_prompt_tokens: int, sigma: float,
                        seed: int) -> list[SimRequest]:
-    """`count` requests from the trace rows (cycled), all at t=0, with noisy-oracle upper bounds and points."""
+    """`count` requests from the trace rows, all at t=0, with noisy-oracle upper bounds and points.
+
+    The rows are reused when `count` exceeds them: the first pass in the file's order, each later
+    pass in a fresh seeded order. Repeating one order would repeat one pattern of lengths that a
+    deterministic placement can lock onto (the same long answers landing on the same workers).
+    """
     if not rows:
         raise ValueError("the trace has no rows")
     if max_prompt_tokens >= max_len:
         raise ValueError(f"max_prompt_tokens ({max_prompt_tokens}) must be below max_len ({max_len})")
     shapes = []
-    for index, row in zip(range(count), itertools.cycle(rows)):
+    for index, row in zip(range(count), _passes(rows, random.Random(seed))):
         prompt = max(1, min(row.context_tokens, max_prompt_tokens))
         shapes.append((f"r{index}", prompt, max(1, min(row.generated_tokens, max_len - prompt))))
     oracle = NoisyOraclePredictor({rid: out for rid, _, out in shapes}, sigma=sigma, max_len=max_len, seed=seed)
     bounds = oracle.predict([LengthQuery(rid, (), max_len - prompt) for rid, prompt, _ in shapes])
     return [SimRequest(rid, 0.0, prompt, out, max_len - prompt, bound.upper_bound_tokens, bound.point_tokens)
             for (rid, prompt, out), bound in zip(shapes, bounds)]
+
+
+def _passes(rows: list, rng: random.Random) -> Iterator:
+    """The rows in their order, then again and again, each time shuffled by `rng`."""
+    yield from rows
+    order = list(rows)
+    while True:
+        rng.shuffle(order)
+        yield from order
 
 
 def _run_calibration(config: SimulateBenchConfig, rows, model_name: str, model_cache_dir: Path | None):

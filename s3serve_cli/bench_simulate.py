@@ -57,7 +57,7 @@ def add_simulate_parser(benches) -> None:
     simulate.add_argument("--workers", dest="worker_counts", type=int, nargs="+", default=None, metavar="N",
                           help="cluster sizes (default 8 64 256 1024, 8 64 with --quick; paper: 8 64, 8 with --quick)")
     simulate.add_argument("--requests-per-worker", type=int, default=None,
-                          help="trace rows per worker, reused when the trace runs out "
+                          help="trace rows per worker, reused in a fresh seeded order when the trace runs out "
                                "(default 200, 150 with --quick; paper: 1000, 600 with --quick)")
     simulate.add_argument("--max-len", type=int, default=None, help="longest sequence in tokens (default 2048)")
     simulate.add_argument("--max-prompt-tokens", type=int, default=None, help="prompts are capped to this (default 1024)")

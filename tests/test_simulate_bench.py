@@ -88,3 +88,17 @@ def test_simulator_agrees_with_the_real_engine_on_this_cpu(tmp_path, model_cache
     for row in calibration["agreement"]:
         assert row["real_tokens_per_s"] > 0 and abs(row["error_pct"]) <= STATED_ERROR_PCT, row
     assert data["kind"] == "cpu" and len(data["runs"]) == 8
+
+
+def test_reused_rows_come_back_in_a_fresh_order_each_pass():
+    from benchmarks.simulate_bench import build_sim_requests
+    from benchmarks.traces import TraceRow
+
+    rows = [TraceRow(0.0, 10 + i, 1 + i) for i in range(20)]
+    requests = build_sim_requests(rows, 60, max_len=256, max_prompt_tokens=128, sigma=0.3, seed=0)
+    passes = [[r.num_output_tokens for r in requests[k:k + 20]] for k in (0, 20, 40)]
+    assert passes[0] == [1 + i for i in range(20)]  # the file's order first
+    assert all(sorted(p) == passes[0] for p in passes[1:])  # every row once per pass
+    assert passes[1] != passes[0] and passes[2] != passes[1]
+    again = build_sim_requests(rows, 60, max_len=256, max_prompt_tokens=128, sigma=0.3, seed=0)
+    assert [r.num_output_tokens for r in again] == [r.num_output_tokens for r in requests]  # seeded
