@@ -12,9 +12,9 @@ Each line becomes a `TraceRow` arriving at t=0, in the served model's tokens:
     generated_tokens = the response's tokens + 1 (the end-of-turn token that stops it)
 """
 
-import json
 from pathlib import Path
 
+from benchmarks.jsonl import jsonl_records
 from benchmarks.traces import TraceRow
 from workers.models import chat_token_ids
 
@@ -33,20 +33,13 @@ def read_answer_rows(path: Path | str, tokenizer) -> list[TraceRow]:
     if not path.is_file():
         raise FileNotFoundError(f"answers file {path} not found (expected JSONL with {', '.join(_FIELDS)})")
     rows = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
-            if not isinstance(record, dict) or not all(isinstance(record.get(f), str) for f in _FIELDS):
-                raise ValueError(f"{path}:{number}: needs string fields {', '.join(_FIELDS)}")
-            prompt_ids = chat_token_ids(tokenizer, [{"role": "user",
-                                                     "content": user_turn(record["instruction"], record["input"])}])
-            answer_ids = tokenizer(record["response"].strip(), add_special_tokens=False)["input_ids"]
-            rows.append(TraceRow(0.0, len(prompt_ids), len(answer_ids) + 1))
+    for number, record in jsonl_records(path):
+        if not isinstance(record, dict) or not all(isinstance(record.get(f), str) for f in _FIELDS):
+            raise ValueError(f"{path}:{number}: needs string fields {', '.join(_FIELDS)}")
+        prompt_ids = chat_token_ids(tokenizer, [{"role": "user",
+                                                 "content": user_turn(record["instruction"], record["input"])}])
+        answer_ids = tokenizer(record["response"].strip(), add_special_tokens=False)["input_ids"]
+        rows.append(TraceRow(0.0, len(prompt_ids), len(answer_ids) + 1))
     if not rows:
         raise ValueError(f"{path} holds no answered instructions")
     return rows

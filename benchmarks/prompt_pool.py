@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.jsonl import jsonl_records
 from predictor_service.length_example import join_messages
 
 DEFAULT_PROMPTS = Path("../shared/data/prompts/pool.jsonl")
@@ -66,22 +67,15 @@ def read_prompts(path: Path | str) -> list[PromptRecord]:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     records = []
-    with path.open(encoding="utf-8") as lines:
-        for line_no, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_no}: not JSON ({error.msg})") from None
-            messages = _messages(row)
-            if messages is None:
-                continue
-            native_id = row.get("id", row.get("question_id"))
-            if native_id is None:
-                digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
-                native_id = digest
-            records.append(PromptRecord(f"{path.stem}:{native_id}", tuple(messages)))
+    for _, row in jsonl_records(path):
+        messages = _messages(row)
+        if messages is None:
+            continue
+        native_id = row.get("id", row.get("question_id"))
+        if native_id is None:
+            digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
+            native_id = digest
+        records.append(PromptRecord(f"{path.stem}:{native_id}", tuple(messages)))
     if not records:
         raise ValueError(f"{path} holds no prompt in a known format (prompt, messages, instruction, turns)")
     return records

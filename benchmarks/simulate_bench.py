@@ -94,13 +94,11 @@ def quick_config(**overrides) -> SimulateBenchConfig:
 
 
 def default_config(workload: str = "trace", quick: bool = False) -> SimulateBenchConfig:
-    """The sizes `bench simulate` runs a workload at, before the command line's overrides."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
-    base = quick_config() if quick else SimulateBenchConfig()
+    """The sizes `bench simulate` runs a workload at, before the command line's overrides (`run` checks the name)."""
+    base = replace(quick_config() if quick else SimulateBenchConfig(), workload=workload)
     if workload == "paper":
         worker_counts, requests_per_worker = PAPER_SIZES[quick]
-        return replace(base, workload=workload, worker_counts=worker_counts, requests_per_worker=requests_per_worker)
+        return replace(base, worker_counts=worker_counts, requests_per_worker=requests_per_worker)
     return base
 
 

@@ -41,12 +41,12 @@ shares; outputs keep the trace's lengths (only prompts are scaled).
 """
 
 import csv
-import json
 import math
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
+from benchmarks.jsonl import jsonl_records
 from benchmarks.prompt_pool import read_prompts
 
 REPLAY_MODES = ("offline", "online")
@@ -199,30 +199,23 @@ def _read_csv(path: Path, num_requests: int | None) -> list[tuple[str, float, in
 def _read_jsonl(path: Path, num_requests: int | None) -> list[tuple[str, float, int, int, tuple[int, ...]]]:
     rows = []
     first_ms: float | None = None
-    with path.open(encoding="utf-8-sig") as lines:
-        for line_no, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not JSON ({error.msg})") from None
-            if not isinstance(record, dict) or any(key not in record for key in _JSONL_KEYS):
-                raise ValueError(f"{where}: expected an object with keys {list(_JSONL_KEYS)}")
-            stamp_ms = record["timestamp"]
-            if isinstance(stamp_ms, bool) or not isinstance(stamp_ms, (int, float)) or not math.isfinite(stamp_ms):
-                raise ValueError(f"{where}: timestamp must be a number of milliseconds, got {stamp_ms!r}")
-            first_ms = stamp_ms if first_ms is None else first_ms
-            context = _count(record["input_length"], where, "input_length")
-            generated = _count(record["output_length"], where, "output_length")
-            hash_ids = record.get("hash_ids", [])
-            if not isinstance(hash_ids, list) or any(isinstance(h, bool) or not isinstance(h, int) or h < 0
-                                                     for h in hash_ids):
-                raise ValueError(f"{where}: hash_ids must be a list of integers >= 0")
-            rows.append((where, (stamp_ms - first_ms) / 1000.0, context, generated, tuple(hash_ids)))
-            if num_requests is not None and len(rows) == num_requests:
-                break
+    for line_no, record in jsonl_records(path, encoding="utf-8-sig"):
+        where = f"{path}:{line_no}"
+        if not isinstance(record, dict) or any(key not in record for key in _JSONL_KEYS):
+            raise ValueError(f"{where}: expected an object with keys {list(_JSONL_KEYS)}")
+        stamp_ms = record["timestamp"]
+        if isinstance(stamp_ms, bool) or not isinstance(stamp_ms, (int, float)) or not math.isfinite(stamp_ms):
+            raise ValueError(f"{where}: timestamp must be a number of milliseconds, got {stamp_ms!r}")
+        first_ms = stamp_ms if first_ms is None else first_ms
+        context = _count(record["input_length"], where, "input_length")
+        generated = _count(record["output_length"], where, "output_length")
+        hash_ids = record.get("hash_ids", [])
+        if not isinstance(hash_ids, list) or any(isinstance(h, bool) or not isinstance(h, int) or h < 0
+                                                 for h in hash_ids):
+            raise ValueError(f"{where}: hash_ids must be a list of integers >= 0")
+        rows.append((where, (stamp_ms - first_ms) / 1000.0, context, generated, tuple(hash_ids)))
+        if num_requests is not None and len(rows) == num_requests:
+            break
     return rows
 
 

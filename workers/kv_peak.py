@@ -35,7 +35,7 @@ def planned_totals(plans: Sequence[Plan], block_size: int) -> Iterator[tuple[int
     ends = [delay + final - held for held, final, delay in plans]
     by_end = sorted(range(len(plans)), key=ends.__getitem__)
     by_delay = sorted(range(len(plans)), key=lambda i: plans[i][2])
-    state = [0] * len(plans)  # 0 waiting to grow, 1 growing, 2 gone
+    waiting = [True] * len(plans)  # not yet growing (nor gone)
     waiting_blocks = sum(_ceil_div(min(held, final), block_size) for held, final, _ in plans)
     residues = [0] * block_size
     sum_a = sum_r = num_growing = 0
@@ -47,25 +47,25 @@ def planned_totals(plans: Sequence[Plan], block_size: int) -> Iterator[tuple[int
             i = by_end[next_end]
             held, final, delay = plans[i]
             ending_blocks += _ceil_div(final, block_size)
-            if state[i] == 0:
+            if waiting[i]:
                 waiting_blocks -= _ceil_div(min(held, final), block_size)
             else:
                 a = held - delay + block_size - 1
                 sum_a, sum_r, num_growing = sum_a - a, sum_r - a % block_size, num_growing - 1
                 residues[a % block_size] -= 1
-            state[i] = 2
+            waiting[i] = False
             next_end += 1
         while next_delay < len(by_delay) and plans[by_delay[next_delay]][2] < step:
             i = by_delay[next_delay]
             next_delay += 1
-            if state[i] != 0:
+            if not waiting[i]:  # gone already
                 continue
             held, final, delay = plans[i]
             waiting_blocks -= _ceil_div(min(held, final), block_size)
             a = held - delay + block_size - 1
             sum_a, sum_r, num_growing = sum_a + a, sum_r + a % block_size, num_growing + 1
             residues[a % block_size] += 1
-            state[i] = 1
+            waiting[i] = False
         s = step % block_size
         wrapped = sum(residues[block_size - s:]) if s else 0
         growing_blocks = (sum_a + num_growing * step - sum_r - num_growing * s + block_size * wrapped) // block_size
