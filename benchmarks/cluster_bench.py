@@ -15,6 +15,13 @@ A trace with Mooncake hash ids is replayed as `bench policies` does (whole sessi
 `tokens_per_hash_id` tokens of shared text), and the first policy runs a second time with
 prefix-aware placement off (`<policy>/ffd-only`), so the table shows the workers' prefix-cache
 hit rate with and without it.
+
+`workload="natural"` sends the natural workload of `bench policies` instead: held-out pool
+prompts as their chat messages, each run greedy to the model's own stop (nothing forced), at
+the trace's arrival times or all at t=0, with the service's real predictor. Every policy must
+give the same answer to every request (compared by a digest of the streamed text), and
+`s3+probe` / `s3_peak+probe` run the policy with the workers' hidden-state probe on
+(`length_probe`), as the service would with `--length-probe`.
 """
 
 import math
@@ -25,21 +32,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.cluster_plan import load_plan
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_results, write_plan
+from benchmarks.natural_workload import compare_outputs
+from benchmarks.policy_summary import PROBE_SUFFIX, PROBED
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
-from benchmarks.traces import ReplayRequest, build_requests, load_prompt_texts, read_trace, select_sessions
+from workers.length_probe import check_probe_folder
 from workers.policies import SERVING_POLICY_NAMES
 
 POLICIES = SERVING_POLICY_NAMES
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 # 256 blocks of 16 tokens of SmolLM2-135M (720 KiB each): 4 worst-case 1024-token sequences, as in bench policies.
 DEFAULT_KV_CACHE_BYTES = 188_743_680
-STATS_SETTLE_S = 1.5
+STATS_SETTLE_S = 1.5  # the controller polls worker stats every 0.5 s; let the last poll land
 TABLE_KEYS = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s",
               "worker_balance_min_max", "migrations", "requeues", "preemptions", "overruns", "overhead_p50_ms",
-              "overhead_p99_ms", "prefix_hit_rate")
-FFD_ONLY_SUFFIX = "/ffd-only"  # the same policy with prefix-aware placement off  # the controller polls worker stats every 0.5 s; let the last poll land
+              "overhead_p99_ms", "prefix_hit_rate", "probe_reads")
+FFD_ONLY_SUFFIX = "/ffd-only"  # the same policy with prefix-aware placement off
+WORKLOADS = ("trace", "natural")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +80,8 @@ class ClusterBenchConfig:
         urgent_share: share of requests sent as priority 0 (urgent), the rest as priority 5 (batch),
             spread evenly over the replay; 0 sends every request at the default priority 0. Latency is
             then also reported per class.
+        workload: "trace" (forced trace lengths) or "natural" (see the module docstring).
+        probe: the hidden-state probe the "+probe" policies run with ("default": the shipped one, or a folder).
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -89,14 +102,29 @@ class ClusterBenchConfig:
     quantile: float = 0.9
     tokens_per_hash_id: int = 16
     urgent_share: float = 0.0
+    workload: str = "trace"
+    probe: str = "default"
+
+    @property
+    def is_natural(self) -> bool:
+        return self.workload == "natural"
 
     def check(self) -> None:
         """ValueError/FileNotFoundError showing the bad value, before anything starts."""
-        unknown = [p for p in self.policies if p not in POLICIES]
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"--workload {self.workload!r}: choose one of {', '.join(WORKLOADS)}")
+        probed = [f"{name}{PROBE_SUFFIX}" for name in PROBED]
+        unknown = [p for p in self.policies if p not in (*POLICIES, *(probed if self.is_natural else ()))]
         if unknown or not self.policies:
-            raise ValueError(f"--policy {list(self.policies)}: choose one or more of {', '.join(POLICIES)}")
+            extra = f", {', '.join(probed)}" if self.is_natural else f" ({', '.join(probed)} with --workload natural)"
+            raise ValueError(f"--policy {list(self.policies)}: choose one or more of {', '.join(POLICIES)}{extra}")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policy {list(self.policies)} names a policy twice")
+        if any(p.endswith(PROBE_SUFFIX) for p in self.policies) and self.probe != "default":
+            check_probe_folder(Path(self.probe).expanduser(), self.probe)
+        if self.is_natural and self.predictor.startswith("noisy-oracle:"):
+            raise ValueError("--workload natural serves a real predictor (--predictor default or a directory): the "
+                             "noisy oracle needs forced lengths")
         for name, path in (("--trace", self.trace_path), ("--prompts", self.prompts_path)):
             if not Path(path).is_file():
                 raise FileNotFoundError(f"{name} {path} does not exist")
@@ -126,41 +154,10 @@ def quick_config(**overrides) -> ClusterBenchConfig:
     return ClusterBenchConfig(**{"num_requests": 32, "max_prompt_tokens": 128, "time_scale": 0.0, **overrides})
 
 
-BATCH_PRIORITY = 5  # the class of the requests not sent as urgent (priority 0) when urgent_share > 0
-
-
-def priority_of(index: int, urgent_share: float) -> int:
-    """0 (urgent) for an evenly spread `urgent_share` of request indices, else BATCH_PRIORITY; 0 for all at share 0."""
-    if urgent_share <= 0.0:
-        return 0
-    return 0 if int((index + 1) * urgent_share) > int(index * urgent_share) else BATCH_PRIORITY
-
-
-def build_load_requests(requests: list[ReplayRequest], tokenizer, max_len: int,
-                        urgent_share: float = 0.0) -> tuple[list[LoadRequest], int]:
-    """Prompt text and limits per replayed request, and how many prompts changed length through text.
-
-    The router tokenizes the text it receives; decoding a cut of tokens and encoding
-    it again can merge or split a few, so the sent prompt's length is counted again
-    and the output length clipped to what the context leaves.
-    """
-    out = []
-    num_retokenized = 0
-    for index, request in enumerate(requests):
-        text = tokenizer.decode(list(request.prompt_token_ids))
-        num_prompt = len(tokenizer.encode(text, add_special_tokens=False))
-        if not text or num_prompt < 1 or num_prompt >= max_len:
-            raise ValueError(f"{request.request_id}: its prompt does not survive decoding ({num_prompt} tokens)")
-        num_retokenized += num_prompt != len(request.prompt_token_ids)
-        max_tokens = max_len - num_prompt
-        out.append(LoadRequest(request.request_id, request.arrival_s, text, num_prompt, max_tokens,
-                               min(request.output_tokens, max_tokens), priority_of(index, urgent_share)))
-    return out, num_retokenized
-
-
 def summarize_results(results: list[RequestResult], plan: list[LoadRequest]) -> dict:
     """Client-side numbers of one policy's run: throughput over first send to last finish, percentiles."""
     forced = {r.request_id: r.forced_output_tokens for r in plan}
+    by_id = {r.request_id: r for r in plan}
     ok = [r for r in results if r.is_ok]
     wall_s = (max(r.finished_s for r in results) - min(r.sent_s for r in results)) if results else 0.0
     output_tokens = sum(r.num_completion_tokens or 0 for r in ok)
@@ -171,8 +168,11 @@ def summarize_results(results: list[RequestResult], plan: list[LoadRequest]) -> 
     return {
         "completed": len(ok),
         "failed": len(results) - len(ok),
-        "all_outputs_exact_length": len(ok) == len(plan)
+        # None when nothing was forced (the natural workload): the model stopped on its own
+        "all_outputs_exact_length": None if None in forced.values() else len(ok) == len(plan)
         and all(r.num_completion_tokens == forced[r.request_id] for r in ok),
+        "hit_length_limit": sum((r.num_completion_tokens or 0) >= by_id[r.request_id].max_tokens for r in ok),
+        "prompt_tokens_differ": sum(r.num_prompt_tokens != by_id[r.request_id].num_prompt_tokens for r in ok),
         "output_tokens": output_tokens,
         "wall_s": wall_s,
         "tokens_per_s": output_tokens / wall_s if wall_s else None,
@@ -222,8 +222,8 @@ def summarize_cluster(generated_tokens_by_worker: dict[str, int], counters: dict
 def ratios_of(summaries: dict[str, dict]) -> dict[str, float | None]:
     """s3 (and s3_peak) tokens/s over each baseline that ran."""
     ratios = {}
-    for ours in ("s3", "s3_peak"):
-        for other in ("max_reserve", "paged_greedy"):
+    for ours in ("s3", "s3_peak", *(f"{name}{PROBE_SUFFIX}" for name in PROBED)):
+        for other in ("max_reserve", "paged_greedy", "sglang_ratio"):
             if ours in summaries and other in summaries:
                 mine, theirs = summaries[ours]["tokens_per_s"], summaries[other]["tokens_per_s"]
                 ratios[f"{ours}_vs_{other}_tokens_per_s"] = mine / theirs if mine is not None and theirs else None
@@ -267,7 +267,11 @@ def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, mo
                     data_dir: str, artifact: str | None = None, prefix_aware_placement: bool = True):
     from cluster.config import ServiceConfig
 
+    probe = None
+    if policy.endswith(PROBE_SUFFIX):
+        policy, probe = policy.removesuffix(PROBE_SUFFIX), config.probe
     return ServiceConfig(
+        length_probe=probe,
         predictor_artifact=artifact, quantile=config.quantile,
         port=_free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
         num_workers=config.num_workers, policy=policy, kv_cache_bytes=config.kv_cache_bytes,
@@ -288,7 +292,7 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
     from s3serve_cli.serve import start_service, stop_service
 
-    label = policy if prefix_aware_placement else f"{policy}-ffd-only"
+    label = (policy if prefix_aware_placement else f"{policy}-ffd-only").replace(PROBE_SUFFIX, "-probe")
     data_dir = work_dir / f"data-{label}"
     service_config = _service_config(config, policy, model_name, model_cache_dir, str(data_dir), artifact,
                                      prefix_aware_placement)
@@ -300,7 +304,9 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     running = start_service(service_config, config.ready_timeout_s, progress=lambda _msg: None)
     try:
         plan_path, results_path = work_dir / f"plan-{label}.json", work_dir / f"results-{label}.json"
-        write_plan(plan_path, LoadPlan(running.base_url, service_config.model_id, config.concurrency, tuple(plan)))
+        endpoint = "chat" if config.is_natural else "completions"  # natural prompts go as their chat messages
+        write_plan(plan_path, LoadPlan(running.base_url, service_config.model_id, config.concurrency, tuple(plan),
+                                       endpoint))
         load = subprocess.run([sys.executable, "-m", "benchmarks.http_load", "--plan", str(plan_path),
                                "--out", str(results_path), "--desc", f"{policy} requests"])
         if load.returncode != 0:
@@ -313,6 +319,8 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     summary.update(summarize_cluster({s.worker_id: s.num_generated_tokens for s in status.stats}, status.counters,
                                      (sum(s.num_prompt_tokens for s in status.stats),
                                       sum(s.num_prefix_hit_tokens for s in status.stats))))
+    summary["probe_reads"] = sum(s.num_probe_reads for s in status.stats)
+    summary["output_digests"] = {r.request_id: r.output_digest for r in read_results(results_path) if r.is_ok}
     return summary
 
 
@@ -322,19 +330,9 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
     from workers.models import load_tokenizer, resolve_model_dir
 
     config.check()
-    rows = read_trace(config.trace_path, config.num_requests)
-    shares_prefixes = any(row.hash_ids for row in rows)
-    if shares_prefixes:  # whole sessions, as bench policies replays them
-        rows = select_sessions(read_trace(config.trace_path), config.num_requests)
     tokenizer = load_tokenizer(resolve_model_dir(model_name, model_cache_dir))
     mode = "offline" if config.time_scale == 0 else "online"
-    requests, capping = build_requests(
-        rows, tokenizer, load_prompt_texts(config.prompts_path), max_len=config.max_len,
-        max_prompt_tokens=config.max_prompt_tokens, mode=mode, time_scale=config.time_scale or 1.0,
-        tokens_per_hash_id=config.tokens_per_hash_id if shares_prefixes else None)
-    plan, num_retokenized = build_load_requests(requests, tokenizer, config.max_len, config.urgent_share)
-    print(f"trace {config.trace_path}: {capping.describe()}; {num_retokenized} prompts changed length "
-          f"through text ({mode}, time scale {config.time_scale})")
+    plan, shares_prefixes, workload = load_plan(config, tokenizer, mode)
     summaries = {}
     with tempfile.TemporaryDirectory(prefix="s3serve-bench-") as work_dir:
         artifact = predictor_artifact(config, plan, Path(work_dir))
@@ -350,9 +348,11 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
                             "prefix_hit_rate_ffd_only": summaries[first + FFD_ONLY_SUFFIX]["prefix_hit_rate"]}
         else:
             ratios_extra = {}
+    outputs = compare_outputs({name: s.pop("output_digests") for name, s in summaries.items()})
     ratios = ratios_of(summaries)
     headers = ["policy", "done", "failed", "tok/s", "req/s", "ttft_p50", "ttft_p99", "lat_p50", "lat_p99",
-               "balance", "migr", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms", "prefix_hit"]
+               "balance", "migr", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms", "prefix_hit",
+               "probe_reads"]
     table_rows = [[name, s["completed"], s["failed"], *(_cell(s[key]) for key in TABLE_KEYS)]
                   for name, s in summaries.items()]
     print(format_table(headers, table_rows))
@@ -365,8 +365,15 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
     if ratios_extra:
         print(format_table(["prefix-cache hit rate", "value"], [[k, _cell(v)] for k, v in ratios_extra.items()]))
     for name, s in summaries.items():
-        if s["failed"] or not s["all_outputs_exact_length"]:
-            print(f"{name}: {s['failed']} failed, exact lengths: {s['all_outputs_exact_length']}; {s['errors'][:3]}")
+        if s["failed"] or s["all_outputs_exact_length"] is False or s["prompt_tokens_differ"]:
+            print(f"{name}: {s['failed']} failed, exact lengths: {s['all_outputs_exact_length']}, "
+                  f"{s['prompt_tokens_differ']} prompts counted differently by the service; {s['errors'][:3]}")
+    if config.is_natural:
+        print(f"answers: {'identical under every policy' if outputs['identical'] else 'DIFFER'} (reference "
+              f"{outputs['reference']}); at the length limit: "
+              + ", ".join(f"{name} {s['hit_length_limit']}/{s['completed']}" for name, s in summaries.items()))
+        for name, ids in outputs["differing"].items():
+            print(f"  {name}: {len(ids)} answers differ from {outputs['reference']}'s (first: {ids[:3]})")
     result = {
         "benchmark": "cluster",
         "model": model_name,
@@ -379,9 +386,9 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
         "kv_cache_bytes_per_worker": config.kv_cache_bytes,
         "concurrency": config.concurrency,
         "predictor": config.predictor,
-        "capping": {"description": capping.describe(), "num_prompt_capped": capping.num_prompt_capped,
-                    "num_output_capped": capping.num_output_capped, "mean_prompt_tokens": capping.mean_prompt_tokens,
-                    "mean_output_tokens": capping.mean_output_tokens, "num_prompts_retokenized": num_retokenized},
+        "workload": config.workload,
+        ("natural" if config.is_natural else "capping"): workload,
+        "outputs": outputs,
         "policies": summaries,
         "ratios": ratios,
         "prefix_placement": ratios_extra,

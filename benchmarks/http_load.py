@@ -15,7 +15,10 @@ Plan file (JSON):
     {"base_url": "http://127.0.0.1:PORT", "model": "...", "concurrency": 64,
      "endpoint": "completions" | "chat",        (optional; chat sends the prompt as one user message)
      "requests": [{"request_id", "arrival_s", "prompt", "num_prompt_tokens",
-                   "max_tokens", "forced_output_tokens"}, ...]}
+                   "max_tokens", "forced_output_tokens", "priority", "messages"}, ...]}
+
+A request whose `forced_output_tokens` is null runs to the model's own stop (EOS or
+max_tokens); `messages`, when set, are sent as they are to the chat endpoint.
 
 Results file (JSON): {"start_unix_s": ..., "results": [RequestResult as a dict, ...]}, times
 in seconds since the load's start (a monotonic clock of this process; `start_unix_s` is
@@ -24,6 +27,7 @@ that start on the wall clock, for lining results up with events outside this pro
 
 import argparse
 import asyncio
+import hashlib
 import json
 import sys
 import time
@@ -48,8 +52,10 @@ class LoadRequest:
         prompt: the prompt text.
         num_prompt_tokens: the prompt's length in the served model's tokens.
         max_tokens: the request's limit (what max_reserve reserves).
-        forced_output_tokens: the service's benchmark extension: finish after exactly this many.
+        forced_output_tokens: the service's benchmark extension: finish after exactly this many; None lets
+            the model stop on its own (EOS or max_tokens), greedy.
         priority: the request's class (lower is more urgent).
+        messages: the chat messages to send (chat endpoint); None sends `prompt` as one user message.
     """
 
     request_id: str
@@ -57,8 +63,9 @@ class LoadRequest:
     prompt: str
     num_prompt_tokens: int
     max_tokens: int
-    forced_output_tokens: int
+    forced_output_tokens: int | None
     priority: int = 0
+    messages: tuple[dict, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +105,8 @@ class RequestResult:
         retry_after_s: a refusal's `Retry-After` header, when it had one.
         num_text_events: stream events that carried text (each carries at least one token).
         saw_done: the stream ended with `data: [DONE]`.
+        output_digest: a fingerprint of the streamed text (`text_digest`), so runs can be compared
+            answer by answer; None when the request failed.
     """
 
     request_id: str
@@ -113,6 +122,7 @@ class RequestResult:
     retry_after_s: float | None = None
     num_text_events: int = 0
     saw_done: bool = False
+    output_digest: str | None = None
 
 
 def write_plan(path: Path | str, plan: LoadPlan) -> None:
@@ -126,7 +136,8 @@ def read_plan(path: Path | str) -> LoadPlan:
     path = Path(path)
     try:
         body = json.loads(path.read_text())
-        requests = tuple(LoadRequest(**r) for r in body["requests"])
+        requests = tuple(LoadRequest(**(r | {"messages": tuple(r["messages"]) if r.get("messages") else None}))
+                         for r in body["requests"])
         plan = LoadPlan(str(body["base_url"]), str(body["model"]), int(body["concurrency"]), requests,
                         str(body.get("endpoint", "completions")))
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as error:
@@ -148,19 +159,25 @@ def read_start_unix_s(path: Path | str) -> float | None:
 
 
 def request_body(plan: LoadPlan, request: LoadRequest) -> dict:
-    """The request body: streamed with usage, greedy, length fixed by the forced-length extension."""
-    body = {"model": plan.model, "max_tokens": request.max_tokens,
-            "forced_output_tokens": request.forced_output_tokens, "ignore_eos": True, "temperature": 0.0,
+    """The request body: streamed with usage, greedy; the length fixed by the forced-length extension when set."""
+    body = {"model": plan.model, "max_tokens": request.max_tokens, "temperature": 0.0,
             "priority": request.priority, "stream": True, "stream_options": {"include_usage": True}}
+    if request.forced_output_tokens is not None:
+        body |= {"forced_output_tokens": request.forced_output_tokens, "ignore_eos": True}
     if plan.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+        body["messages"] = list(request.messages or ({"role": "user", "content": request.prompt},))
     else:
         body["prompt"] = request.prompt
     return body
 
 
-def _has_text(chunk: dict) -> bool:
-    return any(c.get("text") or (c.get("delta") or {}).get("content") for c in chunk.get("choices") or ())
+def _chunk_text(chunk: dict) -> str:
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or ())
+
+
+def text_digest(text: str) -> str:
+    """A short fingerprint of one answer's text."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, start_s: float) -> RequestResult:
@@ -173,6 +190,7 @@ async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, s
     retry_after_s = None
     num_text_events = 0
     saw_done = False
+    pieces = []
     url = f"{plan.base_url}{ENDPOINTS[plan.endpoint]}"
     try:
         async with http.stream("POST", url, json=request_body(plan, request)) as response:
@@ -195,7 +213,9 @@ async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, s
                     if "error" in chunk:
                         error = json.dumps(chunk["error"])[:MAX_ERROR_CHARS]
                         break
-                    if _has_text(chunk):
+                    text = _chunk_text(chunk)
+                    if text:
+                        pieces.append(text)
                         num_text_events += 1
                         if first_token_s is None:
                             first_token_s = time.monotonic() - start_s
@@ -210,7 +230,8 @@ async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, s
         first_token_s=first_token_s, finished_s=time.monotonic() - start_s,
         num_completion_tokens=usage.get("completion_tokens") if usage else None,
         num_prompt_tokens=usage.get("prompt_tokens") if usage else None, overhead_ms=overhead_ms,
-        retry_after_s=retry_after_s, num_text_events=num_text_events, saw_done=saw_done)
+        retry_after_s=retry_after_s, num_text_events=num_text_events, saw_done=saw_done,
+        output_digest=text_digest("".join(pieces)) if error is None else None)
 
 
 async def drive(plan: LoadPlan, progress: tqdm | None = None, start_s: float | None = None) -> list[RequestResult]:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.http_load import LoadRequest
 from benchmarks.prompt_pool import DEFAULT_PROMPTS, PromptRecord, encode_chat, read_prompts
 from benchmarks.traces import ReplayRequest, read_trace
 from predictor_service.server import SHIPPED_LABEL_FILES
@@ -102,21 +103,39 @@ def true_lengths(labels_path: Path, prompts: list[tuple[PromptRecord, list[int]]
     return lengths
 
 
+def arrival_times(num_requests: int, mode: str, time_scale: float, trace_path: Path) -> list[float]:
+    """Seconds after the start: the trace's first rows' arrivals times `time_scale` (online), or all 0 (offline)."""
+    if mode != "online":
+        return [0.0] * num_requests
+    rows = read_trace(trace_path, num_requests)
+    if len(rows) < num_requests:
+        raise ValueError(f"{trace_path} has {len(rows)} rows; the workload needs {num_requests} arrival times")
+    return [row.arrival_s * time_scale for row in rows]
+
+
 def natural_requests(prompts: list[tuple[PromptRecord, list[int]]], lengths: dict[str, int], mode: str,
                      time_scale: float, trace_path: Path) -> list[ReplayRequest]:
     """One request per prompt; arrivals from the trace's first rows (online) or 0 (offline).
 
     `output_tokens` is the labelled true length: the oracle reads it, and runs are checked against it;
     nothing forces it."""
-    arrivals = [0.0] * len(prompts)
-    if mode == "online":
-        rows = read_trace(trace_path, len(prompts))
-        if len(rows) < len(prompts):
-            raise ValueError(f"{trace_path} has {len(rows)} rows; the workload needs {len(prompts)} arrival times")
-        arrivals = [row.arrival_s * time_scale for row in rows]
+    arrivals = arrival_times(len(prompts), mode, time_scale, trace_path)
     return [ReplayRequest(record.prompt_id, arrival_s, tuple(ids), lengths[record.prompt_id], len(ids),
                           lengths[record.prompt_id])
             for (record, ids), arrival_s in zip(prompts, arrivals)]
+
+
+def natural_load_requests(tokenizer, num_requests: int, max_len: int, max_prompt_tokens: int, mode: str,
+                          time_scale: float, trace_path: Path, prompts_path: Path = DEFAULT_PROMPTS,
+                          seed: int = 0) -> tuple[list[LoadRequest], HeldOutSplit]:
+    """The natural workload as HTTP requests (`bench cluster --workload natural`): held-out prompts sent as their
+    chat messages, `max_tokens` what the context leaves, nothing forced (the model stops on its own)."""
+    prompts, split = choose_held_out(tokenizer, num_requests, max_prompt_tokens, seed, prompts_path)
+    arrivals = arrival_times(len(prompts), mode, time_scale, trace_path)
+    requests = [LoadRequest(record.prompt_id, arrival_s, record.text, len(ids), max_len - len(ids), None,
+                            messages=record.messages)
+                for (record, ids), arrival_s in zip(prompts, arrivals)]
+    return requests, split
 
 
 def output_digest(token_ids) -> str:

@@ -16,8 +16,8 @@ from tqdm import tqdm
 from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload, compare_outputs
 from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.policy_plots import plot_runs
-from benchmarks.policy_replay import PROBE_SUFFIX, PolicyRun, run_policy
-from benchmarks.policy_summary import CACHE_COMPARED, policy_ratios, summarize
+from benchmarks.policy_replay import PolicyRun, run_policy
+from benchmarks.policy_summary import CACHE_COMPARED, PROBE_SUFFIX, PROBED, policy_ratios, summarize
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
 from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, build_requests, load_prompt_texts, read_trace, select_sessions
@@ -31,7 +31,6 @@ from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_mo
 from workers.policies import POLICY_NAMES, PreemptionCostModel
 
 POLICIES = POLICY_NAMES
-PROBED = ("s3", "s3_peak")  # run again with the hidden-state probe when one is given
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 
 

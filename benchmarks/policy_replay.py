@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from benchmarks.natural_workload import output_digest
-from benchmarks.policy_summary import NO_CACHE_SUFFIX
+from benchmarks.policy_summary import NO_CACHE_SUFFIX, PROBE_SUFFIX
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.length_probe import LengthProbe
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from benchmarks.policy_bench import PolicyBenchConfig
 
 MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
-PROBE_SUFFIX = "+probe"  # a length-aware policy whose bounds the worker-side probe refines
 
 
 @dataclass(slots=True)

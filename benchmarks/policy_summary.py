@@ -4,6 +4,8 @@ from benchmarks.report import percentile
 
 NO_CACHE_SUFFIX = "/no-cache"  # a run with the prefix cache off, e.g. "paged_greedy/no-cache"
 CACHE_COMPARED = ("paged_greedy", "s3", "s3_peak")  # run with the cache off too when the trace shares prefixes
+PROBE_SUFFIX = "+probe"  # a length-aware policy whose bounds the worker-side probe refines
+PROBED = ("s3", "s3_peak")  # run again with the hidden-state probe when one is given
 # policies that use the predictor (the oracle is an instrument, never "best"); "+probe": bounds refined in the worker
 LENGTH_AWARE = ("s3", "s3_peak", "s3+probe", "s3_peak+probe")
 BASELINES = ("max_reserve", "paged_greedy", "sglang_ratio")

@@ -64,8 +64,8 @@ class ServiceConfig(BaseModel):
     length_probe: str | None = Field(
         None, description="workers re-bound each request's output length from the model's own hidden states after "
                           "prefill and every 64 decoded tokens: 'default' (the shipped probe, SmolLM2-135M) or a "
-                          "folder from `s3serve probe train`; off by default (the controller still plans by the "
-                          "router's first bound)")
+                          "folder from `s3serve probe train`; off by default (through the service it has not yet "
+                          "paid: see `bench cluster --workload natural`)")
     predictor_mode: str = Field(
         "router", description="where length predictions run: 'router' (in each router replica, no extra hop: the "
                               "shipped LightGBM takes ~0.3 ms) or 'deployment' (a separate batched Serve deployment, "

@@ -89,7 +89,9 @@ def _bench_cluster(args: argparse.Namespace) -> int:
 
     base = cluster_bench.quick_config() if args.quick else cluster_bench.ClusterBenchConfig()
     overrides = {"trace_path": args.trace, "prompts_path": args.prompts, "max_len": args.max_len,
-                 "concurrency": args.concurrency}
+                 "concurrency": args.concurrency, "workload": args.workload, "probe": args.probe}
+    if args.workload == "natural" and args.predictor is None:
+        overrides["predictor"] = "default"  # the forced lengths a noisy oracle reads do not exist here
     for field, value in (("num_workers", args.workers), ("num_requests", args.num_requests),
                          ("time_scale", args.time_scale), ("kv_cache_bytes", args.kv_cache_bytes),
                          ("max_prompt_tokens", args.max_prompt_tokens), ("predictor", args.predictor),
@@ -255,19 +257,31 @@ def add_bench_parser(commands) -> None:
                     "output length forced to the trace's, max_tokens = max-len minus the prompt) and stops it. "
                     "Reports completed/failed requests, tokens/s, req/s, TTFT and latency p50/p99 (client side), "
                     "per-worker balance (min/max generated tokens), migrations, requeues, preemptions, overruns, "
-                    "router+predictor+placement overhead p50/p99 and s3's throughput ratios.",
+                    "router+predictor+placement overhead p50/p99 and s3's throughput ratios. With --workload natural "
+                    "the model stops on its own instead, and the table adds whether every policy gave the same "
+                    "answers.",
     )
     add_model_args(cluster)
     cluster.add_argument("--workers", type=int, default=None, help="worker actors per service (default 2)")
     cluster.add_argument("--policy", nargs="+", default=None, metavar="POLICY",
-                         help="policies to run, in order: s3 s3_peak max_reserve paged_greedy "
-                              "(default: s3 max_reserve)")
+                         help="policies to run, in order: s3 s3_peak sglang_ratio max_reserve paged_greedy, and "
+                              "with --workload natural also s3+probe s3_peak+probe (the workers' hidden-state "
+                              "probe on, see --probe) (default: s3 max_reserve)")
+    cluster.add_argument("--workload", choices=("trace", "natural"), default="trace",
+                         help="trace: replay --trace with its output lengths forced; natural: held-out pool prompts "
+                              "as chat messages, greedy to the model's own stop, arrivals from --trace (or t=0), "
+                              "answers compared across policies, --predictor default unless set "
+                              "(default: %(default)s)")
+    cluster.add_argument("--probe", default="default", metavar="DIR",
+                         help="the hidden-state probe of the +probe policies: 'default' (the shipped one, "
+                              "SmolLM2-135M) or a folder from `s3serve probe train` (default: %(default)s)")
     cluster.add_argument("--trace", type=Path, default=Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv"),
                          help="Azure CSV or Mooncake JSONL trace (default: %(default)s)")
     cluster.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
                          help="prompt texts the replayed prompts are cut from (default: %(default)s)")
     cluster.add_argument("--num-requests", type=int, default=None,
-                         help="first N trace rows (default 64; 32 with --quick)")
+                         help="first N trace rows, or N prompts with --workload natural (default 64; 32 with "
+                              "--quick)")
     cluster.add_argument("--time-scale", type=float, default=None,
                          help="multiply the trace's arrival times by this (<1 compresses); 0 sends every request "
                               "at t=0 (offline) (default 1; 0 with --quick)")
@@ -282,7 +296,8 @@ def add_bench_parser(commands) -> None:
     cluster.add_argument("--predictor", default=None, metavar="SPEC",
                          help="noisy-oracle:SIGMA (default noisy-oracle:0.3: the trace's true lengths with seeded "
                               "log-normal error, served as a lookup artifact, since replayed prompt text says "
-                              "nothing about forced lengths), 'default' (the shipped predictor), or an artifact dir")
+                              "nothing about forced lengths; 'default' with --workload natural), 'default' (the "
+                              "shipped predictor), or an artifact dir")
     cluster.add_argument("--urgent-share", type=float, default=None, metavar="SHARE",
                          help="send this share of the requests as priority 0 and the rest as priority 5, and report "
                               "TTFT and latency per class (default 0: every request at priority 0)")

@@ -16,8 +16,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from benchmarks import cluster_bench, http_load
-from benchmarks.cluster_bench import (ClusterBenchConfig, build_load_requests, ratios_of, summarize_cluster,
-                                      summarize_results)
+from benchmarks.cluster_bench import ClusterBenchConfig, ratios_of, summarize_cluster, summarize_results
+from benchmarks.cluster_plan import build_load_requests
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_plan, write_plan
 from benchmarks.report import percentile
 from benchmarks.traces import build_requests, load_prompt_texts, read_trace
@@ -72,6 +72,14 @@ def test_summarize_results_checks_every_forced_length():
     assert empty["tokens_per_s"] is None and empty["ttft_p50_s"] is None
 
 
+def test_natural_runs_report_answers_at_the_limit_and_prompts_the_service_counted_differently():
+    plan = [LoadRequest("a", 0.0, "t", 5, 100, None), LoadRequest("b", 0.0, "t", 6, 40, None)]
+    summary = summarize_results([make_result("a", tokens=17), make_result("b", tokens=40)], plan)
+    assert summary["all_outputs_exact_length"] is None  # nothing was forced
+    assert summary["hit_length_limit"] == 1  # b stopped at its max_tokens
+    assert summary["prompt_tokens_differ"] == 1  # the service counted 5 prompt tokens for b, the plan 6
+
+
 def test_summarize_cluster_balance_and_counters():
     summary = summarize_cluster({"w1": 300, "w2": 100}, {"migrations": 2, "overruns": 5, "worker_ids": 2})
     assert summary["worker_balance_min_max"] == pytest.approx(1 / 3)
@@ -87,6 +95,8 @@ def test_ratios_compare_s3_with_each_baseline_that_ran():
                  "paged_greedy": {"tokens_per_s": None}}
     assert ratios_of(summaries) == {"s3_vs_max_reserve_tokens_per_s": 3.0, "s3_vs_paged_greedy_tokens_per_s": None}
     assert ratios_of({"max_reserve": {"tokens_per_s": 10.0}}) == {}
+    probed = ratios_of({"s3_peak+probe": {"tokens_per_s": 12.0}, "sglang_ratio": {"tokens_per_s": 10.0}})
+    assert probed == {"s3_peak+probe_vs_sglang_ratio_tokens_per_s": 1.2}
 
 
 def test_load_requests_are_real_text_whose_length_the_router_will_count(shared_data, smollm2_tokenizer):
@@ -105,7 +115,8 @@ def test_load_requests_are_real_text_whose_length_the_router_will_count(shared_d
 
 
 def test_plan_file_round_trips_and_a_bad_one_is_a_clear_error(tmp_path):
-    plan = LoadPlan("http://127.0.0.1:1", "m", 3, tuple(make_plan({"a": 4, "b": 6})))
+    natural = LoadRequest("c", 0.5, "Hi", 3, 60, None, messages=({"role": "user", "content": "Hi"},))
+    plan = LoadPlan("http://127.0.0.1:1", "m", 3, (*make_plan({"a": 4, "b": 6}), natural), endpoint="chat")
     write_plan(tmp_path / "plan.json", plan)
     assert read_plan(tmp_path / "plan.json") == plan
     (tmp_path / "bad.json").write_text('{"base_url": "x"}')
@@ -119,6 +130,11 @@ def test_plan_file_round_trips_and_a_bad_one_is_a_clear_error(tmp_path):
     ({"num_requests": 0}, "--num-requests"),
     ({"time_scale": -1.0}, "--time-scale"),
     ({"max_len": 128, "max_prompt_tokens": 128}, "--max-prompt-tokens"),
+    ({"policies": ("s3_peak+probe",)}, r"s3_peak\+probe with --workload natural"),
+    ({"workload": "natural", "policies": ("paged_greedy",)}, "noisy oracle needs forced lengths"),
+    ({"workload": "natural", "predictor": "default", "policies": ("s3+probe",), "probe": "/nonexistent"},
+     "not a probe folder"),
+    ({"workload": "replay"}, "--workload 'replay'"),
 ])
 def test_config_check_names_the_bad_option(overrides, message, shared_data):
     config = ClusterBenchConfig(trace_path=shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv",
@@ -190,6 +206,19 @@ def test_drive_sends_at_arrival_times_streams_and_records_failures(sse_server):
     body = next(s["body"] for s in seen if s["body"]["prompt"] == "hello")
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert (body["max_tokens"], body["forced_output_tokens"], body["ignore_eos"]) == (50, 4, True)
+    # the streamed text "one two" is fingerprinted; "b" streamed the same text, so the same digest
+    assert by_id["a"].output_digest == http_load.text_digest("one two") == by_id["b"].output_digest
+    assert by_id["c"].output_digest is None
+
+
+def test_a_natural_request_is_not_forced_and_chat_messages_go_as_they_are():
+    plan = LoadPlan("http://x", "m", 1, (), endpoint="chat")
+    messages = ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+    body = http_load.request_body(plan, LoadRequest("a", 0.0, "Be brief.\n\nHi", 9, 50, None, messages=messages))
+    assert "forced_output_tokens" not in body and "ignore_eos" not in body and body["temperature"] == 0.0
+    assert body["messages"] == list(messages) and body["max_tokens"] == 50
+    plain = http_load.request_body(plan, LoadRequest("b", 0.0, "Hi", 1, 50, 7))
+    assert plain["messages"] == [{"role": "user", "content": "Hi"}] and plain["forced_output_tokens"] == 7
 
 
 def test_load_generator_runs_as_its_own_process(sse_server, tmp_path):
@@ -228,6 +257,27 @@ def test_bench_runs_the_service_and_every_request_gets_its_forced_length(shared_
     assert result["policies"]["s3"]["completed"] == 4
 
 
+@pytest.mark.slow
+def test_natural_bench_runs_to_the_models_own_stop_with_the_probe_on_and_answers_agree(shared_data, model_cache_dir,
+                                                                                        tmp_path):
+    config = ClusterBenchConfig(
+        trace_path=shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv",
+        prompts_path=shared_data / "prompts" / "pool.jsonl", policies=("paged_greedy", "s3_peak+probe"),
+        num_workers=2, num_requests=4, time_scale=0.0, max_len=160, max_prompt_tokens=64, concurrency=4,
+        workload="natural", predictor="default")
+    result = cluster_bench.run(config, model_cache_dir=model_cache_dir, json_path=tmp_path / "natural.json")
+    written = json.loads(Path(tmp_path / "natural.json").read_text())
+    assert written["workload"] == "natural" and len(written["natural"]["split"]["chosen_prompt_ids"]) == 4
+    paged, probed = written["policies"]["paged_greedy"], written["policies"]["s3_peak+probe"]
+    for summary in (paged, probed):
+        assert (summary["completed"], summary["failed"], summary["prompt_tokens_differ"]) == (4, 0, 0)
+        assert summary["all_outputs_exact_length"] is None
+    # greedy and unforced: the same answers under both policies, and only the probed service read hidden states
+    assert written["outputs"]["identical"] is True and paged["output_tokens"] == probed["output_tokens"]
+    assert paged["probe_reads"] == 0 and probed["probe_reads"] >= 4  # every prompt's prefill at least
+    assert "s3_peak+probe_vs_paged_greedy_tokens_per_s" in result["ratios"]
+
+
 def test_noisy_oracle_predictions_are_served_from_a_lookup_artifact(tmp_path):
     from benchmarks.cluster_bench import ClusterBenchConfig, predictor_artifact
     from benchmarks.http_load import LoadRequest
@@ -258,7 +308,7 @@ def test_bad_predictor_spec_is_a_clear_error():
 
 
 def test_urgent_share_spreads_priority_0_evenly_and_latency_is_reported_per_class():
-    from benchmarks.cluster_bench import BATCH_PRIORITY, priority_of
+    from benchmarks.cluster_plan import BATCH_PRIORITY, priority_of
 
     classes = [priority_of(i, 0.25) for i in range(20)]
     assert classes.count(0) == 5 and classes.count(BATCH_PRIORITY) == 15

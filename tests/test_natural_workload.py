@@ -11,6 +11,7 @@ from benchmarks.natural_workload import (
     build_natural_workload,
     choose_held_out,
     compare_outputs,
+    natural_load_requests,
     output_digest,
     true_lengths,
 )
@@ -76,6 +77,25 @@ def test_online_arrivals_follow_the_trace_and_offline_ones_are_zero(smollm2_toke
     assert arrivals == sorted(arrivals) and arrivals[-1] > 0 and all(r.arrival_s == 0 for r in offline.requests)
     assert [r.output_tokens for r in online.requests] == [5, 6, 7, 8]
     assert online.describe()["mean_output_tokens"] == 6.5 and online.texts[chosen[0][0].prompt_id]
+
+
+def test_as_http_requests_the_prompts_go_as_their_chat_messages_and_nothing_is_forced(smollm2_tokenizer,
+                                                                                        shared_data):
+    from workers.models import chat_token_ids
+
+    pool, trace = shared_data / "prompts" / "pool.jsonl", shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"
+    requests, split = natural_load_requests(smollm2_tokenizer, 3, 256, 96, "online", 0.5, trace, pool)
+    chosen, _ = choose_held_out(smollm2_tokenizer, 3, 96, prompts_path=pool)
+    assert [r.request_id for r in requests] == [record.prompt_id for record, _ in chosen] == list(split.chosen_ids)
+    for request, (record, ids) in zip(requests, chosen):
+        assert request.forced_output_tokens is None and request.messages == record.messages
+        # the router renders the same messages to the same tokens the labels were made from
+        assert request.num_prompt_tokens == len(ids) == len(chat_token_ids(smollm2_tokenizer, list(request.messages)))
+        assert request.max_tokens == 256 - len(ids)
+    arrivals = [r.arrival_s for r in requests]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+    offline, _ = natural_load_requests(smollm2_tokenizer, 3, 256, 96, "offline", 0.5, trace, pool)
+    assert [r.arrival_s for r in offline] == [0.0, 0.0, 0.0]
 
 
 def test_compare_outputs_names_the_requests_whose_tokens_differ():

@@ -58,4 +58,5 @@ def snapshot(engine: Engine, worker_id: str, counters: LoopCounters) -> WorkerSt
         num_prompt_tokens=scheduler.stats.num_prompt_tokens_admitted,
         num_prefix_hit_tokens=scheduler.stats.num_prefix_hit_tokens,
         rebounded=rebounded,
+        num_probe_reads=engine.num_probe_reads,
     )
