@@ -47,8 +47,8 @@ DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 DEFAULT_KV_CACHE_BYTES = 188_743_680
 STATS_SETTLE_S = 1.5  # the controller polls worker stats every 0.5 s; let the last poll land
 TABLE_KEYS = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s",
-              "worker_balance_min_max", "migrations", "requeues", "preemptions", "overruns", "overhead_p50_ms",
-              "overhead_p99_ms", "prefix_hit_rate", "probe_reads")
+              "worker_balance_min_max", "migrations", "rebalances", "requeues", "preemptions", "overruns",
+              "overhead_p50_ms", "overhead_p99_ms", "prefix_hit_rate", "probe_reads")
 FFD_ONLY_SUFFIX = "/ffd-only"  # the same policy with prefix-aware placement off
 WORKLOADS = ("trace", "natural")
 
@@ -82,6 +82,7 @@ class ClusterBenchConfig:
             then also reported per class.
         workload: "trace" (forced trace lengths) or "natural" (see the module docstring).
         probe: the hidden-state probe the "+probe" policies run with ("default": the shipped one, or a folder).
+        rebalance_min_gap: the services' `rebalance_min_gap` (0: no load rebalancing between workers).
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -104,6 +105,7 @@ class ClusterBenchConfig:
     urgent_share: float = 0.0
     workload: str = "trace"
     probe: str = "default"
+    rebalance_min_gap: int = 2
 
     @property
     def is_natural(self) -> bool:
@@ -215,7 +217,8 @@ def summarize_cluster(generated_tokens_by_worker: dict[str, int], counters: dict
         "prefix_hit_rate": num_hit / num_prompt if num_prompt else None,
         "generated_tokens_by_worker": dict(generated_tokens_by_worker),
         "worker_balance_min_max": min(tokens) / max(tokens) if tokens and max(tokens) else None,
-        **{name: int(counters.get(name, 0)) for name in ("migrations", "requeues", "preemptions", "overruns")},
+        **{name: int(counters.get(name, 0))
+           for name in ("migrations", "rebalances", "requeues", "preemptions", "overruns")},
     }
 
 
@@ -278,6 +281,7 @@ def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, mo
         max_model_len=config.max_len, max_num_seqs=config.max_num_seqs,
         default_max_tokens=min(256, config.max_len - 1), data_dir=data_dir, num_cpus=config.num_cpus,
         num_torch_threads=config.num_torch_threads, prefix_aware_placement=prefix_aware_placement,
+        rebalance_min_gap=config.rebalance_min_gap,
         # The bench measures throughput under a backlog: nothing may be refused or time out waiting for room.
         max_concurrent_requests=max(256, config.concurrency), max_pending_placements=max(128, config.concurrency),
         placement_timeout_s=24 * 3600.0)
@@ -351,7 +355,7 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
     outputs = compare_outputs({name: s.pop("output_digests") for name, s in summaries.items()})
     ratios = ratios_of(summaries)
     headers = ["policy", "done", "failed", "tok/s", "req/s", "ttft_p50", "ttft_p99", "lat_p50", "lat_p99",
-               "balance", "migr", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms", "prefix_hit",
+               "balance", "migr", "rebal", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms", "prefix_hit",
                "probe_reads"]
     table_rows = [[name, s["completed"], s["failed"], *(_cell(s[key]) for key in TABLE_KEYS)]
                   for name, s in summaries.items()]
@@ -385,6 +389,7 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
         "max_len": config.max_len,
         "kv_cache_bytes_per_worker": config.kv_cache_bytes,
         "concurrency": config.concurrency,
+        "rebalance_min_gap": config.rebalance_min_gap,
         "predictor": config.predictor,
         "workload": config.workload,
         ("natural" if config.is_natural else "capping"): workload,

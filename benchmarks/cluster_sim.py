@@ -12,7 +12,8 @@ Simplifications (`SIMPLIFICATIONS`, printed with every report): the controller s
 its latest finished step (the service: as of its latest stats poll, every `tick_s`); a request
 reaches its worker the moment it is placed (no RPC latency); a moved request carries its KV
 (charged as a swap-in at `StepModel.swap_s`); no prefix caching (the Azure traces carry no
-prefix ids); no worker failures.
+prefix ids); no worker failures; no load rebalancing between workers (`ControlPlane._rebalance`: a
+running sequence would have to leave its worker between two of its steps).
 """
 
 import heapq
@@ -31,7 +32,8 @@ from workers.sequence import Sequence
 STEADY_FRACTION = 0.9  # the steady rate counts until this share of the requests has finished
 MAX_IDLE_TICKS = 1000  # ticks in a row with nothing running before the run is declared stalled
 SIMPLIFICATIONS = ("the controller sees each worker's reservations as of its latest step; no RPC latency; a moved "
-                   "request carries its KV (charged as a host copy); no prefix caching; no failures")
+                   "request carries its KV (charged as a host copy); no prefix caching; no failures; no load "
+                   "rebalancing")
 
 
 class ClusterSimulation:

@@ -64,6 +64,7 @@ class SimulatedWorkerBackend(WorkerBackend):
         self.start_delay_s = start_delay_s
         self.workers: dict[str, SimulatedWorker] = {}
         self.moves: list[tuple[str, str, str, bool]] = []  # (request, from, to, with_kv)
+        self.location: dict[str, str] = {}  # request id -> the worker holding it (a move relocates it)
 
     def actor_name(self, worker_id: str) -> str:
         return f"simulated-{worker_id}"
@@ -100,7 +101,15 @@ class SimulatedWorkerBackend(WorkerBackend):
                 handle.overruns.remove(report)
                 self.moves.append((request_id, handle.worker_id, target_worker_id, with_kv))
                 return True
-        return handle.held.pop(request_id, None) is not None
+        blocks = handle.held.pop(request_id, None)
+        target = self.workers.get(target_worker_id)
+        if blocks is None or target is None:
+            return False
+        # a live request goes on generating where it went (the real router resumes it there)
+        target.held[request_id] = blocks
+        self.location[request_id] = target_worker_id
+        self.moves.append((request_id, handle.worker_id, target_worker_id, with_kv))
+        return True
 
     # -- what the simulated router calls ------------------------------------------------
 
@@ -110,12 +119,15 @@ class SimulatedWorkerBackend(WorkerBackend):
         if not worker.is_alive:
             raise ConnectionError(f"simulated worker {worker_id} is dead")
         worker.held[request_id] = num_blocks
+        self.location[request_id] = worker_id
         try:
             if self.step_s:
                 await asyncio.sleep(self.step_s * num_output_tokens)
+            worker = self.workers[self.location[request_id]]
             worker.num_generated_tokens += num_output_tokens
             worker.num_steps += num_output_tokens
         finally:
+            worker = self.workers[self.location.pop(request_id, worker_id)]
             worker.held.pop(request_id, None)
             worker.rebounded.pop(request_id, None)
 

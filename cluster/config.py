@@ -102,6 +102,10 @@ class ServiceConfig(BaseModel):
     stats_interval_s: float = Field(0.5, gt=0, description="how often the controller polls worker stats")
     migrate_kv_min_tokens: int = Field(
         32, ge=0, description="move a sequence's KV with it when it holds at least this many tokens, else recompute")
+    rebalance_min_gap: int = Field(
+        2, ge=0, description="move a live request (with its KV) from the worker with the most live requests to the "
+                             "one with the fewest when they differ by at least this many (2 or more: a gap of 1 "
+                             "would only swap which is busier), one per stats round; 0 turns rebalancing off")
     scale_up_queue_depth: int = Field(4, ge=1, description="pending requests per worker before adding one")
     scale_down_idle_s: float = Field(60.0, gt=0, description="idle time before removing a worker")
 
@@ -118,6 +122,9 @@ class ServiceConfig(BaseModel):
     def _check(self) -> "ServiceConfig":
         if self.policy not in SERVING_POLICY_NAMES:
             raise ValueError(f"policy must be one of {', '.join(SERVING_POLICY_NAMES)}, got {self.policy!r}")
+        if self.rebalance_min_gap == 1:
+            raise ValueError("rebalance_min_gap must be 0 (off) or at least 2: a gap of 1 would only swap which "
+                             "worker is busier")
         if self.predictor_mode not in ("router", "deployment"):
             raise ValueError(f"predictor_mode must be router or deployment, got {self.predictor_mode!r}")
         check_device(self.device)

@@ -95,7 +95,7 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     for field, value in (("num_workers", args.workers), ("num_requests", args.num_requests),
                          ("time_scale", args.time_scale), ("kv_cache_bytes", args.kv_cache_bytes),
                          ("max_prompt_tokens", args.max_prompt_tokens), ("predictor", args.predictor),
-                         ("urgent_share", args.urgent_share)):
+                         ("urgent_share", args.urgent_share), ("rebalance_min_gap", args.rebalance_min_gap)):
         if value is not None:
             overrides[field] = value
     if args.policy is not None:
@@ -301,6 +301,9 @@ def add_bench_parser(commands) -> None:
     cluster.add_argument("--urgent-share", type=float, default=None, metavar="SHARE",
                          help="send this share of the requests as priority 0 and the rest as priority 5, and report "
                               "TTFT and latency per class (default 0: every request at priority 0)")
+    cluster.add_argument("--rebalance-min-gap", type=int, default=None, metavar="N",
+                         help="the services' rebalance_min_gap: move a live request from the busiest worker to the "
+                              "idlest when their live requests differ by N (default 2; 0 turns it off)")
     cluster.add_argument("--concurrency", type=int, default=64,
                          help="most requests the client keeps in flight (default: %(default)s)")
     cluster.add_argument("--quick", action="store_true",

@@ -163,6 +163,54 @@ def test_an_overrun_moves_with_its_raised_bound_and_may_move_again(run):
     run(check)
 
 
+async def hold_placed(plane, sim, request_ids) -> dict[str, list[str]]:
+    """Place 1-block requests (prompt 8 + bound 8 tokens) and have their workers hold them; worker -> ids."""
+    by_worker: dict[str, list[str]] = {"w1": [], "w2": []}
+    for request_id in request_ids:
+        placement = await plane.place(request_id, 8, 200, 8)
+        sim.workers[placement.worker_id].held[request_id] = placement.num_reserved_blocks
+        by_worker[placement.worker_id].append(request_id)
+    await plane.tick()  # fresh stats
+    return by_worker
+
+
+def test_a_live_request_moves_from_the_busiest_worker_to_the_idlest_until_they_are_even(run):
+    async def check(plane, sim):
+        by_worker = await hold_placed(plane, sim, [f"r{i}" for i in range(8)])
+        assert {w: len(ids) for w, ids in by_worker.items()} == {"w1": 4, "w2": 4} and not sim.moves
+        for request_id in by_worker["w2"][1:]:  # three of w2's answers were short: 4 live on w1, 1 on w2
+            sim.workers["w2"].held.pop(request_id)
+            await plane.finish(request_id, outcome())
+        await plane.tick()
+        newest = by_worker["w1"][-1]
+        assert sim.moves == [(newest, "w1", "w2", True)]  # with its KV
+        assert plane.ledger.get(newest).worker_id == "w2" and plane.ledger.reserved_by_worker() == {"w1": 3, "w2": 2}
+        assert plane.counters["rebalances"] == 1 and plane.counters["migrations"] == 1
+        await plane.tick()  # 3 against 2: settled, nothing more moves
+        await plane.tick()
+        assert len(sim.moves) == 1
+        # w1 drains; w2 now holds its own request and the moved one (newest): the moved one stays
+        for request_id in by_worker["w1"][:-1]:
+            sim.workers["w1"].held.pop(request_id)
+            await plane.finish(request_id, outcome())
+        await plane.tick()
+        await plane.tick()
+        assert sim.moves[1:] == [(by_worker["w2"][0], "w2", "w1", True)]
+    run(check)
+
+
+def test_rebalancing_off_moves_nothing(run):
+    async def check(plane, sim):
+        by_worker = await hold_placed(plane, sim, [f"r{i}" for i in range(8)])
+        for request_id in by_worker["w2"]:
+            sim.workers["w2"].held.pop(request_id)
+            await plane.finish(request_id, outcome())
+        await plane.tick()
+        await plane.tick()
+        assert not sim.moves and "rebalances" not in plane.counters
+    run(check, rebalance_min_gap=0)
+
+
 def test_reconcile_drops_entries_no_router_or_worker_will_release(run, monkeypatch):
     monkeypatch.setattr(plane_module, "RECONCILE_GRACE_S", 0.0)
     monkeypatch.setattr(plane_module, "RECONCILE_INTERVAL_S", 0.0)

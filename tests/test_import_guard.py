@@ -29,6 +29,7 @@ PURE_MODULES = [
     "cluster.control.scaling",
     "cluster.control.messages",
     "cluster.control.rebound",
+    "cluster.control.rebalance",
     "predictor_service.label_stats",
 ]
 # Processes that never run a model: Ray and Redis are fine there, torch is not.

@@ -113,6 +113,35 @@ def test_overrun_moves_to_the_worker_with_room_and_output_is_unchanged(cluster, 
     assert under.output_token_ids == alone.output_token_ids  # the KV moved intact
 
 
+def test_a_drained_worker_takes_a_live_request_from_the_busy_one_and_output_is_unchanged(
+        cluster, model_cache_dir, smollm2_tokenizer):
+    # paged_greedy plans only the prompt: every request is placed at once, alternating w1 and w2 (roomiest first).
+    num_blocks = 48  # per worker: room for both long answers at once
+    controller = get_or_create_controller(_config(model_cache_dir, num_workers=2, policy="paged_greedy",
+                                                  kv_cache_bytes=num_blocks * BYTES_PER_BLOCK, max_model_len=512),
+                                          cluster)
+    _wait_ready(controller, 2)
+    prompt = _prompt(smollm2_tokenizer, "Write a long story about a lighthouse keeper.")
+    long_tokens = 300  # seconds of decoding: the move comes within a few stats rounds
+    assert 2 * (len(prompt) + long_tokens) <= num_blocks * BLOCK_SIZE, "both long answers must fit one worker"
+
+    async def scenario():
+        jobs = []
+        for index, num_output_tokens in enumerate((long_tokens, 16, long_tokens, 16)):  # w1, w2, w1, w2
+            jobs.append(asyncio.ensure_future(_run(controller, _job(f"r{index}", prompt, num_output_tokens, 8))))
+            await asyncio.sleep(0.05)  # placed in this order, before the short ones end
+        return await asyncio.gather(*jobs)
+
+    results = asyncio.run(scenario())
+    status = ray.get(controller.status.remote())
+    # w2's short answers end at once; w1 still decodes two long ones, so its newest moves to w2 with its KV
+    assert [len(r.output_token_ids) for r in results] == [long_tokens, 16, long_tokens, 16]
+    assert [r.num_moves for r in results] == [0, 0, 1, 0], status
+    assert status.counters.get("rebalances", 0) == 1 and status.counters.get("overruns", 0) == 0
+    alone = asyncio.run(_run(controller, _job("alone", prompt, long_tokens, 8)))
+    assert alone.num_moves == 0 and results[2].output_token_ids == alone.output_token_ids  # the KV moved intact
+
+
 def test_queue_grows_the_pool_and_idleness_shrinks_it(cluster, model_cache_dir, smollm2_tokenizer):
     config = _config(model_cache_dir, num_workers=1, min_workers=1, max_workers=2, scale_up_queue_depth=1,
                      scale_down_idle_s=2.0)

@@ -27,6 +27,8 @@ def test_yaml_then_flags(tmp_path):
     ({"port": 0}, "port"),
     ({"typo_field": 1}, "typo_field"),
     ({"length_probe": "/nonexistent/probe"}, "not a probe folder"),
+    ({"rebalance_min_gap": 1}, "rebalance_min_gap must be 0 .off. or at least 2"),
+    ({"rebalance_min_gap": -1}, "rebalance_min_gap"),
 ])
 def test_bad_settings_name_the_field(fields, match):
     with pytest.raises(ValidationError, match=match):

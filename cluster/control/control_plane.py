@@ -11,6 +11,7 @@ data between them, the ledger, the worker pool and Redis, and never blocks its l
     run(): every stats_interval_s
         poll stats --no answer--> requeue its requests (the routers re-place them), replace it
                    --overrun----> plan its next bound, migration_target --> source.move_out(target)
+                   --imbalance--> choose_rebalance: busiest worker's newest request --> source.move_out(idlest)
                    --rebounded--> re-plan reservations by the bounds the workers' probes refined
                    --load-------> ScalingPolicy --> start or retire workers
         every 10 s: reconcile ledger entries no router or worker will release
@@ -30,6 +31,7 @@ from cluster.control.messages import (ClusterStatus, Placement, PlacementTimeout
                                       RequestRecord)
 from cluster.control.placement import (PendingRequest, RoomIndex, blocks_for, first_fit_decreasing,
                                        migration_target, prefix_affinity)
+from cluster.control.rebalance import WorkerLoad, choose_rebalance
 from cluster.control.rebound import rebounded_records
 from cluster.control.scaling import ScalingPolicy
 from cluster.control.store import ControllerStore
@@ -73,6 +75,7 @@ class ControlPlane:
         self.resync = StoreResync(store, self.ledger, self.pool)
         self.waiting: dict[str, _Waiting] = {}
         self.moving: dict[str, str] = {}  # request id -> target worker, until the target holds it
+        self._rebalanced: set[str] = set()  # requests moved by rebalancing: they stay where they went
         self.counters: dict[str, int] = {}
         self._placed_s: dict[str, float] = {}  # request id -> when this controller placed it
         self._prefix_sets: dict[str, tuple[WorkerStats, frozenset[int]]] = {}  # reported hashes, as sets
@@ -228,6 +231,7 @@ class ControlPlane:
         if waiting is not None and not waiting.future.done():
             waiting.future.cancel()
         self.moving.pop(request_id, None)
+        self._rebalanced.discard(request_id)
         self._placed_s.pop(request_id, None)
         reason = outcome.finish_reason if outcome is not None else "cancelled"
         stream = None
@@ -272,6 +276,7 @@ class ControlPlane:
         self._settle_moves()
         await asyncio.sleep(0)
         await self._move_overruns()
+        await self._rebalance()
         await self._follow_rebounds()
         if time.monotonic() - self._last_reconcile_s >= RECONCILE_INTERVAL_S:
             await self._reconcile()
@@ -326,26 +331,53 @@ class ControlPlane:
                 num_blocks = blocks_for(tokens, block_size)
                 target = migration_target(num_blocks, self.pool.budgets(self.ledger.reserved_blocks),
                                           exclude_worker_id=worker_id)
-                handle = self.pool.handle(worker_id)
-                if target is None or handle is None:
+                if target is None:
                     continue
                 with_kv = report.num_prompt_tokens + report.num_output_tokens >= self.config.migrate_kv_min_tokens
-                # Reserve on the target (with the bound it now carries) before the router resumes there.
-                await self.ledger.put(replace(record, worker_id=target, num_reserved_blocks=num_blocks,
-                                              predicted_output_tokens=bound or 0,
-                                              num_attempts=record.num_attempts + 1))
-                self.moving[report.request_id] = target
-                try:
-                    moved = await self.pool.backend.move_out(handle, report.request_id, target, with_kv)
-                except Exception:  # noqa: BLE001 - a dying source: the request stays where it is
-                    moved = False
-                if moved:
-                    await self._incr("migrations")
-                    logger.info("moving %s from %s to %s (%s)", report.request_id, worker_id, target,
-                                "with KV" if with_kv else "recompute")
-                else:
-                    await self.ledger.put(record)
-                    self.moving.pop(report.request_id, None)
+                await self._move(replace(record, num_reserved_blocks=num_blocks, predicted_output_tokens=bound or 0),
+                                 record, target, with_kv)
+
+    async def _rebalance(self) -> None:
+        """Move one live request from the busiest worker to the idlest (`cluster.control.rebalance`); only on
+        settled stats (no move in flight), so a request is never counted on both sides."""
+        if self.config.rebalance_min_gap < 1 or self.moving:
+            return
+        free = self.rooms.free()
+        loads = [WorkerLoad(worker_id, stats.request_ids, stats.num_running, free[worker_id])
+                 for worker_id, stats in self.pool.latest.items() if worker_id in free]
+
+        def blocks_of(request_id: str) -> int | None:
+            record = self.ledger.get(request_id)
+            return record.num_reserved_blocks if record is not None and record.state == "placed" else None
+
+        move = choose_rebalance(loads, blocks_of, self.config.rebalance_min_gap, self._rebalanced)
+        record = None if move is None else self.ledger.get(move.request_id)
+        if record is None or record.worker_id != move.source:
+            return
+        if await self._move(record, record, move.target, with_kv=True):
+            self._rebalanced.add(move.request_id)
+            await self._incr("rebalances")
+
+    async def _move(self, planned: RequestRecord, record: RequestRecord, target: str, with_kv: bool) -> bool:
+        """Reserve `planned` on `target` before the router resumes the request there, then ask its worker to
+        move it out; put `record` back if the worker cannot."""
+        handle = self.pool.handle(record.worker_id)
+        if handle is None:
+            return False
+        await self.ledger.put(replace(planned, worker_id=target, num_attempts=record.num_attempts + 1))
+        self.moving[record.request_id] = target
+        try:
+            moved = await self.pool.backend.move_out(handle, record.request_id, target, with_kv)
+        except Exception:  # noqa: BLE001 - a dying source: the request stays where it is
+            moved = False
+        if moved:
+            await self._incr("migrations")
+            logger.info("moving %s from %s to %s (%s)", record.request_id, record.worker_id, target,
+                        "with KV" if with_kv else "recompute")
+        else:
+            await self.ledger.put(record)
+            self.moving.pop(record.request_id, None)
+        return moved
 
     async def _follow_rebounds(self) -> None:
         """Plan requests by the bounds their workers' length probes refined (`cluster.control.rebound`)."""

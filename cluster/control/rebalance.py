@@ -1,0 +1,83 @@
+"""Load rebalancing: move one live request from the busiest worker to the idlest.
+
+Placement binds a request to a worker when it arrives, by what the policy plans for it;
+how long it will really run is only predicted. When predictions err, or a burst happens to
+put the long answers on one worker, that worker ends up decoding many sequences while
+another sits nearly idle, and the burst takes as long as the busier worker needs. The
+controller then moves requests, with their KV, from the worker with the most live requests
+(running + waiting) to the one with the fewest, one per stats round, until their counts
+differ by less than `min_gap`: each move narrows the gap by two, so it settles and never
+swings back by itself.
+
+Which request moves: the donor's newest waiting one if it has any (it holds little or no
+computed KV, and it would wait there while the idle worker has room), else its newest
+running one (the least KV to copy). Requests already moving, already moved once by
+rebalancing, or unknown to the ledger stay; the request must fit the target's free blocks.
+
+Pure: no Ray, no Redis (`ControlPlane._rebalance` applies the answer).
+"""
+
+from collections.abc import Callable, Sequence, Set
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A ready worker as the controller sees it.
+
+    Attributes:
+        worker_id: the worker.
+        request_ids: its live requests, running first, then waiting (`WorkerStats.request_ids`).
+        num_running: how many of `request_ids` are running.
+        num_free_blocks: blocks the controller may still plan on it.
+    """
+
+    worker_id: str
+    request_ids: tuple[str, ...]
+    num_running: int
+    num_free_blocks: int
+
+    @property
+    def num_live(self) -> int:
+        return len(self.request_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Rebalance:
+    """Move `request_id` from `source` to `target`, reserving `num_blocks` there."""
+
+    request_id: str
+    source: str
+    target: str
+    num_blocks: int
+
+
+def choose_rebalance(loads: Sequence[WorkerLoad], blocks_of: Callable[[str], int | None], min_gap: int,
+                     keep: Set[str] = frozenset()) -> Rebalance | None:
+    """The one move to make now, or None.
+
+    Args:
+        loads: ready workers.
+        blocks_of: request id -> the blocks its ledger record plans (None: unknown, it stays).
+        min_gap: move only when the busiest worker has at least this many more live requests than the
+            idlest; below 1, never.
+        keep: requests that must not move (moving now, or moved by rebalancing before).
+
+    The busiest worker: most live requests (ties: lowest id); the idlest: fewest (ties: most free
+    blocks, then lowest id).
+    """
+    if min_gap < 1 or len(loads) < 2:
+        return None
+    source = min(loads, key=lambda w: (-w.num_live, w.worker_id))
+    target = min(loads, key=lambda w: (w.num_live, -w.num_free_blocks, w.worker_id))
+    if source.num_live - target.num_live < max(min_gap, 2):  # a gap of 1 would only swap which is busier
+        return None
+    waiting = source.request_ids[source.num_running:]
+    running = source.request_ids[:source.num_running]
+    for request_id in (*reversed(waiting), *reversed(running)):
+        if request_id in keep:
+            continue
+        num_blocks = blocks_of(request_id)
+        if num_blocks is not None and num_blocks <= target.num_free_blocks:
+            return Rebalance(request_id, source.worker_id, target.worker_id, num_blocks)
+    return None

@@ -1,0 +1,73 @@
+"""Which live request moves from the busiest worker to the idlest, and when (pure; no Ray or Redis)."""
+
+import random
+
+import pytest
+
+from cluster.control.rebalance import Rebalance, WorkerLoad, choose_rebalance
+
+
+def load(worker_id: str, running: list[str], waiting: list[str] = (), free: int = 100) -> WorkerLoad:
+    return WorkerLoad(worker_id, (*running, *waiting), len(running), free)
+
+
+def blocks(request_id: str) -> int:
+    return 2
+
+
+def test_the_busiest_workers_newest_waiting_request_goes_to_the_idlest():
+    loads = [load("w1", ["a", "b", "c"], ["d", "e"]), load("w2", ["f"]), load("w3", ["g", "h"])]
+    assert choose_rebalance(loads, blocks, min_gap=2) == Rebalance("e", "w1", "w2", 2)
+
+
+def test_without_waiting_requests_the_newest_running_one_moves():
+    loads = [load("w1", ["a", "b", "c", "d"]), load("w2", [])]
+    assert choose_rebalance(loads, blocks, min_gap=2) == Rebalance("d", "w1", "w2", 2)
+
+
+@pytest.mark.parametrize("busiest, idlest, min_gap, moves", [
+    (3, 1, 2, True),
+    (3, 2, 2, False),  # a gap of 1 would only swap which worker is busier
+    (3, 2, 1, False),  # ... whatever min_gap says
+    (5, 2, 4, False),
+    (6, 2, 4, True),
+    (9, 0, 0, False),  # 0 turns rebalancing off
+])
+def test_it_moves_only_when_the_gap_reaches_min_gap(busiest, idlest, min_gap, moves):
+    loads = [load("w1", [f"a{i}" for i in range(busiest)]), load("w2", [f"b{i}" for i in range(idlest)])]
+    assert (choose_rebalance(loads, blocks, min_gap) is not None) == moves
+
+
+def test_kept_unknown_and_too_large_requests_stay_and_the_next_newest_goes():
+    loads = [load("w1", ["a", "b", "c"], ["d"]), load("w2", [], free=3)]
+    sizes = {"a": 1, "b": 2, "c": 9, "d": 1}
+    unknown = {"a": 1, "b": 2, "c": 1, "d": None}
+    # d is kept (moving, or moved before), c needs 9 blocks where 3 are free: b goes
+    assert choose_rebalance(loads, sizes.get, 2, keep={"d"}) == Rebalance("b", "w1", "w2", 2)
+    # d is not in the ledger (a request the controller does not know): c goes
+    assert choose_rebalance(loads, unknown.get, 2).request_id == "c"
+    assert choose_rebalance(loads, sizes.get, 2, keep={"a", "b", "d"}) is None
+    assert choose_rebalance([load("w1", ["a", "b", "c"])], blocks, 2) is None  # one worker: nowhere to go
+
+
+def test_ties_go_to_the_lowest_id_and_the_idlest_with_the_most_room():
+    loads = [load("w2", ["a", "b", "c"]), load("w1", ["d", "e", "f"]), load("w4", [], free=5),
+             load("w3", [], free=50)]
+    assert choose_rebalance(loads, blocks, 2) == Rebalance("f", "w1", "w3", 2)
+
+
+def test_applied_one_by_one_moves_settle_within_one_of_each_other_and_never_swing_back():
+    rng = random.Random(0)
+    for _ in range(200):
+        workers = {f"w{i}": [f"r{i}-{j}" for j in range(rng.randrange(0, 12))] for i in range(rng.randrange(2, 6))}
+        moved: list[str] = []
+        for _ in range(100):
+            move = choose_rebalance([load(w, ids) for w, ids in workers.items()], blocks, 2)
+            if move is None:
+                break
+            workers[move.source].remove(move.request_id)
+            workers[move.target].append(move.request_id)
+            moved.append(move.request_id)
+        counts = [len(ids) for ids in workers.values()]
+        assert max(counts) - min(counts) <= 1
+        assert len(moved) == len(set(moved))  # no request went back and forth
