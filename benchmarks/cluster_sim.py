@@ -3,8 +3,9 @@
 Nothing here re-implements a decision. Every worker is a `benchmarks.sim_worker.SimWorker`: the
 engine's own `Scheduler` over its own `BlockAllocator` with the policy `make_policy` builds,
 stepped exactly as `Engine.step` steps it; the controller places with `placement.RoomIndex.roomiest`
-and `first_fit_decreasing` by the policy's `planned_tokens`, and moves preempted overruns with `migration_target`, as
-`ControlPlane.place` and `ControlPlane._move_overruns` do. What is modelled is only time: a
+and `first_fit_decreasing` by the policy's `planned_tokens`, moves preempted overruns with `migration_target` and
+rebalances load with `choose_rebalance`, as `ControlPlane.place`, `ControlPlane._move_overruns` and
+`ControlPlane._rebalance` do. What is modelled is only time: a
 step takes `StepModel.step_s` of its `StepShape` (plus swap copies), instead of running a
 forward pass. Outputs are forced to the trace's lengths, as in `bench policies`.
 
@@ -12,8 +13,8 @@ Simplifications (`SIMPLIFICATIONS`, printed with every report): the controller s
 its latest finished step (the service: as of its latest stats poll, every `tick_s`); a request
 reaches its worker the moment it is placed (no RPC latency); a moved request carries its KV
 (charged as a swap-in at `StepModel.swap_s`); no prefix caching (the Azure traces carry no
-prefix ids); no worker failures; no load rebalancing between workers (`ControlPlane._rebalance`: a
-running sequence would have to leave its worker between two of its steps).
+prefix ids); no worker failures. A rebalancing move is applied when the source's step in flight
+ends, as the service's worker applies it between two steps.
 """
 
 import heapq
@@ -27,13 +28,13 @@ from benchmarks.sim_worker import SimConfig, SimRequest, SimResult, SimWorker, n
 from benchmarks.step_time import StepModel
 from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, blocks_for, first_fit_decreasing,
                                        migration_target)
+from cluster.control.rebalance import Rebalance, WorkerLoad, choose_rebalance
 from workers.sequence import Sequence
 
 STEADY_FRACTION = 0.9  # the steady rate counts until this share of the requests has finished
 MAX_IDLE_TICKS = 1000  # ticks in a row with nothing running before the run is declared stalled
 SIMPLIFICATIONS = ("the controller sees each worker's reservations as of its latest step; no RPC latency; a moved "
-                   "request carries its KV (charged as a host copy); no prefix caching; no failures; no load "
-                   "rebalancing")
+                   "request carries its KV (charged as a host copy); no prefix caching; no failures")
 
 
 class ClusterSimulation:
@@ -59,6 +60,8 @@ class ClusterSimulation:
         self.reserved: dict[str, int] = dict.fromkeys(self.workers, 0)
         self.waiting: dict[str, tuple[PendingRequest, SimRequest, Sequence]] = {}
         self.backlog: deque[tuple[SimRequest, int, Sequence]] = deque()  # refused: clients retrying
+        self.pending_move: Rebalance | None = None  # chosen, applied when its source's step ends
+        self.rebalanced: set[str] = set()  # moved by rebalancing once: they stay
         self._num_live = 0  # queued events other than ticks: while none is left, only a tick can make progress
         self._events: list = []
         self._order = itertools.count()
@@ -93,8 +96,9 @@ class ClusterSimulation:
             elif kind == "kick":
                 self.workers[payload].is_woken = False
                 self._kick(self.workers[payload], now_s)
-            elif kind == "tick":  # as ControlPlane.tick: move overruns, then place what waits and now fits
+            elif kind == "tick":  # as ControlPlane.tick: move overruns, rebalance, then place what waits and fits
                 self._move_overruns(now_s)
+                self._rebalance(now_s)
                 self._place_waiting(now_s)
                 self._push(now_s + self.config.tick_s, "tick", None)
             else:  # "step": a worker's step ends now
@@ -116,6 +120,8 @@ class ClusterSimulation:
                         progress.update(1)
                 self._refresh_room(payload)
                 worker.is_busy = False
+                if self.pending_move is not None and self.pending_move.source == payload:
+                    self._apply_rebalance(now_s)
                 self._kick(worker, now_s)
         result.makespan_s = now_s - min(arrivals.values())
         for worker in self.workers.values():
@@ -225,6 +231,7 @@ class ClusterSimulation:
 
     def _release(self, request_id: str, now_s: float) -> None:
         worker_id, num_blocks = self.ledger.pop(request_id)
+        self.rebalanced.discard(request_id)
         self.reserved[worker_id] -= num_blocks
         self._refresh_room(worker_id)
         self._place_waiting(now_s)
@@ -245,8 +252,39 @@ class ClusterSimulation:
                     continue
                 self._move(seq, worker, target, num_blocks, now_s)
 
+    def _rebalance(self, now_s: float) -> None:
+        """`ControlPlane._rebalance`: one live request from the busiest worker to the idlest, once no move is
+        in flight; applied now if its source is between steps, else when its step ends."""
+        if self.config.rebalance_min_gap < 1 or self.pending_move is not None:
+            return
+        live = {w: len(worker.scheduler.running) + len(worker.scheduler.waiting) for w, worker in self.workers.items()}
+        if max(live.values()) - min(live.values()) < max(2, self.config.rebalance_min_gap):
+            return  # nothing to choose: skip building every worker's request list
+        free = self.rooms.free()
+        started_s = time.perf_counter()
+        loads = [WorkerLoad(w, tuple(s.seq_id for s in (*worker.scheduler.running, *worker.scheduler.waiting)),
+                            len(worker.scheduler.running), free.get(w, 0)) for w, worker in self.workers.items()]
+        move = choose_rebalance(loads, lambda request_id: self.ledger[request_id][1] if request_id in self.ledger
+                                else None, self.config.rebalance_min_gap, self.rebalanced)
+        self._decided(started_s)
+        if move is not None:
+            self.pending_move = move
+            if not self.workers[move.source].is_busy:
+                self._apply_rebalance(now_s)
+
+    def _apply_rebalance(self, now_s: float) -> None:
+        move, self.pending_move = self.pending_move, None
+        source = self.workers[move.source]
+        seq = next((s for s in (*source.scheduler.running, *source.scheduler.waiting) if s.seq_id == move.request_id),
+                   None)
+        if seq is None:
+            return  # it finished in the step that just ended
+        self.rebalanced.add(move.request_id)
+        self.result.num_rebalances += 1
+        self._move(seq, source, move.target, move.num_blocks, now_s)
+
     def _move(self, seq: Sequence, source: SimWorker, target_id: str, num_blocks: int, now_s: float) -> None:
-        """The source drops the waiting sequence; the target takes it with its KV (a swap-in there).
+        """The source drops the sequence (waiting, or between steps); the target takes it with its KV (a swap-in there).
 
         The target holds it at once, so the move is settled (`ControlPlane._settle_moves`) and the
         request may move again if it overruns there too."""

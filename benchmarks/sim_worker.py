@@ -76,6 +76,7 @@ class SimConfig:
         max_pending: requests the controller queues for room (the service's `max_pending_placements`);
             beyond it the router is refused (429) and the simulated client retries as soon as the
             queue has space, in arrival order.
+        rebalance_min_gap: the service's `rebalance_min_gap` (0: no load rebalancing).
     """
 
     num_workers: int
@@ -85,6 +86,7 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     tick_s: float = 0.5
     max_pending: int = 128
+    rebalance_min_gap: int = 2
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -93,6 +95,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tick_s <= 0:
             raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
+        if self.rebalance_min_gap < 0 or self.rebalance_min_gap == 1:
+            raise ValueError(f"rebalance_min_gap must be 0 (off) or at least 2, got {self.rebalance_min_gap}")
 
 
 @dataclass(slots=True)
@@ -110,6 +114,7 @@ class SimResult:
     num_placements: int = 0
     num_refused: int = 0  # arrivals the controller's full queue refused (their clients retried)
     num_migrations: int = 0
+    num_rebalances: int = 0  # of the migrations, moves by load rebalancing
     num_preemptions: int = 0
     num_mispredictions: int = 0
     placement_wall_s: float = 0.0  # this machine's time inside the placement functions

@@ -64,6 +64,7 @@ class SimulateBenchConfig:
         sigma: log-normal error of the noisy-oracle predictor (upper bound at the 90% quantile).
         gpu_memory_fraction: of device memory for weights plus KV (the KV budget is the rest).
         calibrate: run the real CPU engine first and print the simulator's error against it.
+        rebalance_min_gap: the controller's `rebalance_min_gap` (0: no load rebalancing between workers).
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -86,6 +87,7 @@ class SimulateBenchConfig:
     calibrate: bool = True
     calibration_requests: int = 24
     calibration_max_len: int = 512
+    rebalance_min_gap: int = 2
 
 
 def quick_config(**overrides) -> SimulateBenchConfig:
@@ -215,7 +217,8 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
         requests = build_sim_requests(rows, num_workers * config.requests_per_worker, config.max_len,
                                       config.max_prompt_tokens, config.sigma, config.seed)
         sim_config = SimConfig(num_workers, num_blocks, config.block_size, config.max_num_seqs,
-                               config.max_num_batched_tokens, max_pending=config.max_pending)
+                               config.max_num_batched_tokens, max_pending=config.max_pending,
+                               rebalance_min_gap=config.rebalance_min_gap)
         for policy in config.policies:
             with tqdm(total=len(requests), desc=f"{num_workers} workers, {policy}", unit="req",
                       mininterval=2.0) as progress:
@@ -228,7 +231,8 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
                 "steady_tokens_per_s": result.steady_tokens_per_s, "steady_s": result.steady_s,
                 "makespan_s": result.makespan_s, "latency_p50_s": percentile(result.latency_s, 0.5),
                 "latency_p99_s": percentile(result.latency_s, 0.99), "ttft_p99_s": percentile(result.ttft_s, 0.99),
-                "migrations": result.num_migrations, "preemptions": result.num_preemptions,
+                "migrations": result.num_migrations, "rebalances": result.num_rebalances,
+                "preemptions": result.num_preemptions,
                 "mispredictions": result.num_mispredictions, "refused_then_retried": result.num_refused,
                 "placements_per_s": result.num_placements / result.makespan_s,
                 "placement_decision_us": 1e6 * result.placement_wall_s / max(1, result.num_placement_decisions),
@@ -237,10 +241,10 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
     ratios = _ratios(runs, config, "tokens_per_s")
     ratios["steady"] = _ratios(runs, config, "steady_tokens_per_s")
     headers = ["workers", "policy", "tok/s", "tok/s/worker", "steady_tok/s", "lat_p50_s", "lat_p99_s", "migrations",
-               "preempt", "place/s", "us/decision", "sim_wall_s"]
+               "rebal", "preempt", "place/s", "us/decision", "sim_wall_s"]
     print(format_table(headers, [[r["num_workers"], r["policy"], r["tokens_per_s"], r["tokens_per_s_per_worker"],
                                   r["steady_tokens_per_s"], r["latency_p50_s"], r["latency_p99_s"],
-                                  r["migrations"], r["preemptions"], r["placements_per_s"],
+                                  r["migrations"], r["rebalances"], r["preemptions"], r["placements_per_s"],
                                   r["placement_decision_us"], r["simulation_wall_s"]] for r in runs]))
     print(format_table(["ratio", "whole run (tok/s)", "steady (steady_tok/s)"],
                        [[k, v, ratios["steady"].get(k, "n/a")] for k, v in ratios.items()

@@ -105,7 +105,8 @@ class ServiceConfig(BaseModel):
     rebalance_min_gap: int = Field(
         2, ge=0, description="move a live request (with its KV) from the worker with the most live requests to the "
                              "one with the fewest when they differ by at least this many (2 or more: a gap of 1 "
-                             "would only swap which is busier), one per stats round; 0 turns rebalancing off")
+                             "would only swap which is busier) and the idlest holds at most half the busiest's, "
+                             "one per stats round; 0 turns rebalancing off")
     scale_up_queue_depth: int = Field(4, ge=1, description="pending requests per worker before adding one")
     scale_down_idle_s: float = Field(60.0, gt=0, description="idle time before removing a worker")
 

@@ -16,7 +16,7 @@ def _bench_simulate(args: argparse.Namespace) -> int:
     overrides = {"trace_path": args.trace, "answers_path": args.answers, "kind": args.kind,
                  "model_shape": args.model_shape, "calibrate": not args.no_calibration}
     for name in ("worker_counts", "requests_per_worker", "max_len", "max_prompt_tokens", "sigma", "policies",
-                 "calibration_requests"):
+                 "calibration_requests", "rebalance_min_gap"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = tuple(value) if isinstance(value, list) else value
@@ -71,6 +71,9 @@ def add_simulate_parser(benches) -> None:
                                "--quick)")
     simulate.add_argument("--no-calibration", action="store_true",
                           help="skip the real-engine comparison on this CPU (not allowed with --kind cpu)")
+    simulate.add_argument("--rebalance-min-gap", type=int, default=None, metavar="N",
+                          help="the controller's rebalance_min_gap: move a live request from the busiest worker to "
+                               "the idlest when their live requests differ by N (default 2; 0 turns it off)")
     simulate.add_argument("--quick", action="store_true", help="fewer workers and requests (a few minutes)")
     simulate.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     simulate.add_argument("--plot", type=Path, default=None, metavar="PNG",

@@ -99,6 +99,26 @@ def test_under_predicted_overruns_move_to_a_worker_with_room():
     assert result.outputs_exact and len(result.latency_s) == 24
 
 
+def test_a_drained_worker_takes_a_live_request_from_the_busy_one_between_its_steps():
+    # paged_greedy plans only the prompt: all four are placed at once, alternating w0, w1, w0, w1; w1's answers
+    # are short, so w0 would decode both long ones alone. A step costs 10 ms + 10 ms per sequence.
+    per_seq = LinearStepModel(0.01, 0.01, 0.0, 0.0, kv_bytes_per_token=1000)
+    requests = [SimRequest(f"r{i}", 0.0, 20, n, MAX_LEN - 20, 8) for i, n in enumerate((150, 5, 150, 5))]
+    simulation, balanced = _simulate("paged_greedy", requests, model=per_seq, tick_s=0.05)
+    _, alone = _simulate("paged_greedy", requests, model=per_seq, tick_s=0.05, rebalance_min_gap=0)
+    assert (balanced.num_rebalances, balanced.num_migrations) == (1, 1) and alone.num_migrations == 0
+    assert balanced.outputs_exact and alone.outputs_exact
+    assert balanced.output_tokens == alone.output_tokens == 310
+    # the moved long answer decodes beside the other instead of behind it in the same batch
+    assert balanced.makespan_s < 0.8 * alone.makespan_s
+    assert not simulation.rebalanced and simulation.pending_move is None  # nothing left behind
+
+
+def test_rebalance_min_gap_1_is_refused():
+    with pytest.raises(ValueError, match="rebalance_min_gap must be 0 .off. or at least 2"):
+        SimConfig(2, 64, rebalance_min_gap=1)
+
+
 def test_a_full_controller_queue_refuses_and_the_clients_retry():
     requests = _requests(80)
     _, result = _simulate("max_reserve", requests, num_workers=2, max_pending=4)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from cluster.control.rebalance import Rebalance, WorkerLoad, choose_rebalance
+from cluster.control.rebalance import MAX_TARGET_SHARE, Rebalance, WorkerLoad, choose_rebalance
 
 
 def load(worker_id: str, running: list[str], waiting: list[str] = (), free: int = 100) -> WorkerLoad:
@@ -32,6 +32,8 @@ def test_without_waiting_requests_the_newest_running_one_moves():
     (5, 2, 4, False),
     (6, 2, 4, True),
     (9, 0, 0, False),  # 0 turns rebalancing off
+    (12, 7, 2, False),  # both busy: the idlest holds more than half the busiest's count
+    (12, 6, 2, True),
 ])
 def test_it_moves_only_when_the_gap_reaches_min_gap(busiest, idlest, min_gap, moves):
     loads = [load("w1", [f"a{i}" for i in range(busiest)]), load("w2", [f"b{i}" for i in range(idlest)])]
@@ -56,7 +58,7 @@ def test_ties_go_to_the_lowest_id_and_the_idlest_with_the_most_room():
     assert choose_rebalance(loads, blocks, 2) == Rebalance("f", "w1", "w3", 2)
 
 
-def test_applied_one_by_one_moves_settle_within_one_of_each_other_and_never_swing_back():
+def test_applied_one_by_one_moves_settle_and_never_swing_back():
     rng = random.Random(0)
     for _ in range(200):
         workers = {f"w{i}": [f"r{i}-{j}" for j in range(rng.randrange(0, 12))] for i in range(rng.randrange(2, 6))}
@@ -68,6 +70,6 @@ def test_applied_one_by_one_moves_settle_within_one_of_each_other_and_never_swin
             workers[move.source].remove(move.request_id)
             workers[move.target].append(move.request_id)
             moved.append(move.request_id)
-        counts = [len(ids) for ids in workers.values()]
-        assert max(counts) - min(counts) <= 1
+        busiest, idlest = max(len(ids) for ids in workers.values()), min(len(ids) for ids in workers.values())
+        assert busiest - idlest <= 1 or idlest > MAX_TARGET_SHARE * busiest
         assert len(moved) == len(set(moved))  # no request went back and forth

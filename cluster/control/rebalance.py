@@ -5,9 +5,11 @@ how long it will really run is only predicted. When predictions err, or a burst 
 put the long answers on one worker, that worker ends up decoding many sequences while
 another sits nearly idle, and the burst takes as long as the busier worker needs. The
 controller then moves requests, with their KV, from the worker with the most live requests
-(running + waiting) to the one with the fewest, one per stats round, until their counts
-differ by less than `min_gap`: each move narrows the gap by two, so it settles and never
-swings back by itself.
+(running + waiting) to the one with the fewest, one per stats round, while the idlest holds
+at most `MAX_TARGET_SHARE` of the busiest's count and they differ by at least `min_gap`.
+Each move narrows the gap by two, so it settles and never swings back by itself; the share
+keeps a busy cluster, whose workers' counts always differ a little, from moving requests
+between workers that are all busy (each move costs a KV copy and can crowd the target).
 
 Which request moves: the donor's newest waiting one if it has any (it holds little or no
 computed KV, and it would wait there while the idle worker has room), else its newest
@@ -19,6 +21,8 @@ Pure: no Ray, no Redis (`ControlPlane._rebalance` applies the answer).
 
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
+
+MAX_TARGET_SHARE = 0.5  # move only to a worker holding at most this share of the busiest's live requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +64,7 @@ def choose_rebalance(loads: Sequence[WorkerLoad], blocks_of: Callable[[str], int
         loads: ready workers.
         blocks_of: request id -> the blocks its ledger record plans (None: unknown, it stays).
         min_gap: move only when the busiest worker has at least this many more live requests than the
-            idlest; below 1, never.
+            idlest (and the idlest at most `MAX_TARGET_SHARE` of the busiest's); below 1, never.
         keep: requests that must not move (moving now, or moved by rebalancing before).
 
     The busiest worker: most live requests (ties: lowest id); the idlest: fewest (ties: most free
@@ -71,6 +75,8 @@ def choose_rebalance(loads: Sequence[WorkerLoad], blocks_of: Callable[[str], int
     source = min(loads, key=lambda w: (-w.num_live, w.worker_id))
     target = min(loads, key=lambda w: (w.num_live, -w.num_free_blocks, w.worker_id))
     if source.num_live - target.num_live < max(min_gap, 2):  # a gap of 1 would only swap which is busier
+        return None
+    if target.num_live > MAX_TARGET_SHARE * source.num_live:  # both busy: not worth a KV copy
         return None
     waiting = source.request_ids[source.num_running:]
     running = source.request_ids[:source.num_running]
