@@ -124,6 +124,8 @@ class ClusterBenchConfig:
             raise ValueError(f"--policy {list(self.policies)} names a policy twice")
         if any(p.endswith(PROBE_SUFFIX) for p in self.policies) and self.probe != "default":
             check_probe_folder(Path(self.probe).expanduser(), self.probe)
+        if self.rebalance_min_gap < 0 or self.rebalance_min_gap == 1:
+            raise ValueError(f"--rebalance-min-gap must be 0 (off) or at least 2, got {self.rebalance_min_gap}")
         if self.is_natural and self.predictor.startswith("noisy-oracle:"):
             raise ValueError("--workload natural serves a real predictor (--predictor default or a directory): the "
                              "noisy oracle needs forced lengths")
@@ -352,7 +354,10 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
                             "prefix_hit_rate_ffd_only": summaries[first + FFD_ONLY_SUFFIX]["prefix_hit_rate"]}
         else:
             ratios_extra = {}
-    outputs = compare_outputs({name: s.pop("output_digests") for name, s in summaries.items()})
+    digests = {name: s.pop("output_digests") for name, s in summaries.items()}
+    answered = set.intersection(*(set(d) for d in digests.values())) if digests else set()
+    # a failed request is in the table's failed column, not counted as a differing answer
+    outputs = compare_outputs({name: {rid: d[rid] for rid in answered} for name, d in digests.items()})
     ratios = ratios_of(summaries)
     headers = ["policy", "done", "failed", "tok/s", "req/s", "ttft_p50", "ttft_p99", "lat_p50", "lat_p99",
                "balance", "migr", "rebal", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms", "prefix_hit",

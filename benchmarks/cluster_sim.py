@@ -277,8 +277,8 @@ class ClusterSimulation:
         source = self.workers[move.source]
         seq = next((s for s in (*source.scheduler.running, *source.scheduler.waiting) if s.seq_id == move.request_id),
                    None)
-        if seq is None:
-            return  # it finished in the step that just ended
+        if seq is None or move.num_blocks > self.rooms.free().get(move.target, 0):
+            return  # it finished in the step that just ended, or the target filled up meanwhile
         self.rebalanced.add(move.request_id)
         self.result.num_rebalances += 1
         self._move(seq, source, move.target, move.num_blocks, now_s)

@@ -194,6 +194,8 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
         raise ValueError(f"unknown workload {config.workload!r}; choose from {', '.join(WORKLOADS)}")
     if any(n < 1 for n in config.worker_counts):
         raise ValueError(f"worker counts must be >= 1, got {config.worker_counts}")
+    if config.rebalance_min_gap < 0 or config.rebalance_min_gap == 1:
+        raise ValueError(f"--rebalance-min-gap must be 0 (off) or at least 2, got {config.rebalance_min_gap}")
     if config.kind != CPU_KIND:
         gpu_kind(config.kind)
         shape_cost(config.model_shape)  # fail on a bad name before the calibration run

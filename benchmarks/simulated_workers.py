@@ -101,10 +101,10 @@ class SimulatedWorkerBackend(WorkerBackend):
                 handle.overruns.remove(report)
                 self.moves.append((request_id, handle.worker_id, target_worker_id, with_kv))
                 return True
-        blocks = handle.held.pop(request_id, None)
         target = self.workers.get(target_worker_id)
-        if blocks is None or target is None:
+        if target is None or request_id not in handle.held:
             return False
+        blocks = handle.held.pop(request_id)
         # a live request goes on generating where it went (the real router resumes it there)
         target.held[request_id] = blocks
         self.location[request_id] = target_worker_id

@@ -303,7 +303,8 @@ def add_bench_parser(commands) -> None:
                               "TTFT and latency per class (default 0: every request at priority 0)")
     cluster.add_argument("--rebalance-min-gap", type=int, default=None, metavar="N",
                          help="the services' rebalance_min_gap: move a live request from the busiest worker to the "
-                              "idlest when their live requests differ by N (default 2; 0 turns it off)")
+                              "idlest when their live requests differ by at least N and the idlest holds at most "
+                              "half the busiest's (default 2; 0 turns it off)")
     cluster.add_argument("--concurrency", type=int, default=64,
                          help="most requests the client keeps in flight (default: %(default)s)")
     cluster.add_argument("--quick", action="store_true",

@@ -73,7 +73,8 @@ def add_simulate_parser(benches) -> None:
                           help="skip the real-engine comparison on this CPU (not allowed with --kind cpu)")
     simulate.add_argument("--rebalance-min-gap", type=int, default=None, metavar="N",
                           help="the controller's rebalance_min_gap: move a live request from the busiest worker to "
-                               "the idlest when their live requests differ by N (default 2; 0 turns it off)")
+                               "the idlest when their live requests differ by at least N and the idlest holds at "
+                               "most half the busiest's (default 2; 0 turns it off)")
     simulate.add_argument("--quick", action="store_true", help="fewer workers and requests (a few minutes)")
     simulate.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     simulate.add_argument("--plot", type=Path, default=None, metavar="PNG",

@@ -135,6 +135,7 @@ def test_plan_file_round_trips_and_a_bad_one_is_a_clear_error(tmp_path):
     ({"workload": "natural", "predictor": "default", "policies": ("s3+probe",), "probe": "/nonexistent"},
      "not a probe folder"),
     ({"workload": "replay"}, "--workload 'replay'"),
+    ({"rebalance_min_gap": 1}, "--rebalance-min-gap must be 0 .off. or at least 2"),
 ])
 def test_config_check_names_the_bad_option(overrides, message, shared_data):
     config = ClusterBenchConfig(trace_path=shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv",

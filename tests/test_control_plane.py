@@ -174,14 +174,20 @@ async def hold_placed(plane, sim, request_ids) -> dict[str, list[str]]:
     return by_worker
 
 
+async def imbalanced(plane, sim) -> dict[str, list[str]]:
+    """Four 1-block requests on each worker, then three of w2's answers end: 4 live on w1, 1 on w2; one tick."""
+    by_worker = await hold_placed(plane, sim, [f"r{i}" for i in range(8)])
+    for request_id in by_worker["w2"][1:]:
+        sim.workers["w2"].held.pop(request_id)
+        await plane.finish(request_id, outcome())
+    await plane.tick()
+    return by_worker
+
+
 def test_a_live_request_moves_from_the_busiest_worker_to_the_idlest_until_they_are_even(run):
     async def check(plane, sim):
-        by_worker = await hold_placed(plane, sim, [f"r{i}" for i in range(8)])
-        assert {w: len(ids) for w, ids in by_worker.items()} == {"w1": 4, "w2": 4} and not sim.moves
-        for request_id in by_worker["w2"][1:]:  # three of w2's answers were short: 4 live on w1, 1 on w2
-            sim.workers["w2"].held.pop(request_id)
-            await plane.finish(request_id, outcome())
-        await plane.tick()
+        by_worker = await imbalanced(plane, sim)
+        assert {w: len(ids) for w, ids in by_worker.items()} == {"w1": 4, "w2": 4}  # as placed
         newest = by_worker["w1"][-1]
         assert sim.moves == [(newest, "w1", "w2", True)]  # with its KV
         assert plane.ledger.get(newest).worker_id == "w2" and plane.ledger.reserved_by_worker() == {"w1": 3, "w2": 2}
@@ -197,6 +203,43 @@ def test_a_live_request_moves_from_the_busiest_worker_to_the_idlest_until_they_a
         await plane.tick()
         assert sim.moves[1:] == [(by_worker["w2"][0], "w2", "w1", True)]
     run(check)
+
+
+class RefusingBackend(SimulatedWorkerBackend):
+    """Workers that refuse every move (the request ended meanwhile, or the source is dying)."""
+
+    async def move_out(self, handle, request_id, target_worker_id, with_kv):
+        return False
+
+
+class LosingBackend(SimulatedWorkerBackend):
+    """Workers that end a moved request whose router never resumes it anywhere."""
+
+    async def move_out(self, handle, request_id, target_worker_id, with_kv):
+        return handle.held.pop(request_id, None) is not None
+
+
+def test_a_refused_move_leaves_the_request_where_it_was(run):
+    async def check(plane, sim):
+        by_worker = await imbalanced(plane, sim)
+        newest = by_worker["w1"][-1]
+        assert plane.ledger.get(newest).worker_id == "w1" and plane.ledger.reserved_by_worker() == {"w1": 4, "w2": 1}
+        assert not plane.moving and "rebalances" not in plane.counters and "migrations" not in plane.counters
+    run(check, backend=RefusingBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE))
+
+
+def test_a_move_whose_target_never_gets_the_request_is_given_up(run, monkeypatch):
+    monkeypatch.setattr(plane_module, "RECONCILE_GRACE_S", 0.0)
+
+    async def check(plane, sim):
+        by_worker = await imbalanced(plane, sim)
+        lost = by_worker["w1"][-1]
+        assert list(plane.moving) == [lost]  # its router died before resuming it on w2
+        await asyncio.sleep(0.01)
+        await plane.tick()
+        # given up, and rebalancing goes on: w1 (3 live) still has twice w2's, so its next newest moves
+        assert list(plane.moving) == [by_worker["w1"][-2]] and sim.moves == []
+    run(check, backend=LosingBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE))
 
 
 def test_rebalancing_off_moves_nothing(run):

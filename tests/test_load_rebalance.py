@@ -27,6 +27,7 @@ def test_without_waiting_requests_the_newest_running_one_moves():
 
 @pytest.mark.parametrize("busiest, idlest, min_gap, moves", [
     (3, 1, 2, True),
+    (1, 0, 1, False),  # the idlest holds nothing, but a gap of 1 would only swap which is busier
     (3, 2, 2, False),  # a gap of 1 would only swap which worker is busier
     (3, 2, 1, False),  # ... whatever min_gap says
     (5, 2, 4, False),

@@ -62,6 +62,7 @@ def test_the_paper_workload_runs_instructions_with_their_answers_lengths(tmp_pat
     (("--workload", "paper", "--answers", "no/such/answers.jsonl"), "answers file no/such/answers.jsonl not found"),
     (("--kind", "cpu", "--no-calibration"), "kind 'cpu' simulates with the CPU-calibrated step model"),
     (("--workers", "0"), "worker counts must be >= 1"),
+    (("--rebalance-min-gap", "1"), "--rebalance-min-gap must be 0 (off) or at least 2"),
     (("--max-prompt-tokens", "4096"), "must be below max_len"),
     (("--kind", "l4", "--max-len", "100000", "--max-prompt-tokens", "10"), "not one 100000-token sequence"),
 ])

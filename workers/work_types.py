@@ -166,7 +166,7 @@ class WorkerStats:
         num_prompt_tokens: prompt tokens of requests at their first admission, so far.
         num_prefix_hit_tokens: of those, tokens found in the prefix cache.
         rebounded: sequences the length probe re-bounded, so the controller re-plans their reservations.
-        num_probe_reads: sequences the length probe has read so far (each read may re-bound one), 0 without a probe.
+        num_probe_reads: reads of the length probe so far (one per sequence at each due point), 0 without a probe.
     """
 
     worker_id: str

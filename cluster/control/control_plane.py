@@ -75,6 +75,7 @@ class ControlPlane:
         self.resync = StoreResync(store, self.ledger, self.pool)
         self.waiting: dict[str, _Waiting] = {}
         self.moving: dict[str, str] = {}  # request id -> target worker, until the target holds it
+        self._moving_since_s: dict[str, float] = {}  # when each move was asked for (a lost one is given up)
         self._rebalanced: set[str] = set()  # requests moved by rebalancing: they stay where they went
         self.counters: dict[str, int] = {}
         self._placed_s: dict[str, float] = {}  # request id -> when this controller placed it
@@ -231,6 +232,7 @@ class ControlPlane:
         if waiting is not None and not waiting.future.done():
             waiting.future.cancel()
         self.moving.pop(request_id, None)
+        self._moving_since_s.pop(request_id, None)
         self._rebalanced.discard(request_id)
         self._placed_s.pop(request_id, None)
         reason = outcome.finish_reason if outcome is not None else "cancelled"
@@ -312,11 +314,15 @@ class ControlPlane:
                     await self._incr(counter, delta)
 
     def _settle_moves(self) -> None:
-        """A move is done once the target holds the request (it may then overrun and move again)."""
+        """A move is done once the target holds the request (it may then overrun and move again); one the
+        target still lacks after the reconcile grace period (its router died) is given up."""
+        now_s = time.monotonic()
         for request_id, target in list(self.moving.items()):
             stats = self.pool.latest.get(target)
-            if stats is None or request_id in stats.request_ids:
+            since_s = self._moving_since_s.get(request_id, now_s)
+            if stats is None or request_id in stats.request_ids or now_s - since_s > RECONCILE_GRACE_S:
                 del self.moving[request_id]
+                self._moving_since_s.pop(request_id, None)
 
     async def _move_overruns(self) -> None:
         block_size = self.config.block_size
@@ -350,13 +356,18 @@ class ControlPlane:
             record = self.ledger.get(request_id)
             return record.num_reserved_blocks if record is not None and record.state == "placed" else None
 
-        move = choose_rebalance(loads, blocks_of, self.config.rebalance_min_gap, self._rebalanced)
+        # Preempted overruns are _move_overruns' to place, by the bound they now need.
+        keep = self._rebalanced.union(r.request_id for stats in self.pool.latest.values() for r in stats.overruns)
+        move = choose_rebalance(loads, blocks_of, self.config.rebalance_min_gap, keep)
         record = None if move is None else self.ledger.get(move.request_id)
         if record is None or record.worker_id != move.source:
             return
+        self._rebalanced.add(move.request_id)  # before any await: finish() may come first and discard it
+        # with its KV: a running request's copy beats recomputing it (a waiting one exports none, and recomputes)
         if await self._move(record, record, move.target, with_kv=True):
-            self._rebalanced.add(move.request_id)
             await self._incr("rebalances")
+        else:
+            self._rebalanced.discard(move.request_id)
 
     async def _move(self, planned: RequestRecord, record: RequestRecord, target: str, with_kv: bool) -> bool:
         """Reserve `planned` on `target` before the router resumes the request there, then ask its worker to
@@ -366,6 +377,7 @@ class ControlPlane:
             return False
         await self.ledger.put(replace(planned, worker_id=target, num_attempts=record.num_attempts + 1))
         self.moving[record.request_id] = target
+        self._moving_since_s[record.request_id] = time.monotonic()
         try:
             moved = await self.pool.backend.move_out(handle, record.request_id, target, with_kv)
         except Exception:  # noqa: BLE001 - a dying source: the request stays where it is
@@ -374,10 +386,12 @@ class ControlPlane:
             await self._incr("migrations")
             logger.info("moving %s from %s to %s (%s)", record.request_id, record.worker_id, target,
                         "with KV" if with_kv else "recompute")
-        else:
+            return True
+        self.moving.pop(record.request_id, None)
+        self._moving_since_s.pop(record.request_id, None)
+        if self.ledger.get(record.request_id) is not None:  # finish() may have released it meanwhile
             await self.ledger.put(record)
-            self.moving.pop(record.request_id, None)
-        return moved
+        return False
 
     async def _follow_rebounds(self) -> None:
         """Plan requests by the bounds their workers' length probes refined (`cluster.control.rebound`)."""
@@ -409,6 +423,7 @@ class ControlPlane:
                 continue
             if age_s > RECONCILE_GRACE_S and rid not in self.moving:
                 self._placed_s.pop(rid, None)
+                self._rebalanced.discard(rid)
                 await self.ledger.remove(rid, counter="reconciled")
                 self.counters["reconciled"] = self.counters.get("reconciled", 0) + 1
 
