@@ -8,6 +8,7 @@ import pytest
 from benchmarks.simulated_workers import SimulatedWorkerBackend
 from cluster.config import ServiceConfig
 from cluster.control import control_plane as plane_module
+from cluster.control import mover as mover_module
 from cluster.control.control_plane import ControlPlane
 from cluster.control.messages import PlacementTimeoutError, QueueFullError, RequestOutcome
 from cluster.control.redis_server import EmbeddedRedis, connect, connect_async
@@ -229,7 +230,7 @@ def test_a_refused_move_leaves_the_request_where_it_was(run):
 
 
 def test_a_move_whose_target_never_gets_the_request_is_given_up(run, monkeypatch):
-    monkeypatch.setattr(plane_module, "RECONCILE_GRACE_S", 0.0)
+    monkeypatch.setattr(mover_module, "MOVE_GIVE_UP_S", 0.0)
 
     async def check(plane, sim):
         by_worker = await imbalanced(plane, sim)

@@ -2,7 +2,7 @@
 
 `cluster.control.controller.Controller` (the Ray actor) wraps one `ControlPlane`;
 `bench control-plane` runs one in-process over simulated workers. Every decision is a
-pure function (`placement`, `scaling`, the policy's `planned_tokens`); this class moves
+pure function (`placement`, `rebalance`, `scaling`, the policy's `planned_tokens`); this class moves
 data between them, the ledger, the worker pool and Redis, and never blocks its loop:
 
     router --place()--> ledger (memory) --first-fit-decreasing--> Placement   one Redis write
@@ -10,7 +10,7 @@ data between them, the ledger, the worker pool and Redis, and never blocks its l
     router --finish()-> ledger.remove + counter + training sample            one Redis round trip
     run(): every stats_interval_s
         poll stats --no answer--> requeue its requests (the routers re-place them), replace it
-                   --overrun----> plan its next bound, migration_target --> source.move_out(target)
+                   --overrun----> plan its next bound, migration_target --> source.move_out(target)   `Mover`
                    --imbalance--> choose_rebalance: busiest worker's newest request --> source.move_out(idlest)
                    --rebounded--> re-plan reservations by the bounds the workers' probes refined
                    --load-------> ScalingPolicy --> start or retire workers
@@ -29,9 +29,8 @@ from cluster.config import ServiceConfig
 from cluster.control.ledger import Ledger
 from cluster.control.messages import (ClusterStatus, Placement, PlacementTimeoutError, QueueFullError, RequestOutcome,
                                       RequestRecord)
-from cluster.control.placement import (PendingRequest, RoomIndex, blocks_for, first_fit_decreasing,
-                                       migration_target, prefix_affinity)
-from cluster.control.rebalance import WorkerLoad, choose_rebalance
+from cluster.control.placement import PendingRequest, RoomIndex, blocks_for, first_fit_decreasing, prefix_affinity
+from cluster.control.mover import Mover
 from cluster.control.rebound import rebounded_records
 from cluster.control.scaling import ScalingPolicy
 from cluster.control.store import ControllerStore
@@ -74,9 +73,7 @@ class ControlPlane:
         self.pool = WorkerPool(backend, store, config.block_size, on_ready=self._worker_ready)
         self.resync = StoreResync(store, self.ledger, self.pool)
         self.waiting: dict[str, _Waiting] = {}
-        self.moving: dict[str, str] = {}  # request id -> target worker, until the target holds it
-        self._moving_since_s: dict[str, float] = {}  # when each move was asked for (a lost one is given up)
-        self._rebalanced: set[str] = set()  # requests moved by rebalancing: they stay where they went
+        self.mover = Mover(self.ledger, self.pool, self._incr)
         self.counters: dict[str, int] = {}
         self._placed_s: dict[str, float] = {}  # request id -> when this controller placed it
         self._prefix_sets: dict[str, tuple[WorkerStats, frozenset[int]]] = {}  # reported hashes, as sets
@@ -231,9 +228,7 @@ class ControlPlane:
         waiting = self.waiting.pop(request_id, None)
         if waiting is not None and not waiting.future.done():
             waiting.future.cancel()
-        self.moving.pop(request_id, None)
-        self._moving_since_s.pop(request_id, None)
-        self._rebalanced.discard(request_id)
+        self.mover.forget(request_id)
         self._placed_s.pop(request_id, None)
         reason = outcome.finish_reason if outcome is not None else "cancelled"
         stream = None
@@ -275,10 +270,10 @@ class ControlPlane:
         await asyncio.sleep(0)
         await self._count_worker_events(previous)
         await self._replace_missing_workers()
-        self._settle_moves()
+        self.mover.settle()
         await asyncio.sleep(0)
-        await self._move_overruns()
-        await self._rebalance()
+        await self.mover.move_overruns(self.policy, self.config.block_size, self.config.migrate_kv_min_tokens)
+        await self.mover.rebalance(self.config.rebalance_min_gap, self.rooms.free())
         await self._follow_rebounds()
         if time.monotonic() - self._last_reconcile_s >= RECONCILE_INTERVAL_S:
             await self._reconcile()
@@ -313,92 +308,12 @@ class ControlPlane:
                 if delta > 0:
                     await self._incr(counter, delta)
 
-    def _settle_moves(self) -> None:
-        """A move is done once the target holds the request (it may then overrun and move again); one the
-        target still lacks after the reconcile grace period (its router died) is given up."""
-        now_s = time.monotonic()
-        for request_id, target in list(self.moving.items()):
-            stats = self.pool.latest.get(target)
-            since_s = self._moving_since_s.get(request_id, now_s)
-            if stats is None or request_id in stats.request_ids or now_s - since_s > RECONCILE_GRACE_S:
-                del self.moving[request_id]
-                self._moving_since_s.pop(request_id, None)
-
-    async def _move_overruns(self) -> None:
-        block_size = self.config.block_size
-        for worker_id, stats in list(self.pool.latest.items()):
-            for report in stats.overruns:
-                record = self.ledger.get(report.request_id)
-                if report.request_id in self.moving or record is None or record.worker_id != worker_id:
-                    continue
-                bound = report.predicted_output_tokens or record.predicted_output_tokens or None
-                tokens = self.policy.planned_tokens(report.num_prompt_tokens, report.num_output_tokens,
-                                                    record.max_tokens, bound)
-                num_blocks = blocks_for(tokens, block_size)
-                target = migration_target(num_blocks, self.pool.budgets(self.ledger.reserved_blocks),
-                                          exclude_worker_id=worker_id)
-                if target is None:
-                    continue
-                with_kv = report.num_prompt_tokens + report.num_output_tokens >= self.config.migrate_kv_min_tokens
-                await self._move(replace(record, num_reserved_blocks=num_blocks, predicted_output_tokens=bound or 0),
-                                 record, target, with_kv)
-
-    async def _rebalance(self) -> None:
-        """Move one live request from the busiest worker to the idlest (`cluster.control.rebalance`); only on
-        settled stats (no move in flight), so a request is never counted on both sides."""
-        if self.config.rebalance_min_gap < 1 or self.moving:
-            return
-        free = self.rooms.free()
-        loads = [WorkerLoad(worker_id, stats.request_ids, stats.num_running, free[worker_id])
-                 for worker_id, stats in self.pool.latest.items() if worker_id in free]
-
-        def blocks_of(request_id: str) -> int | None:
-            record = self.ledger.get(request_id)
-            return record.num_reserved_blocks if record is not None and record.state == "placed" else None
-
-        # Preempted overruns are _move_overruns' to place, by the bound they now need.
-        keep = self._rebalanced.union(r.request_id for stats in self.pool.latest.values() for r in stats.overruns)
-        move = choose_rebalance(loads, blocks_of, self.config.rebalance_min_gap, keep)
-        record = None if move is None else self.ledger.get(move.request_id)
-        if record is None or record.worker_id != move.source:
-            return
-        self._rebalanced.add(move.request_id)  # before any await: finish() may come first and discard it
-        # with its KV: a running request's copy beats recomputing it (a waiting one exports none, and recomputes)
-        if await self._move(record, record, move.target, with_kv=True):
-            await self._incr("rebalances")
-        else:
-            self._rebalanced.discard(move.request_id)
-
-    async def _move(self, planned: RequestRecord, record: RequestRecord, target: str, with_kv: bool) -> bool:
-        """Reserve `planned` on `target` before the router resumes the request there, then ask its worker to
-        move it out; put `record` back if the worker cannot."""
-        handle = self.pool.handle(record.worker_id)
-        if handle is None:
-            return False
-        await self.ledger.put(replace(planned, worker_id=target, num_attempts=record.num_attempts + 1))
-        self.moving[record.request_id] = target
-        self._moving_since_s[record.request_id] = time.monotonic()
-        try:
-            moved = await self.pool.backend.move_out(handle, record.request_id, target, with_kv)
-        except Exception:  # noqa: BLE001 - a dying source: the request stays where it is
-            moved = False
-        if moved:
-            await self._incr("migrations")
-            logger.info("moving %s from %s to %s (%s)", record.request_id, record.worker_id, target,
-                        "with KV" if with_kv else "recompute")
-            return True
-        self.moving.pop(record.request_id, None)
-        self._moving_since_s.pop(record.request_id, None)
-        if self.ledger.get(record.request_id) is not None:  # finish() may have released it meanwhile
-            await self.ledger.put(record)
-        return False
-
     async def _follow_rebounds(self) -> None:
         """Plan requests by the bounds their workers' length probes refined (`cluster.control.rebound`)."""
         for stats in list(self.pool.latest.values()):
             largest = self.pool.largest_cache_blocks or stats.num_total_blocks
             for record in rebounded_records(stats, self.ledger.get, self.policy.planned_tokens, self.config.block_size,
-                                            largest, self.moving):
+                                            largest, self.mover.moving):
                 try:
                     await self.ledger.put(record)
                 except redis.RedisError:
@@ -421,9 +336,9 @@ class ControlPlane:
                 age_s = wall_now_s - record.created_s
             else:
                 continue
-            if age_s > RECONCILE_GRACE_S and rid not in self.moving:
+            if age_s > RECONCILE_GRACE_S and rid not in self.mover.moving:
                 self._placed_s.pop(rid, None)
-                self._rebalanced.discard(rid)
+                self.mover.forget(rid)
                 await self.ledger.remove(rid, counter="reconciled")
                 self.counters["reconciled"] = self.counters.get("reconciled", 0) + 1
 
@@ -452,6 +367,11 @@ class ControlPlane:
             await self.store.incr(counter, amount)
         except (redis.ConnectionError, redis.TimeoutError):
             self.resync.pending = True  # the next resync raises Redis's count to memory's
+
+    @property
+    def moving(self) -> dict[str, str]:
+        """Requests on their way to another worker: request id -> target."""
+        return self.mover.moving
 
     # -- status and shutdown -----------------------------------------------------------
 
