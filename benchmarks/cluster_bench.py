@@ -83,6 +83,9 @@ class ClusterBenchConfig:
         workload: "trace" (forced trace lengths) or "natural" (see the module docstring).
         probe: the hidden-state probe the "+probe" policies run with ("default": the shipped one, or a folder).
         rebalance_min_gap: the services' `rebalance_min_gap` (0: no load rebalancing between workers).
+        dtype: the workers' weights and KV dtype ("auto": bf16 where the CPU has it). In bf16 a greedy answer
+            can change with what else is in its batch, so a request that moved or ran beside others may differ
+            in its last tokens; "float32" makes the answers comparable token for token.
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -106,6 +109,7 @@ class ClusterBenchConfig:
     workload: str = "trace"
     probe: str = "default"
     rebalance_min_gap: int = 2
+    dtype: str = "auto"
 
     @property
     def is_natural(self) -> bool:
@@ -124,6 +128,8 @@ class ClusterBenchConfig:
             raise ValueError(f"--policy {list(self.policies)} names a policy twice")
         if any(p.endswith(PROBE_SUFFIX) for p in self.policies) and self.probe != "default":
             check_probe_folder(Path(self.probe).expanduser(), self.probe)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or float16")
         if self.rebalance_min_gap < 0 or self.rebalance_min_gap == 1:
             raise ValueError(f"--rebalance-min-gap must be 0 (off) or at least 2, got {self.rebalance_min_gap}")
         if self.is_natural and self.predictor.startswith("noisy-oracle:"):
@@ -283,7 +289,7 @@ def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, mo
         max_model_len=config.max_len, max_num_seqs=config.max_num_seqs,
         default_max_tokens=min(256, config.max_len - 1), data_dir=data_dir, num_cpus=config.num_cpus,
         num_torch_threads=config.num_torch_threads, prefix_aware_placement=prefix_aware_placement,
-        rebalance_min_gap=config.rebalance_min_gap,
+        rebalance_min_gap=config.rebalance_min_gap, dtype=config.dtype,
         # The bench measures throughput under a backlog: nothing may be refused or time out waiting for room.
         max_concurrent_requests=max(256, config.concurrency), max_pending_placements=max(128, config.concurrency),
         placement_timeout_s=24 * 3600.0)
@@ -395,6 +401,7 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
         "kv_cache_bytes_per_worker": config.kv_cache_bytes,
         "concurrency": config.concurrency,
         "rebalance_min_gap": config.rebalance_min_gap,
+        "dtype": config.dtype,
         "predictor": config.predictor,
         "workload": config.workload,
         ("natural" if config.is_natural else "capping"): workload,

@@ -95,7 +95,8 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     for field, value in (("num_workers", args.workers), ("num_requests", args.num_requests),
                          ("time_scale", args.time_scale), ("kv_cache_bytes", args.kv_cache_bytes),
                          ("max_prompt_tokens", args.max_prompt_tokens), ("predictor", args.predictor),
-                         ("urgent_share", args.urgent_share), ("rebalance_min_gap", args.rebalance_min_gap)):
+                         ("urgent_share", args.urgent_share), ("rebalance_min_gap", args.rebalance_min_gap),
+                         ("dtype", args.dtype)):
         if value is not None:
             overrides[field] = value
     if args.policy is not None:
@@ -305,6 +306,9 @@ def add_bench_parser(commands) -> None:
                          help="the services' rebalance_min_gap: move a live request from the busiest worker to the "
                               "idlest when their live requests differ by at least N and the idlest holds at most "
                               "half the busiest's (default 2; 0 turns it off)")
+    cluster.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                         help="the workers' dtype (default auto: bf16 where the CPU has it; there a greedy answer can "
+                              "change with its batch, float32 makes answers comparable token for token)")
     cluster.add_argument("--concurrency", type=int, default=64,
                          help="most requests the client keeps in flight (default: %(default)s)")
     cluster.add_argument("--quick", action="store_true",

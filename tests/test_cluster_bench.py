@@ -136,6 +136,7 @@ def test_plan_file_round_trips_and_a_bad_one_is_a_clear_error(tmp_path):
      "not a probe folder"),
     ({"workload": "replay"}, "--workload 'replay'"),
     ({"rebalance_min_gap": 1}, "--rebalance-min-gap must be 0 .off. or at least 2"),
+    ({"dtype": "int8"}, "--dtype 'int8'"),
 ])
 def test_config_check_names_the_bad_option(overrides, message, shared_data):
     config = ClusterBenchConfig(trace_path=shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv",
@@ -265,7 +266,7 @@ def test_natural_bench_runs_to_the_models_own_stop_with_the_probe_on_and_answers
         trace_path=shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv",
         prompts_path=shared_data / "prompts" / "pool.jsonl", policies=("paged_greedy", "s3_peak+probe"),
         num_workers=2, num_requests=4, time_scale=0.0, max_len=160, max_prompt_tokens=64, concurrency=4,
-        workload="natural", predictor="default")
+        workload="natural", predictor="default", dtype="float32")  # bf16 answers may change with their batch
     result = cluster_bench.run(config, model_cache_dir=model_cache_dir, json_path=tmp_path / "natural.json")
     written = json.loads(Path(tmp_path / "natural.json").read_text())
     assert written["workload"] == "natural" and len(written["natural"]["split"]["chosen_prompt_ids"]) == 4
@@ -273,7 +274,8 @@ def test_natural_bench_runs_to_the_models_own_stop_with_the_probe_on_and_answers
     for summary in (paged, probed):
         assert (summary["completed"], summary["failed"], summary["prompt_tokens_differ"]) == (4, 0, 0)
         assert summary["all_outputs_exact_length"] is None
-    # greedy and unforced: the same answers under both policies, and only the probed service read hidden states
+    # greedy, unforced, fp32: the same answers under both policies (moved or not), and only the probed service
+    # read hidden states
     assert written["outputs"]["identical"] is True and paged["output_tokens"] == probed["output_tokens"]
     assert paged["probe_reads"] == 0 and probed["probe_reads"] >= 4  # every prompt's prefill at least
     assert "s3_peak+probe_vs_paged_greedy_tokens_per_s" in result["ratios"]
