@@ -19,7 +19,6 @@ that many tokens and anything else is visible.
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import psutil
 
 from benchmarks.chaos_accounting import FaultEvent, fault_rows, totals
 from benchmarks.http_load import LoadPlan, LoadRequest, drive, read_results, read_start_unix_s, write_plan
+from benchmarks.ports import free_port
 from benchmarks.report import environment, format_table, write_json
 
 FAULTS = ("kill_worker", "kill_redis", "kill_controller", "stop_worker", "burst")
@@ -84,12 +84,6 @@ class ChaosBenchConfig:
 def quick_config(**overrides) -> ChaosBenchConfig:
     """About 4 minutes after the service is up."""
     return replace(ChaosBenchConfig(rate_per_s=1.0, max_tokens=24, window_s=25.0), **overrides)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _own_pid(actor) -> int:
@@ -228,7 +222,7 @@ def run(config: ChaosBenchConfig, model_name: str = "smollm2-135m-instruct", mod
     with tempfile.TemporaryDirectory(prefix="s3serve-chaos-") as work:
         work_dir = Path(work)
         service_config = ServiceConfig(
-            port=_free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
+            port=free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
             data_dir=str(work_dir / "data"), num_workers=config.num_workers, retrain=False,
             max_concurrent_requests=config.max_concurrent_requests, num_torch_threads=1, stats_interval_s=0.5)
         print(f"chaos: starting the service ({config.num_workers} workers, at most "

@@ -32,12 +32,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.cluster_plan import load_plan
+from benchmarks.cluster_plan import load_plan, predictor_artifact
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_results, write_plan
 from benchmarks.natural_workload import compare_outputs
 from benchmarks.policy_summary import PROBE_SUFFIX, PROBED
+from benchmarks.ports import free_port
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
+from cluster.config import DTYPES
+from cluster.control.rebalance import check_min_gap
 from workers.length_probe import check_probe_folder
 from workers.policies import SERVING_POLICY_NAMES
 
@@ -128,10 +131,9 @@ class ClusterBenchConfig:
             raise ValueError(f"--policy {list(self.policies)} names a policy twice")
         if any(p.endswith(PROBE_SUFFIX) for p in self.policies) and self.probe != "default":
             check_probe_folder(Path(self.probe).expanduser(), self.probe)
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype {self.dtype!r}: choose auto, float32, bfloat16 or float16")
-        if self.rebalance_min_gap < 0 or self.rebalance_min_gap == 1:
-            raise ValueError(f"--rebalance-min-gap must be 0 (off) or at least 2, got {self.rebalance_min_gap}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype {self.dtype!r}: choose {', '.join(DTYPES)}")
+        check_min_gap(self.rebalance_min_gap, "--rebalance-min-gap")
         if self.is_natural and self.predictor.startswith("noisy-oracle:"):
             raise ValueError("--workload natural serves a real predictor (--predictor default or a directory): the "
                              "noisy oracle needs forced lengths")
@@ -231,7 +233,7 @@ def summarize_cluster(generated_tokens_by_worker: dict[str, int], counters: dict
 
 
 def ratios_of(summaries: dict[str, dict]) -> dict[str, float | None]:
-    """s3 (and s3_peak) tokens/s over each baseline that ran."""
+    """Each length-aware policy's tokens/s (s3, s3_peak and their probe runs) over each baseline that ran."""
     ratios = {}
     for ours in ("s3", "s3_peak", *(f"{name}{PROBE_SUFFIX}" for name in PROBED)):
         for other in ("max_reserve", "paged_greedy", "sglang_ratio"):
@@ -245,35 +247,6 @@ def _cell(value):
     return "n/a" if value is None else value
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def predictor_artifact(config: ClusterBenchConfig, plan: list[LoadRequest], work_dir: Path) -> str | None:
-    """The artifact the services serve: a lookup table of noisy-oracle predictions, the default (None), or a dir."""
-    if config.predictor == "default":
-        return None
-    if not config.predictor.startswith("noisy-oracle:"):
-        return config.predictor
-    from benchmarks.noisy_oracle import NoisyOraclePredictor
-    from predictor_service.artifacts import save_predictor
-    from predictor_service.length_predictor import LengthQuery
-    from predictor_service.table_predictor import TableLengthPredictor
-
-    sigma = float(config.predictor.split(":", 1)[1])
-    oracle = NoisyOraclePredictor({r.request_id: r.forced_output_tokens for r in plan}, sigma, config.quantile,
-                                  config.max_len)
-    predictions = oracle.predict([LengthQuery(r.request_id, (), r.max_tokens) for r in plan])
-    table = TableLengthPredictor.from_predictions([r.prompt for r in plan], predictions)
-    root = work_dir / "predictor"
-    save_predictor(table, root, metrics={}, calibration={"quantile": config.quantile, "source": config.predictor})
-    return str(root)
-
-
 def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, model_cache_dir: Path | None,
                     data_dir: str, artifact: str | None = None, prefix_aware_placement: bool = True):
     from cluster.config import ServiceConfig
@@ -284,7 +257,7 @@ def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, mo
     return ServiceConfig(
         length_probe=probe,
         predictor_artifact=artifact, quantile=config.quantile,
-        port=_free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
+        port=free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
         num_workers=config.num_workers, policy=policy, kv_cache_bytes=config.kv_cache_bytes,
         max_model_len=config.max_len, max_num_seqs=config.max_num_seqs,
         default_max_tokens=min(256, config.max_len - 1), data_dir=data_dir, num_cpus=config.num_cpus,
@@ -327,12 +300,13 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
         status = ray.get(ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE).status.remote(), timeout=60)
     finally:
         stop_service(running)
-    summary = summarize_results(read_results(results_path), plan)
+    results = read_results(results_path)
+    summary = summarize_results(results, plan)
     summary.update(summarize_cluster({s.worker_id: s.num_generated_tokens for s in status.stats}, status.counters,
                                      (sum(s.num_prompt_tokens for s in status.stats),
                                       sum(s.num_prefix_hit_tokens for s in status.stats))))
     summary["probe_reads"] = sum(s.num_probe_reads for s in status.stats)
-    summary["output_digests"] = {r.request_id: r.output_digest for r in read_results(results_path) if r.is_ok}
+    summary["output_digests"] = {r.request_id: r.output_digest for r in results if r.is_ok}
     return summary
 
 

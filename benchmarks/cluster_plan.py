@@ -1,4 +1,5 @@
-"""The requests `bench cluster` sends: a trace replay with forced lengths, or the natural workload.
+"""The requests `bench cluster` sends (a trace replay with forced lengths, or the natural workload), and
+the predictor artifact the services serve for them.
 
 A trace replay decodes each replayed prompt's tokens to text (the router counts them again)
 and forces the trace's output length; the natural workload sends held-out pool prompts as
@@ -7,6 +8,7 @@ Either way `max_tokens` is what the context leaves, as a real client would send.
 """
 
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from benchmarks.http_load import LoadRequest
@@ -74,3 +76,24 @@ def load_plan(config: "ClusterBenchConfig", tokenizer, mode: str) -> tuple[list[
                 "num_output_capped": capping.num_output_capped, "mean_prompt_tokens": capping.mean_prompt_tokens,
                 "mean_output_tokens": capping.mean_output_tokens, "num_prompts_retokenized": num_retokenized}
     return plan, shares_prefixes, workload
+
+
+def predictor_artifact(config: "ClusterBenchConfig", plan: list[LoadRequest], work_dir: Path) -> str | None:
+    """The artifact the services serve: a lookup table of noisy-oracle predictions, the default (None), or a dir."""
+    if config.predictor == "default":
+        return None
+    if not config.predictor.startswith("noisy-oracle:"):
+        return config.predictor
+    from benchmarks.noisy_oracle import NoisyOraclePredictor
+    from predictor_service.artifacts import save_predictor
+    from predictor_service.length_predictor import LengthQuery
+    from predictor_service.table_predictor import TableLengthPredictor
+
+    sigma = float(config.predictor.split(":", 1)[1])
+    oracle = NoisyOraclePredictor({r.request_id: r.forced_output_tokens for r in plan}, sigma, config.quantile,
+                                  config.max_len)
+    predictions = oracle.predict([LengthQuery(r.request_id, (), r.max_tokens) for r in plan])
+    table = TableLengthPredictor.from_predictions([r.prompt for r in plan], predictions)
+    root = work_dir / "predictor"
+    save_predictor(table, root, metrics={}, calibration={"quantile": config.quantile, "source": config.predictor})
+    return str(root)

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.ports import free_port
 from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.simulated_workers import SimulatedWorkerBackend
 
@@ -204,7 +205,7 @@ def measure_overhead(config: ControlPlaneBenchConfig, model_name: str, model_cac
     from s3serve_cli.serve import start_service, stop_service
 
     with tempfile.TemporaryDirectory(prefix="s3serve-ctl-bench-") as data_dir:
-        service = ServiceConfig(port=_free_port(), model=model_name,
+        service = ServiceConfig(port=free_port(), model=model_name,
                                 model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
                                 data_dir=data_dir, num_workers=1, retrain=False, default_max_tokens=4)
         ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
@@ -238,14 +239,6 @@ def measure_overhead(config: ControlPlaneBenchConfig, model_name: str, model_cac
             "burst_p50_ms": statistics.median(bursty) if bursty else None,
             "burst_p99_ms": _percentile_ms([v / 1000 for v in bursty], 0.99), "burst_answered": len(bursty),
             "burst_size": config.burst_size, "num_bursts": config.num_bursts, "idle_requests": config.idle_requests}
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run(config: ControlPlaneBenchConfig, model_name: str = "smollm2-135m-instruct",

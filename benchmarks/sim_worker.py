@@ -11,6 +11,7 @@ the real engine; `benchmarks.cluster_sim` runs many under one controller.
 from dataclasses import dataclass, field
 
 from benchmarks.step_time import StepModel
+from cluster.control.rebalance import check_min_gap
 from workers.kv_cache_manager import BlockAllocator
 from workers.policies import SchedulingPolicy
 from workers.sampling_params import SamplingParams
@@ -95,8 +96,7 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.tick_s <= 0:
             raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
-        if self.rebalance_min_gap < 0 or self.rebalance_min_gap == 1:
-            raise ValueError(f"rebalance_min_gap must be 0 (off) or at least 2, got {self.rebalance_min_gap}")
+        check_min_gap(self.rebalance_min_gap)
 
 
 @dataclass(slots=True)

@@ -33,6 +33,7 @@ from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.sim_worker import SimConfig, SimRequest
 from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
 from benchmarks.traces import read_trace
+from cluster.control.rebalance import check_min_gap
 from predictor_service.length_predictor import LengthQuery
 from workers.policies import make_policy
 
@@ -194,8 +195,7 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
         raise ValueError(f"unknown workload {config.workload!r}; choose from {', '.join(WORKLOADS)}")
     if any(n < 1 for n in config.worker_counts):
         raise ValueError(f"worker counts must be >= 1, got {config.worker_counts}")
-    if config.rebalance_min_gap < 0 or config.rebalance_min_gap == 1:
-        raise ValueError(f"--rebalance-min-gap must be 0 (off) or at least 2, got {config.rebalance_min_gap}")
+    check_min_gap(config.rebalance_min_gap, "--rebalance-min-gap")
     if config.kind != CPU_KIND:
         gpu_kind(config.kind)
         shape_cost(config.model_shape)  # fail on a bad name before the calibration run

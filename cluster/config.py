@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.control.rebalance import check_min_gap
 from workers.device import check_device
 from workers.length_probe import check_probe_folder
 from workers.models import DEFAULT_MODEL
@@ -25,6 +26,9 @@ RETRAINER_NAME = "s3serve-retrainer"
 def worker_actor_name(worker_id: str) -> str:
     """Workers are named detached actors, so a restarted controller finds them again."""
     return f"s3serve-worker-{worker_id}"
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # what `dtype` may be
 
 
 class ServiceConfig(BaseModel):
@@ -123,13 +127,11 @@ class ServiceConfig(BaseModel):
     def _check(self) -> "ServiceConfig":
         if self.policy not in SERVING_POLICY_NAMES:
             raise ValueError(f"policy must be one of {', '.join(SERVING_POLICY_NAMES)}, got {self.policy!r}")
-        if self.rebalance_min_gap == 1:
-            raise ValueError("rebalance_min_gap must be 0 (off) or at least 2: a gap of 1 would only swap which "
-                             "worker is busier")
+        check_min_gap(self.rebalance_min_gap)
         if self.predictor_mode not in ("router", "deployment"):
             raise ValueError(f"predictor_mode must be router or deployment, got {self.predictor_mode!r}")
         check_device(self.device)
-        if self.dtype not in {"auto", "float32", "bfloat16", "float16"}:
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

@@ -282,7 +282,8 @@ def test_natural_bench_runs_to_the_models_own_stop_with_the_probe_on_and_answers
 
 
 def test_noisy_oracle_predictions_are_served_from_a_lookup_artifact(tmp_path):
-    from benchmarks.cluster_bench import ClusterBenchConfig, predictor_artifact
+    from benchmarks.cluster_bench import ClusterBenchConfig
+    from benchmarks.cluster_plan import predictor_artifact
     from benchmarks.http_load import LoadRequest
     from predictor_service.server import LengthPredictorServer
 

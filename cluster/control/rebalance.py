@@ -56,6 +56,14 @@ class Rebalance:
     num_blocks: int
 
 
+def check_min_gap(min_gap: int, name: str = "rebalance_min_gap") -> None:
+    """ValueError naming `name` unless `min_gap` is 0 (off) or at least 2 (a gap of 1 would only swap which worker
+    is busier)."""
+    if min_gap < 0 or min_gap == 1:
+        raise ValueError(f"{name} must be 0 (off) or at least 2 (a gap of 1 would only swap which worker is "
+                         f"busier), got {min_gap}")
+
+
 def choose_rebalance(loads: Sequence[WorkerLoad], blocks_of: Callable[[str], int | None], min_gap: int,
                      keep: Set[str] = frozenset()) -> Rebalance | None:
     """The one move to make now, or None.
