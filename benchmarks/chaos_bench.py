@@ -32,7 +32,7 @@ import psutil
 
 from benchmarks.chaos_accounting import FaultEvent, fault_rows, totals
 from benchmarks.http_load import LoadPlan, LoadRequest, drive, read_results, read_start_unix_s, write_plan
-from benchmarks.ports import free_port
+from workers.ports import free_port
 from benchmarks.report import environment, format_table, write_json
 
 FAULTS = ("kill_worker", "kill_redis", "kill_controller", "stop_worker", "burst")

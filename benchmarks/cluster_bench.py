@@ -36,7 +36,7 @@ from benchmarks.cluster_plan import load_plan, predictor_artifact
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_results, write_plan
 from benchmarks.natural_workload import compare_outputs
 from benchmarks.policy_summary import PROBE_SUFFIX, PROBED
-from benchmarks.ports import free_port
+from workers.ports import free_port
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
 from cluster.config import DTYPES
@@ -275,7 +275,7 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     import ray
 
     from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
-    from s3serve_cli.serve import start_service, stop_service
+    from s3serve_cli.serve import allow_slow_serve_proxy, start_service, stop_service
 
     label = (policy if prefix_aware_placement else f"{policy}-ffd-only").replace(PROBE_SUFFIX, "-probe")
     data_dir = work_dir / f"data-{label}"
@@ -283,6 +283,7 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
                                      prefix_aware_placement)
     print(f"{policy}: starting the service ({config.num_workers} workers, {config.kv_cache_bytes} KV bytes each)",
           flush=True)
+    allow_slow_serve_proxy()
     # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
     ray.init(num_cpus=config.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING",
              log_to_driver=False)

@@ -14,7 +14,7 @@ import torch
 
 from workers.model_runner import wrap_with_deepspeed
 from workers.models import make_tiny_model
-from ports import free_port
+from workers.ports import free_port
 
 PROMPT = [[5, 9, 3, 7, 11]]
 

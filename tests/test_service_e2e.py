@@ -20,7 +20,7 @@ import ray
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
 from cluster.control.redis_server import connect
 from s3serve_cli.serve import start_service, stop_service
-from ports import free_port
+from workers.ports import free_port
 
 pytestmark = pytest.mark.slow
 

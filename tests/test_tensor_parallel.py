@@ -11,7 +11,7 @@ from workers.model_runner import pool_shape_for
 from workers.models import make_tiny_model, tiny_llama_config
 from workers.policies import PreemptionCostModel, S3Policy
 from workers.sampling_params import SamplingParams
-from ports import free_port
+from workers.ports import free_port
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24  # six requests of up to 44 tokens: they must take turns, and preempted ones swap

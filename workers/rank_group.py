@@ -17,9 +17,10 @@ No torch import at module level: the controller imports this to create groups.
 
 import datetime
 import os
-import socket
 
 import ray
+
+from workers.ports import free_port
 
 
 def rank_group_name(actor_name: str) -> str:
@@ -45,12 +46,6 @@ def remove_rank_group(name: str) -> bool:
         return False
     remove_placement_group(group)
     return True
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 # Followers wait in a collective for rank 0's next call, however long the worker stays idle: the default
@@ -104,7 +99,8 @@ def start_ranks(settings, group) -> tuple[list[tuple], "callable"]:
         found = "none" if group is None else f"{len(group.bundle_specs)} bundles"
         raise ValueError(f"tensor_parallel_size {world_size} needs a placement group of {world_size} bundles "
                          f"(workers.rank_group.rank_group), got {found}")
-    address, port = ray.util.get_node_ip_address(), _free_port()
+    # The rendezvous listens on every interface: followers may run on other nodes.
+    address, port = ray.util.get_node_ip_address(), free_port("")
     followers = []
     for rank in range(1, world_size):
         bundle = group.bundle_specs[rank]

@@ -7,7 +7,6 @@ given host, so a restart (of the server or of the whole service) finds its state
 """
 
 import importlib.util
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,6 +16,8 @@ from urllib.parse import urlsplit
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
+
+from workers.ports import free_port
 
 _LOG_FILE_NAME = "redis.log"
 _LOG_TAIL_LINES = 20
@@ -99,7 +100,7 @@ class EmbeddedRedis:
         num_attempts = _PORT_ATTEMPTS if self.port is None else 1
         for attempt in range(num_attempts):
             if self.port is None or attempt > 0:
-                self.port = _free_port(self.host)
+                self.port = free_port(self.host)
             self._process = subprocess.Popen(self._command(), cwd=self.data_dir, stdin=subprocess.DEVNULL,
                                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
             try:
@@ -263,12 +264,6 @@ def _raw_client(host: str, port: int) -> redis.Redis:
     # No retries: start() polls on its own, and stop() must not wait on a server going down.
     return redis.Redis(host=host, port=port, socket_connect_timeout=1.0, socket_timeout=2.0,
                        retry=Retry(ExponentialBackoff(), 0))
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def _redacted(url: str) -> str:
