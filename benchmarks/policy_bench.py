@@ -28,7 +28,8 @@ from predictor_service.length_predictor import LengthPredictor, LengthQuery
 from predictor_service.server import DEFAULT_ARTIFACT_ROOT
 from workers.model_runner import pool_shape_for
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
-from workers.policies import POLICY_NAMES, PreemptionCostModel
+from workers.policies import POLICY_NAMES
+from workers.scheduling_policy import PreemptionCostModel
 
 POLICIES = POLICY_NAMES
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")

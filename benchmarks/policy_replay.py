@@ -12,7 +12,8 @@ from benchmarks.policy_summary import NO_CACHE_SUFFIX, PROBE_SUFFIX
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.length_probe import LengthProbe
-from workers.policies import PreemptionCostModel, make_policy
+from workers.policies import make_policy
+from workers.scheduling_policy import PreemptionCostModel
 from workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -246,8 +246,10 @@ def test_gpu_group_asks_for_gpus_and_bounds_the_worker_pool():
         gpu_group = _group(spec, "gpu-workers")
         container = gpu_group["template"]["spec"]["containers"][0]
         gpus_per_pod = int(container["resources"]["limits"]["nvidia.com/gpu"])
-        assert gpus_per_pod >= 1 and config.worker_num_gpus <= gpus_per_pod
-        assert config.max_workers_resolved * config.worker_num_gpus <= gpu_group["maxReplicas"] * gpus_per_pod
+        # A worker's ranks are one STRICT_PACK placement group: all of them on one Ray node, here one pod.
+        gpus_per_worker = config.tensor_parallel_size * config.worker_num_gpus
+        assert gpus_per_pod >= 1 and gpus_per_worker <= gpus_per_pod
+        assert config.max_workers_resolved <= gpu_group["maxReplicas"] * (gpus_per_pod // gpus_per_worker)
         assert config.worker_num_cpus <= float(container["resources"]["limits"]["cpu"])
         assert any(t["key"] == "nvidia.com/gpu" for t in gpu_group["template"]["spec"].get("tolerations", []))
         # Only the GPU group holds GPUs, so CPU-only replicas never keep a GPU node alive.

@@ -448,7 +448,8 @@ def test_oracle_policy_refuses_a_request_without_its_true_length_and_keeps_servi
 def test_mispredicted_sequences_preempted_by_swap_or_recompute_keep_exact_greedy_tokens(
     tiny_model, hf_greedy, mode, policy_name
 ):
-    from workers.policies import PreemptionCostModel, make_policy
+    from workers.policies import make_policy
+    from workers.scheduling_policy import PreemptionCostModel
 
     cost = (PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18, swap_overhead_s=0.0)
             if mode == "swap" else PreemptionCostModel(prefill_s_per_token=0.0, swap_bytes_per_s=1.0))

@@ -246,7 +246,8 @@ def test_close_aborts_open_streams(tiny_model):
 
 
 def test_stats_report_preempted_sequences_as_overruns(tiny_model):
-    from workers.policies import PreemptionCostModel, make_policy
+    from workers.policies import make_policy
+    from workers.scheduling_policy import PreemptionCostModel
 
     recompute = PreemptionCostModel(prefill_s_per_token=0.0, swap_bytes_per_s=1.0)
     engine = Engine(copy.deepcopy(tiny_model),

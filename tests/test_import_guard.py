@@ -17,6 +17,7 @@ import pytest
 # Decisions (pure: no Ray, Redis or torch), and the messages the router and controller read.
 PURE_MODULES = [
     "workers.policies",
+    "workers.scheduling_policy",
     "workers.scheduler",
     "workers.kv_cache_manager",
     "workers.length_probe",

@@ -9,7 +9,8 @@ import torch
 
 from workers.engine import Engine, EngineConfig
 from workers.models import make_tiny_model
-from workers.policies import PreemptionCostModel, make_policy
+from workers.policies import make_policy
+from workers.scheduling_policy import PreemptionCostModel
 from workers.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

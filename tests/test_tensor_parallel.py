@@ -1,5 +1,6 @@
 """One engine over two ranks (gloo on CPU, DeepSpeed AutoTP in each): the same tokens and the same
-scheduling as one rank, swaps included; and the clear errors when the ranks are not there."""
+scheduling as one rank, swaps included; the same exported KV, so a request moves onto or off it with its
+KV; and the clear errors when the ranks are not there."""
 
 import multiprocessing
 
@@ -9,7 +10,8 @@ import torch
 from workers.engine import Engine, EngineConfig
 from workers.model_runner import pool_shape_for
 from workers.models import make_tiny_model, tiny_llama_config
-from workers.policies import PreemptionCostModel, S3Policy
+from workers.policies import S3Policy
+from workers.scheduling_policy import PreemptionCostModel
 from workers.sampling_params import SamplingParams
 from workers.ports import free_port
 
@@ -59,30 +61,79 @@ def _rank(rank: int, port: int, results) -> None:
     try:
         tokens = _generate(engine)
         stats = engine.scheduler.stats
-        swaps, preemptions, swapped_bytes = stats.num_swaps, stats.num_preemptions, engine.swapped_bytes
-        # A move: nothing to export (rank 0 holds half the heads), and KV from elsewhere is recomputed.
-        seq_id = engine.add_request(PROMPTS[0], PARAMS)
-        engine.step()
-        exported = engine.export_sequence(seq_id).num_computed_tokens
-        engine.abort(seq_id)
+        swaps, preemptions = stats.num_swaps, stats.num_preemptions
+        exports = _compare_exports(engine)
+        # A move in: KV exported by a one-rank engine is split across the ranks and copied in, not recomputed.
         source = Engine(make_tiny_model(seed=0, init_std=0.2), _config(1))
         source_id = source.add_request(PROMPTS[1], PARAMS)
         for _ in range(3):
             source.step()
         kv = source.export_sequence(source_id)
-        engine.add_request(PROMPTS[1], PARAMS, seq_id="moved", kv=kv,
+        copied_before = engine.swapped_bytes
+        engine.add_request(PROMPTS[1], PARAMS, seq_id="moved-in", kv=kv,
                            resumed_output_token_ids=list(source.sequence(source_id).output_token_ids))
-        moved = None
-        while engine.has_unfinished():
-            moved = next((list(o.output_token_ids) for o in engine.step() if o.is_finished), moved)
-        imported = {"kv_tokens": kv.num_computed_tokens, "copied_bytes": engine.swapped_bytes - swapped_bytes,
-                    "tokens": moved}
+        moved_in = _finish(engine, "moved-in")
+        imported = {"kv_tokens": kv.num_computed_tokens, "copied_bytes": engine.swapped_bytes - copied_before,
+                    "tokens": moved_in}
+        # A move out: the ranks' heads joined into one copy, which a one-rank engine continues from.
+        engine.add_request(PROMPTS[0], PARAMS, seq_id="moved-out")
+        for _ in range(4):
+            engine.step()
+        kv = engine.export_sequence("moved-out")
+        target = Engine(make_tiny_model(seed=0, init_std=0.2), _config(1))
+        target.add_request(PROMPTS[0], PARAMS, seq_id="moved-out", kv=kv,
+                           resumed_output_token_ids=list(engine.sequence("moved-out").output_token_ids))
+        engine.abort("moved-out")
+        exported = {"kv_tokens": kv.num_computed_tokens, "tokens": _finish(target, "moved-out"),
+                    "copied_bytes": target.swapped_bytes}
     finally:
         engine.close()
     results.put((0, {"tokens": tokens, "swaps": swaps, "preemptions": preemptions,
                      "num_blocks": engine.allocator.num_blocks, "kv_heads": engine.runner.pool_shape.num_kv_heads,
                      "path": engine.runner.path, "calls": engine.runner.num_calls_sent,
-                     "exported": exported, "imported": imported}))
+                     "exports": exports, "exported": exported, "imported": imported}))
+
+
+def _finish(engine: Engine, seq_id: str) -> list[int]:
+    tokens = None
+    while engine.has_unfinished():
+        tokens = next((list(o.output_token_ids) for o in engine.step() if o.is_finished and o.seq_id == seq_id),
+                      tokens)
+    return tokens
+
+
+def _tokens(blocks: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[num_blocks, block_size, heads, head_dim] -> the first `num_tokens` tokens, [num_tokens, heads, head_dim]."""
+    return blocks.reshape(-1, *blocks.shape[2:])[:num_tokens]
+
+
+def _compare_exports(engine: Engine) -> dict:
+    """Step the two-rank engine and a one-rank one in lock-step (they schedule alike) and compare every live
+    sequence's export after each step: the joined heads must equal what one rank holding them all exports."""
+    reference = Engine(make_tiny_model(seed=0, init_std=0.2), _config(1), policy=_policy())
+    for i, prompt in enumerate(PROMPTS):
+        for e in (engine, reference):
+            e.add_request(prompt, PARAMS, seq_id=f"x{i}", predicted_output_tokens=4)
+    compared = {"running": 0, "swapped": 0, "max_abs_diff": 0.0, "token_counts_differ": 0}
+    while reference.has_unfinished():
+        engine.step()
+        reference.step()
+        for seq_id in [f"x{i}" for i in range(len(PROMPTS))]:
+            try:
+                expected = reference.export_sequence(seq_id)
+            except ValueError:
+                continue  # finished
+            got = engine.export_sequence(seq_id)
+            if got.num_computed_tokens != expected.num_computed_tokens or not expected.num_computed_tokens:
+                compared["token_counts_differ"] += got.num_computed_tokens != expected.num_computed_tokens
+                continue
+            compared["swapped" if reference.sequence(seq_id).is_swapped else "running"] += 1
+            num_tokens = got.num_computed_tokens  # the last block's tail past them is garbage in either pool
+            for got_kv, expected_kv in zip(got.layers, expected.layers):
+                for tensor, reference_tensor in zip(got_kv, expected_kv):  # K, then V
+                    diff = (_tokens(tensor, num_tokens) - _tokens(reference_tensor, num_tokens)).abs().max().item()
+                    compared["max_abs_diff"] = max(compared["max_abs_diff"], diff)
+    return compared
 
 
 def _collect(ranks, results, timeout_s: float = 600) -> dict:
@@ -103,7 +154,7 @@ def _collect(ranks, results, timeout_s: float = 600) -> dict:
 
 
 @pytest.mark.slow
-def test_two_ranks_give_one_ranks_tokens_and_schedule_with_swaps_included():
+def test_two_ranks_give_one_ranks_tokens_schedule_and_exported_kv_and_moves_copy_their_kv():
     reference = Engine(make_tiny_model(seed=0, init_std=0.2), _config(1), policy=_policy())
     expected = _generate(reference)
     context = multiprocessing.get_context("spawn")
@@ -130,11 +181,17 @@ def test_two_ranks_give_one_ranks_tokens_and_schedule_with_swaps_included():
     assert lead["path"] == "hf"
     # The follower made every call rank 0 sent (forwards, swaps, drops), and stopped when it closed.
     assert follower["calls"] == lead["calls"] > reference.num_steps
-    # A moved request: rank 0 exports nothing; KV that comes with one is recomputed, not copied in.
-    assert lead["exported"] == 0
-    imported = lead["imported"]
-    assert imported["kv_tokens"] > 0 and imported["copied_bytes"] == 0
+    # Exports join the ranks' heads into what one rank holding them all exports, swapped sequences included.
+    exports = lead["exports"]
+    assert exports["token_counts_differ"] == 0
+    assert exports["running"] > 0 and exports["swapped"] > 0
+    assert exports["max_abs_diff"] < 1e-4  # float32; the ranks' all-reduce sums in another order
+    # Moves in both directions copy the KV instead of recomputing it, and the answers are unchanged.
+    imported, exported = lead["imported"], lead["exported"]
+    assert imported["kv_tokens"] > 0 and imported["copied_bytes"] > 0
     assert imported["tokens"] == expected[1]
+    assert exported["kv_tokens"] > len(PROMPTS[0]) and exported["copied_bytes"] > 0
+    assert exported["tokens"] == expected[0]
 
 
 def test_tensor_parallel_needs_the_ranks_running_and_heads_that_split():
@@ -143,3 +200,16 @@ def test_tensor_parallel_needs_the_ranks_running_and_heads_that_split():
     with pytest.raises(ValueError, match="must divide the model's 6 attention heads and 2 KV heads"):
         pool_shape_for(tiny_llama_config(), 1, BLOCK_SIZE, torch.float32, 4)
     assert pool_shape_for(tiny_llama_config(), 1, BLOCK_SIZE, torch.float32, 2).num_kv_heads == 1
+
+
+def test_splitting_a_host_copy_by_heads_and_joining_it_back_is_exact():
+    from workers.tensor_parallel import join_heads, split_heads
+
+    generator = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(3, BLOCK_SIZE, 4, 8, generator=generator),
+               torch.randn(3, BLOCK_SIZE, 4, 8, generator=generator)) for _ in range(2)]  # 4 KV heads
+    shares = split_heads(layers, 2)
+    assert [k.shape for k, _ in shares[1]] == [torch.Size([3, BLOCK_SIZE, 2, 8])] * 2
+    assert torch.equal(shares[1][0][1], layers[0][1][:, :, 2:])  # rank 1 holds the second half of the heads
+    joined = join_heads(shares)
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(joined, layers))

@@ -191,3 +191,63 @@ def test_a_tensor_parallel_worker_runs_its_ranks_in_one_placement_group(ray_clus
         backend.kill("tp", handle)
     with pytest.raises(ValueError):
         get_placement_group(rank_group_name("s3-worker-tp"))  # removed with the worker
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_worker_whose_follower_dies_fails_its_stats_poll_naming_the_rank(ray_cluster):
+    """The controller's stats poll is what finds dead workers: once a follower rank has died, the worker's
+    stats call fails (so its requests are requeued and it is replaced) instead of answering while every
+    step it runs waits for the missing rank."""
+    import time
+    from dataclasses import replace
+
+    from cluster.control.worker_pool import RayWorkerBackend
+    from workers.rank_group import follower_name
+
+    settings = replace(SETTINGS, tensor_parallel_size=2)
+    backend = RayWorkerBackend(lambda: settings, 0.5, 0.0, "s3-tp-test", lambda worker_id: f"s3-worker-{worker_id}")
+    handle = backend.start("tpdead")
+    try:
+        ray.get(handle.ready.remote(), timeout=TIMEOUT_S)
+        assert ray.get(handle.stats.remote(), timeout=TIMEOUT_S).num_total_blocks == 2 * 128  # both ranks follow
+        ray.kill(ray.get_actor(follower_name("s3-worker-tpdead", 1), namespace="s3-tp-test"), no_restart=True)
+        deadline_s = time.monotonic() + 60
+        while True:
+            try:
+                ray.get(handle.stats.remote(), timeout=TIMEOUT_S)
+            except ray.exceptions.RayTaskError as error:
+                assert "worker tpdead: follower rank 1 died" in str(error)
+                break
+            assert time.monotonic() < deadline_s, "the worker kept answering stats with a dead follower"
+            time.sleep(0.5)
+    finally:
+        backend.kill("tpdead", handle)
+
+
+def test_rank_failure_names_a_follower_that_ended_and_a_lead_rank_out_of_step(ray_cluster):
+    """What the stats poll reports, for the two ways a tensor-parallel engine stops being able to step."""
+    import time
+    from types import SimpleNamespace
+
+    @ray.remote(num_cpus=0.1)
+    def follow(num_calls: int, wait_s: float) -> int:
+        time.sleep(wait_s)
+        return num_calls
+
+    worker = object.__new__(WorkerActor)  # the state stats() reads, without loading ranks
+    worker._closed, worker._engine = False, SimpleNamespace(runner=SimpleNamespace(broken=None))
+    still_following = follow.remote(0, 600)
+    try:
+        worker._followers = [(None, still_following)]
+        assert worker._rank_failure() is None
+        worker._engine.runner.broken = "RuntimeError: boom"
+        assert worker._rank_failure() == "rank 0 failed a call the followers made (RuntimeError: boom)"
+        worker._closed = True  # after close() the followers return on purpose
+        assert worker._rank_failure() is None
+        worker._closed, worker._engine.runner.broken = False, None
+        stopped = follow.remote(7, 0)
+        ray.wait([stopped], timeout=TIMEOUT_S)
+        worker._followers = [(None, still_following), (None, stopped)]
+        assert worker._rank_failure() == "follower rank 2 stopped after 7 calls"
+    finally:
+        ray.cancel(still_following, force=True)

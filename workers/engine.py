@@ -18,7 +18,7 @@ from workers.kv_cache_manager import BlockAllocator
 from workers.kv_transfer import ExportedKV
 from workers.length_probe import LengthProbe, ProbeQuery, refined_bound, remaining_for
 from workers.model_runner import ModelRunner, pool_shape_for
-from workers.policies import SchedulingPolicy
+from workers.scheduling_policy import SchedulingPolicy
 from workers.sampling import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -135,8 +135,9 @@ class Engine:
         lengths, stop strings) and generation continues after them. `kv` holds
         the KV of the first prompt + resumed tokens, exported by another engine;
         the sequence enters as if swapped out here, so admission copies it in
-        instead of recomputing it (a tensor-parallel engine recomputes it). `priority` is the request's class: lower is more
-        urgent (admitted first, preempted last; see `workers.scheduler`).
+        instead of recomputing it (a tensor-parallel engine hands each rank its
+        heads). `priority` is the request's class: lower is more urgent
+        (admitted first, preempted last; see `workers.scheduler`).
         """
         seq_id = seq_id if seq_id is not None else f"seq-{next(self._ids)}"
         if seq_id in self._sequences:
@@ -170,10 +171,8 @@ class Engine:
         limit = params.max_tokens if params.forced_output_tokens is None else params.forced_output_tokens
         if len(resumed) >= limit:
             raise ValueError(f"{len(resumed)} resumed output tokens leave nothing to generate (limit {limit})")
-        if kv is not None and isinstance(self.runner, LeadRunner):
-            kv = None  # each rank would need its share of the heads: a tensor-parallel engine recomputes
         if kv is not None:
-            kv.check_fits(self.runner.pool_shape)
+            kv.check_fits(self.runner.transfer_shape)
         if predicted_output_tokens is not None and (
             isinstance(predicted_output_tokens, bool)
             or not isinstance(predicted_output_tokens, int)
@@ -219,15 +218,13 @@ class Engine:
     def export_sequence(self, seq_id: str) -> ExportedKV:
         """Host copy of a live sequence's computed KV (its swap copy if it is swapped out); changes nothing.
 
-        A sequence whose KV was dropped (waiting to recompute) exports zero tokens, and so does every
-        sequence of a tensor-parallel engine (each rank holds a share of its heads; the target recomputes).
+        A sequence whose KV was dropped (waiting to recompute) exports zero tokens. A tensor-parallel engine
+        exports every rank's heads together (`LeadRunner.copy_to_host`), so any engine can take the copy.
         """
         seq = self._sequences.get(seq_id)
         if seq is None:
             raise ValueError(f"request id {seq_id!r} is unknown or already finished")
         block_size = self.config.block_size
-        if isinstance(self.runner, LeadRunner):
-            return ExportedKV((), 0, block_size)  # rank 0 holds only its share of the heads: the target recomputes
         if seq.is_swapped:
             layers = self.runner.swapped_copy(seq_id)
         elif seq.num_computed_tokens > 0 and self.allocator.has(seq_id):

@@ -169,6 +169,11 @@ class ModelRunner:
             saved.append((k_host, v_host))
         return saved
 
+    @property
+    def transfer_shape(self) -> BlockPoolShape:
+        """The pool as a moved request's KV sees it (`LeadRunner` joins the ranks' heads; one rank has them all)."""
+        return self.pool_shape
+
     def swapped_copy(self, seq_id: str) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The host blocks of a swapped-out sequence (not a copy), or None."""
         return self._swapped.get(seq_id)

@@ -85,11 +85,18 @@ class FollowerRank:
         return follow_engine(model)
 
 
-def start_ranks(settings, group) -> tuple[list[tuple], "callable"]:
+def follower_name(actor_name: str, rank: int) -> str:
+    """The Ray name of a named worker's follower `rank` (`ray.get_actor` finds it in the worker's namespace)."""
+    return f"{actor_name}-rank{rank}"
+
+
+def start_ranks(settings, group, actor_name: str | None = None, namespace: str | None = None
+                ) -> tuple[list[tuple], "callable"]:
     """From rank 0 (the worker actor, in bundle 0 of `group`): start the follower ranks in the other bundles
-    (each loads its model, then waits for the others). Returns (actor handle, pending `run` call) per
-    follower, to keep (an actor whose handles are all gone is stopped), and the function rank 0 calls to
-    join them once its own model is loaded, so that every rank loads at the same time."""
+    (each loads its model, then waits for the others), named `follower_name(actor_name, rank)` in `namespace`
+    when the worker has a name (an actor cannot read its own namespace, so the pool passes it). Returns (actor handle, pending `run` call) per follower, to keep (an actor whose handles are
+    all gone is stopped) and to watch (`ended_follower`), and the function rank 0 calls to join them once
+    its own model is loaded, so that every rank loads at the same time."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from workers.device import probe_cuda, resolve_device
@@ -104,10 +111,29 @@ def start_ranks(settings, group) -> tuple[list[tuple], "callable"]:
     followers = []
     for rank in range(1, world_size):
         bundle = group.bundle_specs[rank]
+        names = {"name": follower_name(actor_name, rank), "namespace": namespace} if actor_name else {}
         follower = ray.remote(FollowerRank).options(
-            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0,
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0, **names,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
         ).remote()
         followers.append((follower, follower.run.remote(rank, world_size, address, port, settings)))
     device = resolve_device(settings.device, *probe_cuda())
     return followers, lambda: join_ranks(0, world_size, address, port, device)
+
+
+def ended_follower(followers: list[tuple]) -> str | None:
+    """Which follower rank's `run` has ended, and how, or None while all still follow (`followers` as
+    `start_ranks` returns them). Before the engine closes, a follower ends only by dying: rank 0's next
+    collective then fails or waits for it forever."""
+    runs = [run for _, run in followers]
+    ended, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+    for rank, run in enumerate(runs, start=1):
+        if run not in ended:
+            continue
+        try:
+            calls = ray.get(run, timeout=0)
+        except Exception as error:  # noqa: BLE001 - how it died is the message
+            first_line = (str(error).strip().splitlines() or ["(no message)"])[0][:200]
+            return f"follower rank {rank} died ({type(error).__name__}: {first_line})"
+        return f"follower rank {rank} stopped after {calls} calls"
+    return None

@@ -18,7 +18,8 @@ prefix instead of computing it a second time.
 from dataclasses import dataclass, field
 
 from workers.kv_cache_manager import BlockAllocator
-from workers.policies import PagedGreedyPolicy, PreemptionMode, SchedulingPolicy
+from workers.policies import PagedGreedyPolicy
+from workers.scheduling_policy import PreemptionMode, SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 
 

@@ -13,17 +13,23 @@ in lock-step; every rank ends with the full logits, and rank 0 samples.
     rank k:              recv(forward, inputs) -> forward (all-reduce)
 
 torch.distributed must already run the ranks (gloo on CPU, nccl on CUDA); in the service,
-`workers.rank_group` starts them. A request moved off or onto a tensor-parallel engine is
-recomputed (each rank holds only a share of its KV). A call that fails on rank 0 after it was
-sent leaves the ranks out of step: every later call is refused, so the worker fails its
-requests instead of hanging, and must be replaced.
+`workers.rank_group` starts them. A request's KV leaves or enters a tensor-parallel engine whole,
+as one host copy of all its heads (`ExportedKV`), so a move works between engines of any rank
+count: for an export every rank copies its heads to host and rank 0 gathers and joins them; for
+an import rank 0 splits the heads and scatters each rank its share. A call that fails on rank 0
+after it was sent leaves the ranks out of step: every later call is refused, so the worker fails
+its requests instead of hanging, and must be replaced.
+
+    export:  rank k: copy its heads' blocks to host --gather--> rank 0: join along the head axis
+    import:  rank 0: split along the head axis --scatter--> rank k: its share as a swap copy
 """
 
 import time
+from dataclasses import replace
 
 import torch
 
-from kv_kernels import KVKernelBackend, backend_for_device
+from kv_kernels import BlockPoolShape, KVKernelBackend, backend_for_device
 from workers.engine_config import EngineConfig
 from workers.kv_cache_manager import BlockAllocator
 from workers.model_runner import ModelRunner
@@ -32,6 +38,11 @@ from workers.scheduler import ScheduledChunk
 STOP = "stop"
 # Runner calls the other ranks repeat; anything else changes rank 0's state only (or is refused).
 FOLLOWED_CALLS = frozenset({"forward", "swap_out", "swap_in", "drop_swapped"})
+# Calls whose host copies of a share of the heads every rank sends to rank 0, which joins them.
+GATHERED_CALLS = frozenset({"copy_to_host", "swapped_copy"})
+IMPORT = "import_swapped"  # rank 0 scatters a whole copy's head shares; each rank keeps its own
+
+HostKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v), each [blocks, block_size, heads, head_dim]
 
 
 def check_ranks(tensor_parallel_size: int) -> None:
@@ -52,6 +63,48 @@ def _broadcast(call: tuple | None) -> tuple:
     box = [call]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _gather(share: HostKV | None) -> list[HostKV | None] | None:
+    """Every rank's `share`, in rank order, on rank 0 (None on the others)."""
+    import torch.distributed as dist
+
+    shares = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(share, shares, dst=0)
+    return shares
+
+
+def _scatter(shares: list[HostKV] | None) -> HostKV:
+    """This rank's element of rank 0's `shares` (one per rank; None on the others)."""
+    import torch.distributed as dist
+
+    box = [None]
+    dist.scatter_object_list(box, shares, src=0)
+    return box[0]
+
+
+def _gather_from(runner: ModelRunner, name: str, *args) -> list[HostKV] | None:
+    """Make the host-copy call `name` on this rank's runner and gather the copies on rank 0."""
+    share = getattr(runner, name)(*args)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)  # copies into pinned memory are asynchronous
+    return _gather(share)
+
+
+def join_heads(shares: list[HostKV]) -> HostKV:
+    """Per layer, the ranks' head shares side by side: rank r holds the r-th contiguous slice of the KV heads
+    (AutoTP splits k_proj and v_proj by output rows in rank order), so joining in rank order restores them."""
+    return [(torch.cat([share[layer][0] for share in shares], dim=2),
+             torch.cat([share[layer][1] for share in shares], dim=2)) for layer in range(len(shares[0]))]
+
+
+def split_heads(layers: HostKV, world_size: int) -> list[HostKV]:
+    """The inverse of `join_heads`: each rank's contiguous slice of the KV heads, per layer."""
+    shares = [[] for _ in range(world_size)]
+    for k, v in layers:
+        for rank, (k_share, v_share) in enumerate(zip(k.chunk(world_size, dim=2), v.chunk(world_size, dim=2))):
+            shares[rank].append((k_share.contiguous(), v_share.contiguous()))
+    return shares
 
 
 class LeadRunner:
@@ -110,11 +163,29 @@ class LeadRunner:
         self._send("drop_swapped", seq_id)
         self._local(self.runner.drop_swapped, seq_id)
 
-    def _whole_kv(self, *args, **kwargs):
-        raise ValueError(f"moving a request's KV is not built for tensor parallelism: each of the "
-                         f"{self.runner.tensor_parallel_size} ranks holds a share of its KV heads")
+    @property
+    def transfer_shape(self) -> BlockPoolShape:
+        """The pool as a moved request's KV sees it: every rank's heads together."""
+        shape = self.runner.pool_shape
+        return replace(shape, num_kv_heads=shape.num_kv_heads * self.runner.tensor_parallel_size)
 
-    copy_to_host = swapped_copy = import_swapped = _whole_kv
+    def copy_to_host(self, block_ids: list[int]) -> HostKV:
+        """Host copies of `block_ids` with every rank's heads (each rank copies its own; rank 0 joins them)."""
+        self._send("copy_to_host", list(block_ids))
+        return join_heads(self._local(_gather_from, self.runner, "copy_to_host", block_ids))
+
+    def swapped_copy(self, seq_id: str) -> HostKV | None:
+        """A swapped-out sequence's host blocks with every rank's heads (a new copy), or None."""
+        if self.runner.swapped_copy(seq_id) is None:
+            return None  # nothing held here, nor on the followers (they swap exactly when rank 0 does)
+        self._send("swapped_copy", seq_id)
+        return join_heads(self._local(_gather_from, self.runner, "swapped_copy", seq_id))
+
+    def import_swapped(self, seq_id: str, layers: HostKV) -> None:
+        """Take a whole host copy from elsewhere as `seq_id`'s swap copy, each rank its share of the heads."""
+        shares = split_heads(layers, self.runner.tensor_parallel_size)
+        self._send(IMPORT, seq_id)
+        self._local(self.runner.import_swapped, seq_id, self._local(_scatter, shares))
 
     def close(self) -> None:
         """Release the follower ranks (their `follow` returns); idempotent."""
@@ -130,9 +201,14 @@ def follow(runner: ModelRunner) -> int:
         name, args = _broadcast(None)
         if name == STOP:
             return num_calls
-        if name not in FOLLOWED_CALLS:
+        if name in GATHERED_CALLS:
+            _gather_from(runner, name, *args)
+        elif name == IMPORT:
+            runner.import_swapped(*args, _scatter(None))
+        elif name in FOLLOWED_CALLS:
+            getattr(runner, name)(*args)
+        else:
             raise RuntimeError(f"rank 0 sent {name!r}, which is not a runner call the ranks share")
-        getattr(runner, name)(*args)
         num_calls += 1
 
 

@@ -25,7 +25,8 @@ from workers.device import check_device, free_device_bytes, kv_budget_bytes, pro
 from workers.engine_config import EngineConfig
 from workers.length_probe import check_probe_folder
 from workers.models import DEFAULT_MODEL
-from workers.policies import POLICIES, S3Policy, SchedulingPolicy, make_policy
+from workers.policies import POLICIES, S3Policy, make_policy
+from workers.scheduling_policy import SchedulingPolicy
 from workers.prefix_cache import prefix_cache_salt
 from workers.runtime import DTYPE_CHOICES, resolve_dtype, tune_cpu_runtime
 from workers.work_types import WorkEvent, WorkerStats, WorkRequest
@@ -168,9 +169,12 @@ class WorkerActor:
         settings: how to build the engine.
         rank_group: with tensor_parallel_size above 1, the placement group this actor runs in (bundle 0);
             the follower ranks take its other bundles (`workers.rank_group.rank_group`).
+        namespace: the Ray namespace this named actor lives in; its follower ranks are named there
+            (`workers.rank_group.follower_name`), so an operator can find them with `ray.get_actor`.
     """
 
-    def __init__(self, worker_id: str, settings: WorkerSettings, rank_group=None) -> None:
+    def __init__(self, worker_id: str, settings: WorkerSettings, rank_group=None,
+                 namespace: str | None = None) -> None:
         from workers.engine_loop import EngineLoop
 
         tune_cpu_runtime(settings.num_torch_threads)
@@ -180,9 +184,11 @@ class WorkerActor:
             from workers.rank_group import start_ranks
 
             # They load their share while this actor loads its own; all join torch.distributed after.
-            self._followers, join = start_ranks(settings, rank_group)
+            self._followers, join = start_ranks(settings, rank_group, ray.get_runtime_context().get_actor_name(),
+                                                namespace)
         self._engine = build_engine(settings, join)
         self._loop = EngineLoop(self._engine, worker_id)
+        self._closed = False
 
     async def ready(self) -> WorkerStats:
         """Answers once the engine is built (the constructor loads the model)."""
@@ -208,10 +214,28 @@ class WorkerActor:
         return self._loop.move_out(request_id, target_worker_id, with_kv)
 
     async def stats(self) -> WorkerStats:
+        """The engine's counters; RuntimeError once a tensor-parallel engine cannot go on (the controller,
+        whose stats poll fails, then requeues this worker's requests and replaces it)."""
+        failure = self._rank_failure()
+        if failure is not None:
+            raise RuntimeError(f"worker {self.worker_id}: {failure}; its tensor-parallel engine cannot step "
+                               "again and must be replaced")
         return self._loop.stats()
+
+    def _rank_failure(self) -> str | None:
+        """Why the ranks of a tensor-parallel engine can no longer step together: a follower died, or rank 0
+        failed a call the followers made (`LeadRunner.broken`); None otherwise, and for one rank."""
+        if not self._followers or self._closed:
+            return None
+        from workers.rank_group import ended_follower
+
+        broken = getattr(self._engine.runner, "broken", None)
+        return ended_follower(self._followers) or (f"rank 0 failed a call the followers made ({broken})"
+                                                   if broken is not None else None)
 
     async def close(self) -> None:
         """End every stream with "abort" and stop the step thread (before killing the actor on purpose); the
         follower ranks of a tensor-parallel engine return."""
+        self._closed = True
         await self._loop.close()
         self._engine.close()

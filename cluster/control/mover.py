@@ -22,7 +22,7 @@ from cluster.control.messages import RequestRecord
 from cluster.control.placement import blocks_for, migration_target
 from cluster.control.rebalance import WorkerLoad, choose_rebalance
 from cluster.control.worker_pool import WorkerPool
-from workers.policies import SchedulingPolicy
+from workers.scheduling_policy import SchedulingPolicy
 
 logger = logging.getLogger(__name__)
 

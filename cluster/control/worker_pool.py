@@ -103,7 +103,7 @@ class RayWorkerBackend(WorkerBackend):
             return ray.remote(WorkerActor).options(
                 name=self.actor_name(worker_id), namespace=self._namespace, lifetime="detached",
                 num_cpus=self._num_cpus, num_gpus=self._num_gpus, max_restarts=0, max_concurrency=1000, **options,
-            ).remote(worker_id, settings, group)
+            ).remote(worker_id, settings, group, self._namespace)
         except BaseException:
             if group is not None:
                 from ray.util.placement_group import remove_placement_group
