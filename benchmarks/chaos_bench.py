@@ -32,8 +32,8 @@ import psutil
 
 from benchmarks.chaos_accounting import FaultEvent, fault_rows, totals
 from benchmarks.http_load import LoadPlan, LoadRequest, drive, read_results, read_start_unix_s, write_plan
-from workers.ports import free_port
 from benchmarks.report import environment, format_table, write_json
+from workers.ports import free_port
 
 FAULTS = ("kill_worker", "kill_redis", "kill_controller", "stop_worker", "burst")
 PROMPTS = ("Write a short poem about the sea.", "Explain what a hash table is.", "List three uses of copper.",

@@ -36,13 +36,13 @@ from benchmarks.cluster_plan import load_plan, predictor_artifact
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_results, write_plan
 from benchmarks.natural_workload import compare_outputs
 from benchmarks.policy_summary import PROBE_SUFFIX, PROBED
-from workers.ports import free_port
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
 from cluster.config import DTYPES
 from cluster.control.rebalance import check_min_gap
 from workers.length_probe import check_probe_folder
 from workers.policies import SERVING_POLICY_NAMES
+from workers.ports import free_port
 
 POLICIES = SERVING_POLICY_NAMES
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")

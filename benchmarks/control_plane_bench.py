@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.ports import free_port
 from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.simulated_workers import SimulatedWorkerBackend
+from workers.ports import free_port
 
 OVERHEAD_HEADER = "x-s3-overhead-ms"
 OFFERED_SHARE_OF_CAPACITY = 0.9  # the latency run offers at most this share of the measured capacity

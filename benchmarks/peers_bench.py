@@ -37,8 +37,8 @@ from benchmarks.traces import ReplayRequest, TraceRow, build_requests, load_prom
 from predictor_service.length_predictor import LengthQuery
 from workers.model_runner import pool_shape_for
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
-from workers.scheduling_policy import PreemptionCostModel
 from workers.runtime import resolve_dtype, usable_cores
+from workers.scheduling_policy import PreemptionCostModel
 
 PEER_VENV = Path(".venv-peers")
 PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")

@@ -13,8 +13,8 @@ from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.length_probe import LengthProbe
 from workers.policies import make_policy
-from workers.scheduling_policy import PreemptionCostModel
 from workers.sampling_params import SamplingParams
+from workers.scheduling_policy import PreemptionCostModel
 
 if TYPE_CHECKING:
     from benchmarks.policy_bench import PolicyBenchConfig

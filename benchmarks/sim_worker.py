@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from benchmarks.step_time import StepModel
 from cluster.control.rebalance import check_min_gap
 from workers.kv_cache_manager import BlockAllocator
-from workers.scheduling_policy import SchedulingPolicy
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
+from workers.scheduling_policy import SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import StepShape, step_shape
 

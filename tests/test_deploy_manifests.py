@@ -250,7 +250,7 @@ def test_gpu_group_asks_for_gpus_and_bounds_the_worker_pool():
         gpus_per_worker = config.tensor_parallel_size * config.worker_num_gpus
         assert gpus_per_pod >= 1 and gpus_per_worker <= gpus_per_pod
         assert config.max_workers_resolved <= gpu_group["maxReplicas"] * (gpus_per_pod // gpus_per_worker)
-        assert config.worker_num_cpus <= float(container["resources"]["limits"]["cpu"])
+        assert config.tensor_parallel_size * config.worker_num_cpus <= float(container["resources"]["limits"]["cpu"])
         assert any(t["key"] == "nvidia.com/gpu" for t in gpu_group["template"]["spec"].get("tolerations", []))
         # Only the GPU group holds GPUs, so CPU-only replicas never keep a GPU node alive.
         others = [c for c in _ray_containers(spec) if c is not container]

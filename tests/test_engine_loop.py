@@ -230,6 +230,38 @@ def test_a_failing_step_fails_its_requests_and_the_loop_serves_the_rest(tiny_mod
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+def test_a_request_the_engine_cannot_drop_ends_in_error_and_the_loop_serves_the_rest(tiny_model):
+    """A tensor-parallel engine whose ranks fell out of step refuses to drop a request; moving it out must then
+    end its stream with the error (not leave it open, nor stop the step thread)."""
+    engine = make_engine(tiny_model)
+    abort = engine.abort
+
+    def abort_refusing_stuck(seq_id):
+        if seq_id == "stuck":
+            raise RuntimeError("the tensor-parallel ranks are out of step")
+        return abort(seq_id)
+
+    engine.abort = abort_refusing_stuck
+    other = make_request("other", 5, 12, seed=61)
+
+    async def main():
+        loop = EngineLoop(engine, "w0")
+        stream = loop.generate(make_request("stuck", 6, 40, seed=60))
+        first = await anext(stream)
+        others = asyncio.create_task(collect(loop, other))
+        assert loop.move_out("stuck", "w1", with_kv=True)
+        stuck_events = [first] + [event async for event in stream]
+        other_events = await others
+        await loop.close()
+        return stuck_events, other_events
+
+    stuck_events, other_events = run(main())
+    assert stuck_events[-1].finish_reason == "error" and stuck_events[-1].moved_to is None
+    assert "dropping the request failed: RuntimeError: the tensor-parallel ranks are out of step" in \
+        stuck_events[-1].error
+    assert tokens_of(other_events) == expected_tokens(tiny_model, other)
+
+
 def test_close_aborts_open_streams(tiny_model):
     async def main():
         loop = EngineLoop(make_engine(tiny_model), "w0")

@@ -15,8 +15,8 @@ from workers.engine import Engine, EngineConfig
 from workers.kv_transfer import ExportedKV
 from workers.models import make_tiny_model
 from workers.policies import make_policy
-from workers.scheduling_policy import PreemptionCostModel
 from workers.sampling_params import SamplingParams
+from workers.scheduling_policy import PreemptionCostModel
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4

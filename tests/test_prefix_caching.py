@@ -10,8 +10,8 @@ import torch
 from workers.engine import Engine, EngineConfig
 from workers.models import make_tiny_model
 from workers.policies import make_policy
-from workers.scheduling_policy import PreemptionCostModel
 from workers.sampling_params import SamplingParams
+from workers.scheduling_policy import PreemptionCostModel
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, fp32

@@ -11,9 +11,9 @@ from workers.engine import Engine, EngineConfig
 from workers.model_runner import pool_shape_for
 from workers.models import make_tiny_model, tiny_llama_config
 from workers.policies import S3Policy
-from workers.scheduling_policy import PreemptionCostModel
-from workers.sampling_params import SamplingParams
 from workers.ports import free_port
+from workers.sampling_params import SamplingParams
+from workers.scheduling_policy import PreemptionCostModel
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24  # six requests of up to 44 tokens: they must take turns, and preempted ones swap

@@ -18,13 +18,13 @@ from workers.kv_cache_manager import BlockAllocator
 from workers.kv_transfer import ExportedKV
 from workers.length_probe import LengthProbe, ProbeQuery, refined_bound, remaining_for
 from workers.model_runner import ModelRunner, pool_shape_for
-from workers.scheduling_policy import SchedulingPolicy
 from workers.sampling import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.tensor_parallel import LeadRunner, check_ranks, send_config
+from workers.scheduling_policy import SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import RequestMetrics, StepOutput, StepShape, StepTimes, step_shape
+from workers.tensor_parallel import LeadRunner, check_ranks, send_config
 
 __all__ = ["Engine", "EngineConfig", "RequestMetrics", "StepOutput", "StepTimes"]
 

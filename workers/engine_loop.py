@@ -325,7 +325,9 @@ class EngineLoop:
             if kv is not None and kv.num_computed_tokens == 0:
                 kv = None
         num_preemptions, bound = seq.num_preemptions, seq.predicted_output_tokens
-        self._engine.abort(command.request_id)
+        failed = self._abort(command.request_id)
+        if failed is not None:
+            return _Ended(command.request_id, "error", num_preemptions, error=failed)
         if command.reason == "moved":
             self._num_migrated_out += 1
         return _Ended(command.request_id, command.reason, num_preemptions, command.target_worker_id, kv,
@@ -339,9 +341,19 @@ class EngineLoop:
         error = f"engine step failed: {type(exc).__name__}: {exc}"
         ended = []
         for seq in affected:
-            self._engine.abort(seq.seq_id)
+            self._abort(seq.seq_id)
             ended.append(_Ended(seq.seq_id, "error", seq.num_preemptions, error=error))
         return ended
+
+    def _abort(self, request_id: str) -> str | None:
+        """Drop a request from the engine; the error if that failed (a tensor-parallel engine whose ranks fell
+        out of step refuses; its stats poll then fails and the controller replaces the worker)."""
+        try:
+            self._engine.abort(request_id)
+        except Exception as exc:
+            logger.exception("worker %s: dropping %s failed", self.worker_id, request_id)
+            return f"dropping the request failed: {type(exc).__name__}: {exc}"
+        return None
 
     def _snapshot(self) -> WorkerStats:
         counters = LoopCounters(self._num_generated_tokens, self._num_migrated_in, self._num_migrated_out)

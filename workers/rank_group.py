@@ -94,9 +94,11 @@ def start_ranks(settings, group, actor_name: str | None = None, namespace: str |
                 ) -> tuple[list[tuple], "callable"]:
     """From rank 0 (the worker actor, in bundle 0 of `group`): start the follower ranks in the other bundles
     (each loads its model, then waits for the others), named `follower_name(actor_name, rank)` in `namespace`
-    when the worker has a name (an actor cannot read its own namespace, so the pool passes it). Returns (actor handle, pending `run` call) per follower, to keep (an actor whose handles are
-    all gone is stopped) and to watch (`ended_follower`), and the function rank 0 calls to join them once
-    its own model is loaded, so that every rank loads at the same time."""
+    when the worker has a name (an actor cannot read its own namespace, so the pool passes it).
+
+    Returns (actor handle, pending `run` call) per follower, to keep (an actor whose handles are all gone is
+    stopped) and to watch (`ended_follower`), and the function rank 0 calls to join them once its own model
+    is loaded, so that every rank loads at the same time."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from workers.device import probe_cuda, resolve_device

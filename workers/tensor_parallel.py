@@ -16,7 +16,8 @@ torch.distributed must already run the ranks (gloo on CPU, nccl on CUDA); in the
 `workers.rank_group` starts them. A request's KV leaves or enters a tensor-parallel engine whole,
 as one host copy of all its heads (`ExportedKV`), so a move works between engines of any rank
 count: for an export every rank copies its heads to host and rank 0 gathers and joins them; for
-an import rank 0 splits the heads and scatters each rank its share. A call that fails on rank 0
+an import rank 0 splits the heads and scatters each rank its share, over a gloo group of the ranks
+(`host_group`) so that the copies never pass through GPU memory. A call that fails on rank 0
 after it was sent leaves the ranks out of step: every later call is refused, so the worker fails
 its requests instead of hanging, and must be replaced.
 
@@ -65,30 +66,40 @@ def _broadcast(call: tuple | None) -> tuple:
     return box[0]
 
 
-def _gather(share: HostKV | None) -> list[HostKV | None] | None:
+def host_group():
+    """A gloo group of every rank, for the host copies of moved KV: with nccl, the object collectives would
+    stage each pickled copy in GPU memory, which the KV pool has mostly taken. Every rank must call this
+    once, in the same order as its other collectives (rank 0 when its `LeadRunner` is built, the followers
+    in `follow_engine` when they have the settings)."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+def _gather(share: HostKV | None, group) -> list[HostKV | None] | None:
     """Every rank's `share`, in rank order, on rank 0 (None on the others)."""
     import torch.distributed as dist
 
     shares = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(share, shares, dst=0)
+    dist.gather_object(share, shares, dst=0, group=group)
     return shares
 
 
-def _scatter(shares: list[HostKV] | None) -> HostKV:
+def _scatter(shares: list[HostKV] | None, group) -> HostKV:
     """This rank's element of rank 0's `shares` (one per rank; None on the others)."""
     import torch.distributed as dist
 
     box = [None]
-    dist.scatter_object_list(box, shares, src=0)
+    dist.scatter_object_list(box, shares, src=0, group=group)
     return box[0]
 
 
-def _gather_from(runner: ModelRunner, name: str, *args) -> list[HostKV] | None:
+def _gather_from(runner: ModelRunner, group, name: str, *args) -> list[HostKV] | None:
     """Make the host-copy call `name` on this rank's runner and gather the copies on rank 0."""
     share = getattr(runner, name)(*args)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)  # copies into pinned memory are asynchronous
-    return _gather(share)
+    return _gather(share, group)
 
 
 def join_heads(shares: list[HostKV]) -> HostKV:
@@ -115,6 +126,7 @@ class LeadRunner:
     def __init__(self, runner: ModelRunner) -> None:
         check_ranks(runner.tensor_parallel_size)
         self.runner = runner
+        self.host_group = host_group()  # the followers make theirs in follow_engine, at the same point
         self.num_calls_sent = 0
         self.closed = False
         self.broken: str | None = None  # why the ranks fell out of step, once they have
@@ -128,7 +140,11 @@ class LeadRunner:
         if self.broken is not None:
             raise RuntimeError(f"the tensor-parallel ranks are out of step since rank 0 failed a call they made "
                                f"({self.broken}); the worker must be replaced")
-        _broadcast((name, args))
+        try:
+            _broadcast((name, args))
+        except BaseException as error:  # some ranks may have the call and others not
+            self.broken = f"sending {name}: {type(error).__name__}: {error}"
+            raise
         self.num_calls_sent += 1
 
     def _local(self, call, *args):
@@ -172,29 +188,31 @@ class LeadRunner:
     def copy_to_host(self, block_ids: list[int]) -> HostKV:
         """Host copies of `block_ids` with every rank's heads (each rank copies its own; rank 0 joins them)."""
         self._send("copy_to_host", list(block_ids))
-        return join_heads(self._local(_gather_from, self.runner, "copy_to_host", block_ids))
+        return join_heads(self._local(_gather_from, self.runner, self.host_group, "copy_to_host", block_ids))
 
     def swapped_copy(self, seq_id: str) -> HostKV | None:
         """A swapped-out sequence's host blocks with every rank's heads (a new copy), or None."""
         if self.runner.swapped_copy(seq_id) is None:
             return None  # nothing held here, nor on the followers (they swap exactly when rank 0 does)
         self._send("swapped_copy", seq_id)
-        return join_heads(self._local(_gather_from, self.runner, "swapped_copy", seq_id))
+        return join_heads(self._local(_gather_from, self.runner, self.host_group, "swapped_copy", seq_id))
 
     def import_swapped(self, seq_id: str, layers: HostKV) -> None:
         """Take a whole host copy from elsewhere as `seq_id`'s swap copy, each rank its share of the heads."""
         shares = split_heads(layers, self.runner.tensor_parallel_size)
         self._send(IMPORT, seq_id)
-        self._local(self.runner.import_swapped, seq_id, self._local(_scatter, shares))
+        self._local(self.runner.import_swapped, seq_id, self._local(_scatter, shares, self.host_group))
 
     def close(self) -> None:
-        """Release the follower ranks (their `follow` returns); idempotent."""
+        """Release the follower ranks (their `follow` returns); idempotent. Ranks out of step are not sent
+        anything: they may wait in another collective, and the worker is replaced with them."""
         if not self.closed:
-            _broadcast((STOP, ()))
+            if self.broken is None:
+                _broadcast((STOP, ()))
             self.closed = True
 
 
-def follow(runner: ModelRunner) -> int:
+def follow(runner: ModelRunner, group) -> int:
     """Make rank 0's runner calls on this rank, in order, until it closes; returns the calls made."""
     num_calls = 0
     while True:
@@ -202,9 +220,9 @@ def follow(runner: ModelRunner) -> int:
         if name == STOP:
             return num_calls
         if name in GATHERED_CALLS:
-            _gather_from(runner, name, *args)
+            _gather_from(runner, group, name, *args)
         elif name == IMPORT:
-            runner.import_swapped(*args, _scatter(None))
+            runner.import_swapped(*args, _scatter(None, group))
         elif name in FOLLOWED_CALLS:
             getattr(runner, name)(*args)
         else:
@@ -229,4 +247,4 @@ def follow_engine(model: torch.nn.Module, backend: KVKernelBackend | None = None
     device = next(model.parameters()).device
     runner = ModelRunner(model, num_blocks, config.block_size, backend or backend_for_device(device),
                          config.tensor_parallel_size, max_model_len=config.max_model_len, use_fast_path=False)
-    return follow(runner)
+    return follow(runner, host_group())

@@ -26,9 +26,9 @@ from workers.engine_config import EngineConfig
 from workers.length_probe import check_probe_folder
 from workers.models import DEFAULT_MODEL
 from workers.policies import POLICIES, S3Policy, make_policy
-from workers.scheduling_policy import SchedulingPolicy
 from workers.prefix_cache import prefix_cache_salt
 from workers.runtime import DTYPE_CHOICES, resolve_dtype, tune_cpu_runtime
+from workers.scheduling_policy import SchedulingPolicy
 from workers.work_types import WorkEvent, WorkerStats, WorkRequest
 
 
