@@ -3,7 +3,7 @@
 Nothing here re-implements a decision. Every worker is a `benchmarks.sim_worker.SimWorker`: the
 engine's own `Scheduler` over its own `BlockAllocator` with the policy `make_policy` builds,
 stepped exactly as `Engine.step` steps it; the controller places with `placement.RoomIndex.roomiest`
-and `first_fit_decreasing` by the policy's `planned_tokens`, moves preempted overruns with `migration_target` and
+and `first_fit_decreasing` by the policy's `placement_tokens`, moves preempted overruns with `migration_target` and
 rebalances load with `choose_rebalance`, as `ControlPlane.place`, `ControlPlane._move_overruns` and
 `ControlPlane._rebalance` do. What is modelled is only time: a
 step takes `StepModel.step_s` of its `StepShape` (plus swap copies), instead of running a
@@ -163,8 +163,8 @@ class ClusterSimulation:
         self.result.num_placement_decisions += 1
 
     def _plan_blocks(self, request: SimRequest, num_output_tokens: int, bound: int | None) -> int:
-        tokens = self.policy.planned_tokens(request.num_prompt_tokens, num_output_tokens, request.max_tokens, bound,
-                                            request.num_output_tokens)  # only the oracle reads the true length
+        tokens = self.policy.placement_tokens(request.num_prompt_tokens, num_output_tokens, request.max_tokens,
+                                              bound, request.num_output_tokens)  # only the oracle reads the true length
         return max(1, min(blocks_for(tokens, self.config.block_size), self.config.num_blocks))
 
     def _place(self, request: SimRequest, now_s: float) -> None:

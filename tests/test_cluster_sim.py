@@ -10,6 +10,7 @@ from benchmarks.step_time import (LinearStepModel, RooflineStepModel, calibratio
                                   shape_cost)
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
+from workers.model_shapes import MODEL_SHAPES, shape_parameters
 from workers.models import make_tiny_model
 from workers.policies import make_policy
 from workers.sampling_params import SamplingParams
@@ -152,6 +153,17 @@ def test_roofline_decode_is_nearly_flat_in_batch_for_a_7b_model_on_an_a100():
     prefill = model.step_s(StepShape(1, 2048, 2048, 2048 * 2049 // 2))
     assert prefill > 3 * decode[0]  # a long prefill is compute bound
     assert shape_cost("llama-7b").kv_bytes_per_token == 2 * 32 * 4096 * 2
+
+
+def test_shapes_have_their_models_sizes_and_the_larger_ones_leave_an_a100_little_kv():
+    # Parameter counts as published (embeddings counted once: the shapes tie them to the output layer).
+    for name, billions in (("llama-7b", 6.74), ("llama-13b", 13.02), ("llama-30b", 32.53)):
+        assert shape_parameters(name) / 1e9 == pytest.approx(billions - 32000 * MODEL_SHAPES[name]["hidden_size"]
+                                                             / 1e9, rel=0.01)
+    kv_room = {name: 0.9 * gpu_kind("a100-80gb").memory_bytes - shape_cost(name).weight_bytes
+               for name in ("llama-7b", "llama-13b", "llama-30b")}
+    sequences = {name: room / (2048 * shape_cost(name).kv_bytes_per_token) for name, room in kv_room.items()}
+    assert sequences["llama-7b"] > sequences["llama-13b"] > sequences["llama-30b"] > 2
 
 
 def test_linear_fit_recovers_known_coefficients():

@@ -343,6 +343,16 @@ def test_the_plan_is_the_worker_policy_rule(run):
     run(check, policy="paged_greedy")
 
 
+def test_s3_peak_is_charged_its_prompt_and_its_workers_peak_test_decides(run):
+    async def check(plane, sim):
+        # Plans of 20 + 140 = 10 blocks would fill both workers with two requests; s3_peak is charged its prompt
+        # (2 blocks) and the worker's future-peak test decides when each runs, so none waits at the controller.
+        placements = [await asyncio.wait_for(plane.place(f"p{i}", 20, 200, 140), 2.0) for i in range(4)]
+        assert [p.num_reserved_blocks for p in placements] == [2, 2, 2, 2]
+        assert plane.ledger.reserved_by_worker() == {"w1": 4, "w2": 4}
+    run(check, policy="s3_peak")
+
+
 def test_records_are_replaced_not_duplicated_on_re_placement(run):
     async def check(plane, sim):
         first = await plane.place("a", 20, 200, 40)

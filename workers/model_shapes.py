@@ -17,6 +17,12 @@ MODEL_SHAPES: dict[str, dict[str, int]] = {
                      num_key_value_heads=32, head_dim=128, vocab_size=32000),
     "gptj-6b": dict(hidden_size=4096, intermediate_size=16384, num_hidden_layers=28, num_attention_heads=16,
                     num_key_value_heads=16, head_dim=256, vocab_size=50400),
+    # LLaMA-13B and -30B (also called 33B): on one 80 GB GPU their weights leave room for fewer sequences
+    # of KV, the regime where the S3 paper measured its largest gains.
+    "llama-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                      num_key_value_heads=40, head_dim=128, vocab_size=32000),
+    "llama-30b": dict(hidden_size=6656, intermediate_size=17920, num_hidden_layers=60, num_attention_heads=52,
+                      num_key_value_heads=52, head_dim=128, vocab_size=32000),
 }
 
 

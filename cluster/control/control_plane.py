@@ -2,7 +2,7 @@
 
 `cluster.control.controller.Controller` (the Ray actor) wraps one `ControlPlane`;
 `bench control-plane` runs one in-process over simulated workers. Every decision is a
-pure function (`placement`, `rebalance`, `scaling`, the policy's `planned_tokens`); this class moves
+pure function (`placement`, `rebalance`, `scaling`, the policy's `placement_tokens`); this class moves
 data between them, the ledger, the worker pool and Redis, and never blocks its loop:
 
     router --place()--> ledger (memory) --first-fit-decreasing--> Placement   one Redis write
@@ -130,7 +130,8 @@ class ControlPlane:
             await self.report_failure(exclude_worker_id)
         if request_id not in self.waiting and len(self.waiting) >= self.config.max_pending_placements:
             raise QueueFullError(f"{len(self.waiting)} requests already wait for KV room")
-        tokens = self.policy.planned_tokens(num_prompt_tokens, num_resumed_tokens, max_tokens, predicted_output_tokens)
+        tokens = self.policy.placement_tokens(num_prompt_tokens, num_resumed_tokens, max_tokens,
+                                              predicted_output_tokens)
         num_blocks = blocks_for(tokens, self.config.block_size)
         largest = self.pool.largest_cache_blocks or num_blocks
         num_blocks = max(1, min(num_blocks, largest))  # the worker's own policy copes with the rest
@@ -312,8 +313,8 @@ class ControlPlane:
         """Plan requests by the bounds their workers' length probes refined (`cluster.control.rebound`)."""
         for stats in list(self.pool.latest.values()):
             largest = self.pool.largest_cache_blocks or stats.num_total_blocks
-            for record in rebounded_records(stats, self.ledger.get, self.policy.planned_tokens, self.config.block_size,
-                                            largest, self.mover.moving):
+            for record in rebounded_records(stats, self.ledger.get, self.policy.placement_tokens,
+                                            self.config.block_size, largest, self.mover.moving):
                 try:
                     await self.ledger.put(record)
                 except redis.RedisError:

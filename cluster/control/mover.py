@@ -71,8 +71,8 @@ class Mover:
                 if report.request_id in self.moving or record is None or record.worker_id != worker_id:
                     continue
                 bound = report.predicted_output_tokens or record.predicted_output_tokens or None
-                tokens = policy.planned_tokens(report.num_prompt_tokens, report.num_output_tokens, record.max_tokens,
-                                               bound)
+                tokens = policy.placement_tokens(report.num_prompt_tokens, report.num_output_tokens,
+                                                 record.max_tokens, bound)
                 num_blocks = blocks_for(tokens, block_size)
                 target = migration_target(num_blocks, self.pool.budgets(self.ledger.reserved_blocks),
                                           exclude_worker_id=worker_id)

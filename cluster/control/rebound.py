@@ -3,8 +3,9 @@
 A worker with a length probe re-estimates a sequence's output bound from its own hidden
 states after the prefill and every few dozen decoded tokens. The controller reserved the
 request's KV by the router's first bound; `rebounded_records` gives the ledger records to
-write so that it plans by the worker's bound instead, with the same `planned_tokens` rule
-the worker's policy uses. Pure: records and reports in, records out.
+write so that it plans by the worker's bound instead, with the policy's `placement_tokens`
+rule (its `planned_tokens`, the rule the worker uses, unless the worker admits by its own test).
+Pure: records and reports in, records out.
 """
 
 from collections.abc import Callable, Container, Iterator
