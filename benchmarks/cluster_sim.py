@@ -162,9 +162,11 @@ class ClusterSimulation:
         self.result.placement_wall_s += time.perf_counter() - started_s
         self.result.num_placement_decisions += 1
 
-    def _plan_blocks(self, request: SimRequest, num_output_tokens: int, bound: int | None) -> int:
-        tokens = self.policy.placement_tokens(request.num_prompt_tokens, num_output_tokens, request.max_tokens,
-                                              bound, request.num_output_tokens)  # only the oracle reads the true length
+    def _plan_blocks(self, request: SimRequest, num_output_tokens: int, bound: int | None, rule=None) -> int:
+        """Blocks by the policy's `placement_tokens` (what the ledger charges), or by `rule`."""
+        tokens = (rule or self.policy.placement_tokens)(request.num_prompt_tokens, num_output_tokens,
+                                                        request.max_tokens, bound,
+                                                        request.num_output_tokens)  # only the oracle reads the truth
         return max(1, min(blocks_for(tokens, self.config.block_size), self.config.num_blocks))
 
     def _place(self, request: SimRequest, now_s: float) -> None:
@@ -237,19 +239,21 @@ class ClusterSimulation:
         self._place_waiting(now_s)
 
     def _move_overruns(self, now_s: float) -> None:
-        """`ControlPlane._move_overruns`: a preempted overrun moves where its next bound fits."""
+        """`Mover.move_overruns`: a preempted overrun moves where the plan of its next bound fits."""
         for worker_id, worker in self.workers.items():
             for seq in worker.preempted_overruns():
                 if seq.num_output_tokens >= seq.params.max_tokens:
                     continue
                 request = SimRequest(seq.seq_id, seq.arrival_s, seq.num_prompt_tokens,
                                      seq.params.forced_output_tokens, seq.params.max_tokens)
-                num_blocks = self._plan_blocks(request, seq.num_output_tokens, seq.predicted_output_tokens)
+                plan_blocks = self._plan_blocks(request, seq.num_output_tokens, seq.predicted_output_tokens,
+                                                self.policy.planned_tokens)
                 started_s = time.perf_counter()
-                target = migration_target(num_blocks, self._budgets(num_blocks), exclude_worker_id=worker_id)
+                target = migration_target(plan_blocks, self._budgets(plan_blocks), exclude_worker_id=worker_id)
                 self._decided(started_s)
                 if target is None:
                     continue
+                num_blocks = self._plan_blocks(request, seq.num_output_tokens, seq.predicted_output_tokens)
                 self._move(seq, worker, target, num_blocks, now_s)
 
     def _rebalance(self, now_s: float) -> None:

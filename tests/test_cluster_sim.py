@@ -194,9 +194,11 @@ def test_bad_names_and_too_few_samples_are_clear_errors():
 
 
 @pytest.mark.parametrize("policy, runs_together", [("s3_peak", 2), ("s3", 1)])
-def test_the_controller_plans_by_the_estimate_the_policy_chooses(policy, runs_together):
+def test_requests_are_planned_by_the_estimate_the_policy_chooses(policy, runs_together):
     # Two 10-token prompts with 20-token answers; the predictor's point says 20, its upper bound 200.
     # One worker of 16 blocks (256 tokens) holds both plans by the point, not both by the upper bound.
+    # s3 is placed by its plan at the controller; s3_peak is charged its prompt there, and its worker's
+    # future-peak test, planning by the point, is what lets both run.
     requests = [SimRequest(f"r{i}", 0.0, 10, 20, MAX_LEN - 10, 200, 20) for i in range(2)]
     _, result = _simulate(policy, requests, num_workers=1, num_blocks=16)
     assert max(shape.num_seqs for shape, _ in result.step_samples) == runs_together

@@ -353,6 +353,19 @@ def test_s3_peak_is_charged_its_prompt_and_its_workers_peak_test_decides(run):
     run(check, policy="s3_peak")
 
 
+@pytest.mark.parametrize("policy, grows", [("s3_peak", True), ("s3", False)])
+def test_requests_waiting_in_the_workers_grow_the_pool_where_the_policy_takes_blocks_on_demand(run, policy, grows):
+    async def check(plane, sim):
+        # Three requests wait in w1's queue and none at the controller: for an on-demand policy that is its
+        # backlog (it was charged less than it will hold); a policy holding its plan only queues at the controller.
+        for i in range(3):
+            sim.report_overrun("w1", f"q{i}", 20, 5, 40, 4)
+        await plane.tick()
+        return sorted(plane.pool.handles)
+    workers = run(check, policy=policy, max_workers=3, scale_up_queue_depth=1, rebalance_min_gap=0)
+    assert (workers == ["w1", "w2", "w3"]) == grows, workers
+
+
 def test_records_are_replaced_not_duplicated_on_re_placement(run):
     async def check(plane, sim):
         first = await plane.place("a", 20, 200, 40)

@@ -348,9 +348,12 @@ class ControlPlane:
         if any(pool.latest[w].num_running or pool.latest[w].num_waiting for w in ready) or self.waiting:
             self._idle_since_s = time.monotonic()
         pending_blocks = sum(w.request.num_blocks for w in self.waiting.values())
+        num_pending = len(self.waiting)
+        if not self.policy.holds_plan:  # charged less than they will hold: their backlog waits in the workers
+            num_pending += sum(pool.latest[w].num_waiting for w in ready)
         free = sum(self.rooms.free().values())
         per_worker = max((pool.latest[w].num_total_blocks for w in ready), default=1)
-        desired = self.scaling.desired_num_workers(pool.num_workers, len(self.waiting), pending_blocks, free,
+        desired = self.scaling.desired_num_workers(pool.num_workers, num_pending, pending_blocks, free,
                                                    per_worker, time.monotonic() - self._idle_since_s)
         for _ in range(desired - pool.num_workers):
             await pool.start_worker()

@@ -64,20 +64,22 @@ class Mover:
                 self._moving_since_s.pop(request_id, None)
 
     async def move_overruns(self, policy: SchedulingPolicy, block_size: int, migrate_kv_min_tokens: int) -> None:
-        """Each preempted overrun the workers report goes where the policy's plan of its next bound fits."""
+        """Each preempted overrun the workers report goes where the policy's plan of its next bound fits (charged
+        in the ledger by `placement_tokens`)."""
         for worker_id, stats in list(self.pool.latest.items()):
             for report in stats.overruns:
                 record = self.ledger.get(report.request_id)
                 if report.request_id in self.moving or record is None or record.worker_id != worker_id:
                     continue
                 bound = report.predicted_output_tokens or record.predicted_output_tokens or None
-                tokens = policy.placement_tokens(report.num_prompt_tokens, report.num_output_tokens,
-                                                 record.max_tokens, bound)
-                num_blocks = blocks_for(tokens, block_size)
-                target = migration_target(num_blocks, self.pool.budgets(self.ledger.reserved_blocks),
-                                          exclude_worker_id=worker_id)
+                request = (report.num_prompt_tokens, report.num_output_tokens, record.max_tokens, bound)
+                # The target must have room for the plan of the next bound (the worker's own test, for s3_peak,
+                # would refuse it otherwise); the ledger charges it what the policy places by.
+                target = migration_target(blocks_for(policy.planned_tokens(*request), block_size),
+                                          self.pool.budgets(self.ledger.reserved_blocks), exclude_worker_id=worker_id)
                 if target is None:
                     continue
+                num_blocks = blocks_for(policy.placement_tokens(*request), block_size)
                 with_kv = report.num_prompt_tokens + report.num_output_tokens >= migrate_kv_min_tokens
                 await self._move(replace(record, num_reserved_blocks=num_blocks, predicted_output_tokens=bound or 0),
                                  record, target, with_kv)

@@ -56,7 +56,8 @@ class PendingRequest:
 
     Attributes:
         request_id: the request's id.
-        num_blocks: its reservation: prompt + predicted upper bound of the output, in blocks.
+        num_blocks: its reservation (the policy's `placement_tokens`, e.g. prompt + predicted upper bound for
+            s3), in blocks.
         arrival_s: when it started waiting (any clock, as long as `now_s` uses the same one).
         priority: its class, lower is more urgent: placed before every less urgent request.
     """
