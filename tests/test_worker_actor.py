@@ -159,19 +159,26 @@ def test_killing_the_actor_mid_stream_raises_actor_died_at_the_consumer(start_wo
     assert events and all(event.finish_reason is None for event in events)
 
 
+def _two_rank_backend():
+    """Workers started as the service starts them (named "s3-worker-<id>" in "s3-tp-test"), each over two ranks
+    of half a CPU."""
+    from dataclasses import replace
+
+    from cluster.control.worker_pool import RayWorkerBackend
+
+    settings = replace(SETTINGS, tensor_parallel_size=2)
+    return RayWorkerBackend(lambda: settings, 0.5, 0.0, "s3-tp-test", lambda worker_id: f"s3-worker-{worker_id}")
+
+
 @pytest.mark.slow
 def test_a_tensor_parallel_worker_runs_its_ranks_in_one_placement_group(ray_cluster, local_engine):
     """Started as the service starts workers: a placement group of two bundles, the worker actor rank 0 in
     the first, a follower rank in the second; gloo between them, DeepSpeed AutoTP in each."""
-    from dataclasses import replace
-
     from ray.util.placement_group import get_placement_group
 
-    from cluster.control.worker_pool import RayWorkerBackend
     from workers.rank_group import rank_group_name
 
-    settings = replace(SETTINGS, tensor_parallel_size=2)
-    backend = RayWorkerBackend(lambda: settings, 0.5, 0.0, "s3-tp-test", lambda worker_id: f"s3-worker-{worker_id}")
+    backend = _two_rank_backend()
     handle = backend.start("tp")
     try:
         stats = ray.get(handle.ready.remote(), timeout=TIMEOUT_S)
@@ -199,13 +206,10 @@ def test_a_tensor_parallel_worker_whose_follower_dies_fails_its_stats_poll_namin
     stats call fails (so its requests are requeued and it is replaced) instead of answering while every
     step it runs waits for the missing rank."""
     import time
-    from dataclasses import replace
 
-    from cluster.control.worker_pool import RayWorkerBackend
     from workers.rank_group import follower_name
 
-    settings = replace(SETTINGS, tensor_parallel_size=2)
-    backend = RayWorkerBackend(lambda: settings, 0.5, 0.0, "s3-tp-test", lambda worker_id: f"s3-worker-{worker_id}")
+    backend = _two_rank_backend()
     handle = backend.start("tpdead")
     try:
         ray.get(handle.ready.remote(), timeout=TIMEOUT_S)
