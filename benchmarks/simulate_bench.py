@@ -35,12 +35,13 @@ from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
 from benchmarks.traces import read_trace
 from cluster.control.rebalance import check_min_gap
 from predictor_service.length_predictor import LengthQuery
-from workers.policies import make_policy
+from workers.policies import POLICY_NAMES, make_policy
 
 STATEMENT = ("SIMULATION: the service's scheduler, policies and placement code driven by a modelled clock; "
              "GPU step times are a datasheet roofline with assumed efficiencies, not measured on a GPU")
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
-DEFAULT_POLICIES = ("max_reserve", "paged_greedy", "s3", "s3_peak")
+DEFAULT_POLICIES = ("max_reserve", "paged_greedy", "s3", "s3_peak", "sglang_ratio")
+BASELINES = ("max_reserve", "paged_greedy", "sglang_ratio")
 LENGTH_AWARE = ("s3", "s3_peak")
 CPU_KIND = "cpu"
 WORKLOADS = ("trace", "paper")
@@ -188,9 +189,9 @@ def _cluster_model(config: SimulateBenchConfig, calibration):
 
 def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", model_cache_dir: Path | None = None,
         json_path: Path | None = None, plot_path: Path | None = None) -> dict:
-    unknown = [p for p in config.policies if p not in DEFAULT_POLICIES + ("oracle",)]
+    unknown = [p for p in config.policies if p not in POLICY_NAMES]
     if unknown:
-        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(DEFAULT_POLICIES + ('oracle',))}")
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(POLICY_NAMES)}")
     if config.workload not in WORKLOADS:
         raise ValueError(f"unknown workload {config.workload!r}; choose from {', '.join(WORKLOADS)}")
     if any(n < 1 for n in config.worker_counts):
@@ -258,7 +259,7 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
         "workload": config.workload, "workload_description": workload,
         "trace": str(config.trace_path if config.workload == "trace" else config.answers_path),
         "predictor": (f"noisy oracle, log-normal sigma {config.sigma}: s3 plans by its 90% quantile, s3_peak by "
-                      "its point (SchedulingPolicy.prediction_from)"),
+                      "its point (SchedulingPolicy.prediction_from); sglang_ratio and the other baselines read none"),
         "config": _config_dict(config),
         "calibration": None if calibration is None else {
             "model": calibration.model.describe(), "calibrated_on": calibration.calibrated_on,
@@ -293,7 +294,7 @@ def _workload_rows(config: SimulateBenchConfig, model_name: str, model_cache_dir
 
 
 def _ratios(runs: list[dict], config: SimulateBenchConfig, key: str) -> dict:
-    """Best length-aware policy by `key` over max_reserve and paged_greedy, at the largest cluster and per size."""
+    """Best length-aware policy by `key` over each baseline that ran, at the largest cluster and per size."""
     by = {(r["num_workers"], r["policy"]): r[key] for r in runs}
     ratios: dict = {}
     per_size: dict = {}
@@ -303,7 +304,7 @@ def _ratios(runs: list[dict], config: SimulateBenchConfig, key: str) -> dict:
             continue
         best, name = max(ours)
         row = {"best_length_aware": name}
-        for other in ("max_reserve", "paged_greedy"):
+        for other in BASELINES:
             if (num_workers, other) in by and by[(num_workers, other)]:
                 row[f"s3_vs_{other}"] = best / by[(num_workers, other)]
         per_size[str(num_workers)] = row

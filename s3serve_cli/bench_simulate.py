@@ -7,6 +7,7 @@ from pathlib import Path
 from benchmarks.step_time import GPU_KINDS
 from s3serve_cli.args import add_model_args
 from workers.model_shapes import MODEL_SHAPES
+from workers.policies import POLICY_NAMES
 
 
 def _bench_simulate(args: argparse.Namespace) -> int:
@@ -64,8 +65,8 @@ def add_simulate_parser(benches) -> None:
     simulate.add_argument("--sigma", type=float, default=None,
                           help="log-normal error of the noisy-oracle predictor (default 0.3)")
     simulate.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
-                          choices=("max_reserve", "paged_greedy", "s3", "s3_peak", "oracle"),
-                          help="policies to simulate (default: max_reserve paged_greedy s3 s3_peak)")
+                          choices=POLICY_NAMES,
+                          help="policies to simulate (default: max_reserve paged_greedy s3 s3_peak sglang_ratio)")
     simulate.add_argument("--calibration-requests", type=int, default=None, metavar="N",
                           help="trace rows the real engine runs per policy in the calibration (default 24; 16 with "
                                "--quick)")

@@ -384,13 +384,16 @@ def test_oracle_can_take_the_true_length_as_the_prediction_when_nothing_is_force
         OraclePolicy(from_prediction=True).reservation_tokens(Sequence("y", [1], SamplingParams(max_tokens=9)))
 
 
-def test_the_controller_is_charged_the_plan_except_where_the_worker_admits_by_its_own_peak_test():
-    for name in ("max_reserve", "paged_greedy", "s3", "sglang_ratio"):
+def test_the_controller_is_charged_the_plan_except_where_the_worker_admits_by_its_own_test():
+    for name in ("max_reserve", "paged_greedy", "s3"):
         policy = make_policy(name, max_model_len=1024)
         assert not policy.admits_at_worker
         assert policy.placement_tokens(20, 5, 200, 40) == policy.planned_tokens(20, 5, 200, 40), name
     peak = make_policy("s3_peak", max_model_len=1024)
     assert peak.admits_at_worker and peak.planned_tokens(20, 5, 200, 40) == 60
     assert peak.placement_tokens(20, 5, 200, 40) == 25  # what it holds on admission: prompt + resumed output
+    sglang = make_policy("sglang_ratio")  # its ratio lives in the worker's copy: the controller's never decays
+    assert sglang.admits_at_worker and sglang.planned_tokens(20, 5, 200, 40) == 20 + 5 + 137  # 195 x 0.7, rounded up
+    assert sglang.placement_tokens(20, 5, 200, 40) == 25
     with pytest.raises(ValueError, match="num_output_tokens must be in"):
         peak.placement_tokens(20, 200, 200, 40)  # checked as the plan is

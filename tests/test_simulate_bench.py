@@ -25,7 +25,7 @@ def test_simulate_writes_the_table_json_and_plot(tmp_path, shared_data):
     data = json.loads(out_json.read_text())
     assert data["simulation"] is True and "not measured on a GPU" in data["statement"]
     assert {(r["policy"], r["num_workers"]) for r in data["runs"]} == {
-        (p, n) for p in ("max_reserve", "paged_greedy", "s3", "s3_peak") for n in (2, 8)}
+        (p, n) for p in ("max_reserve", "paged_greedy", "s3", "s3_peak", "sglang_ratio") for n in (2, 8)}
     for run in data["runs"]:
         assert run["tokens_per_s"] > 0 and run["all_outputs_exact_length"]
         assert run["num_requests"] == 12 * run["num_workers"]
@@ -33,6 +33,7 @@ def test_simulate_writes_the_table_json_and_plot(tmp_path, shared_data):
     by = {(r["policy"], r["num_workers"]): r["tokens_per_s"] for r in data["runs"]}
     best = max(by[("s3", 8)], by[("s3_peak", 8)])
     assert data["ratios"]["s3_vs_max_reserve"] == pytest.approx(best / by[("max_reserve", 8)])
+    assert data["ratios"]["s3_vs_sglang_ratio"] == pytest.approx(best / by[("sglang_ratio", 8)])
     assert data["ratios"]["at_num_workers"] == 8
     assert plot.stat().st_size > 10_000
 
