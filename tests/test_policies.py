@@ -207,8 +207,16 @@ def _waiting(seq_id: str, arrival_s: float, predicted: int, decoded: int = 0) ->
     return seq
 
 
+def _kv_scarce(policy: S3PeakPolicy) -> S3PeakPolicy:
+    """`policy` after its peak test refused a request in the last step."""
+    huge = _waiting("huge", arrival_s=0.0, predicted=10_000)
+    assert not policy.can_admit(huge, [], num_blocks=4, block_size=16, step_token_budget=64)
+    policy.on_step([])
+    return policy
+
+
 def test_s3_peak_admits_the_shortest_predicted_remaining_first_and_ages_the_long_ones():
-    policy = S3PeakPolicy(wait_s_per_token=0.1)
+    policy = _kv_scarce(S3PeakPolicy(wait_s_per_token=0.1))
     long_old = _waiting("long_old", arrival_s=0.0, predicted=400)
     short_new = _waiting("short_new", arrival_s=5.0, predicted=100)
     mostly_done = _waiting("mostly_done", arrival_s=8.0, predicted=400, decoded=380)  # 20 to go (preempted)
@@ -219,12 +227,31 @@ def test_s3_peak_admits_the_shortest_predicted_remaining_first_and_ages_the_long
     short_late = _waiting("short_late", arrival_s=31.0, predicted=100)
     assert [s.seq_id for s in policy.admission_order([short_late, long_old])] == ["long_old", "short_late"]
     # At 0 s per token it is first come first served; the larger, the closer to shortest first.
-    assert [s.seq_id for s in S3PeakPolicy(wait_s_per_token=0.0).admission_order([short_new, long_old])] == [
-        "long_old", "short_new"]
-    assert [s.seq_id for s in S3PeakPolicy(wait_s_per_token=10.0).admission_order([long_old, short_late])] == [
-        "short_late", "long_old"]
+    assert [s.seq_id for s in _kv_scarce(S3PeakPolicy(wait_s_per_token=0.0)).admission_order(
+        [short_new, long_old])] == ["long_old", "short_new"]
+    assert [s.seq_id for s in _kv_scarce(S3PeakPolicy(wait_s_per_token=10.0)).admission_order(
+        [long_old, short_late])] == ["short_late", "long_old"]
     with pytest.raises(ValueError, match="wait_s_per_token"):
         S3PeakPolicy(wait_s_per_token=-1)
+
+
+def test_s3_peak_admits_in_arrival_order_until_its_peak_test_refuses_and_for_a_window_after():
+    policy = S3PeakPolicy(pressure_window_steps=3)
+    long_old = _waiting("long_old", arrival_s=0.0, predicted=400)
+    short_new = _waiting("short_new", arrival_s=5.0, predicted=100)
+    queue = [long_old, short_new]
+    fits = _waiting("fits", arrival_s=0.0, predicted=10)
+    assert policy.can_admit(fits, [], num_blocks=4, block_size=16, step_token_budget=64)
+    policy.on_step([])
+    assert not policy.kv_scarce and policy.admission_order(queue) == queue  # room for all: as paging admits
+    _kv_scarce(policy)
+    orders = []
+    for _ in range(5):  # no refusal since: scarce for the window's 3 steps, then arrival order again
+        orders.append([s.seq_id for s in policy.admission_order(queue)])
+        policy.on_step([])
+    assert orders == [["short_new", "long_old"]] * 4 + [["long_old", "short_new"]]
+    with pytest.raises(ValueError, match="pressure_window_steps"):
+        S3PeakPolicy(pressure_window_steps=0)
 
 
 def test_s3_peak_preempts_the_sequence_predicted_to_hold_its_blocks_longest():
@@ -251,7 +278,7 @@ def test_s3_peak_under_pressure_preempts_long_predicted_ones_not_the_newest():
     long = _waiting("long", 0.0, predicted=12)
     short = _waiting("short", 10.0, predicted=3)
     short.prompt_token_ids = long.prompt_token_ids = [1, 2, 3, 4]
-    for seq in (short, long):
+    for seq in (long, short):
         scheduler.add(seq)
     admitted = []
     for _ in range(12):
@@ -264,7 +291,7 @@ def test_s3_peak_under_pressure_preempts_long_predicted_ones_not_the_newest():
                 chunk.seq.output_token_ids.append(7)
         if scheduler.stats.num_preemptions:
             break
-    assert admitted == ["long", "short"]  # the long one came 10 s earlier
+    assert admitted == ["long", "short"]  # both fit: in arrival order
     assert scheduler.stats.num_preemptions == 1
     assert long.status is SequenceStatus.WAITING and short.status is SequenceStatus.RUNNING
 
