@@ -16,6 +16,14 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_rebalance_arg(parser: argparse.ArgumentParser, whose: str) -> None:
+    """`--rebalance-min-gap`, the controller setting of the same name, for `whose` controller."""
+    parser.add_argument("--rebalance-min-gap", type=int, default=None, metavar="N",
+                        help=f"{whose} rebalance_min_gap: move a live request from the busiest worker to the idlest "
+                             "when their live requests differ by at least N and the idlest holds at most half the "
+                             "busiest's (default 2; 0 turns it off)")
+
+
 def add_label_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--labels", type=Path, nargs="+", required=True, metavar="FILE",
                         help="labels JSONL files written by `s3serve label`")

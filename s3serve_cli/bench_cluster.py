@@ -4,7 +4,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from s3serve_cli.args import add_model_args
+from s3serve_cli.args import add_model_args, add_rebalance_arg
 
 
 def _bench_cluster(args: argparse.Namespace) -> int:
@@ -84,10 +84,7 @@ def add_cluster_parser(benches) -> None:
     cluster.add_argument("--urgent-share", type=float, default=None, metavar="SHARE",
                          help="send this share of the requests as priority 0 and the rest as priority 5, and report "
                               "TTFT and latency per class (default 0: every request at priority 0)")
-    cluster.add_argument("--rebalance-min-gap", type=int, default=None, metavar="N",
-                         help="the services' rebalance_min_gap: move a live request from the busiest worker to the "
-                              "idlest when their live requests differ by at least N and the idlest holds at most "
-                              "half the busiest's (default 2; 0 turns it off)")
+    add_rebalance_arg(cluster, "the services'")
     cluster.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
                          help="the workers' dtype (default auto: bf16 where the CPU has it; there a greedy answer can "
                               "change with its batch, float32 makes answers comparable token for token)")

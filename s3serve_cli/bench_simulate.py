@@ -5,7 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.step_time import GPU_KINDS
-from s3serve_cli.args import add_model_args
+from s3serve_cli.args import add_model_args, add_rebalance_arg
 from workers.model_shapes import MODEL_SHAPES
 from workers.policies import POLICY_NAMES
 
@@ -72,10 +72,7 @@ def add_simulate_parser(benches) -> None:
                                "--quick)")
     simulate.add_argument("--no-calibration", action="store_true",
                           help="skip the real-engine comparison on this CPU (not allowed with --kind cpu)")
-    simulate.add_argument("--rebalance-min-gap", type=int, default=None, metavar="N",
-                          help="the controller's rebalance_min_gap: move a live request from the busiest worker to "
-                               "the idlest when their live requests differ by at least N and the idlest holds at "
-                               "most half the busiest's (default 2; 0 turns it off)")
+    add_rebalance_arg(simulate, "the controller's")
     simulate.add_argument("--quick", action="store_true", help="fewer workers and requests (a few minutes)")
     simulate.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     simulate.add_argument("--plot", type=Path, default=None, metavar="PNG",

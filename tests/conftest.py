@@ -79,6 +79,31 @@ def prefill_logits():
 
 
 @pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A real embedded redis-server, one per test module (`cluster.control.redis_server.EmbeddedRedis`)."""
+    from cluster.control.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as embedded:
+        yield embedded
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The tiny random Llama at std 0.2 (`engine_driver.make_model`); engines get deep copies, it never runs."""
+    from engine_driver import make_model
+
+    return make_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(tiny_model):
+    """HF greedy `generate` on the module's `tiny_model` (`engine_driver.hf_greedy_runner`)."""
+    from engine_driver import hf_greedy_runner
+
+    return hf_greedy_runner(tiny_model)
+
+
+@pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny-model tests: the matmuls are too small to split; on a busy machine extra threads only spin.
 

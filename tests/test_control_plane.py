@@ -1,4 +1,7 @@
-"""The control plane without Ray: real embedded Redis, simulated workers (`benchmarks.simulated_workers`)."""
+"""The control plane without Ray: real embedded Redis, simulated workers (`benchmarks.simulated_workers`).
+
+Moves and rebalancing are in `test_control_plane_moves.py`; the harness in `control_plane_driver.py`.
+"""
 
 import asyncio
 import dataclasses
@@ -6,62 +9,17 @@ import dataclasses
 import pytest
 
 from benchmarks.simulated_workers import SimulatedWorkerBackend
-from cluster.config import ServiceConfig
 from cluster.control import control_plane as plane_module
-from cluster.control import mover as mover_module
 from cluster.control.control_plane import ControlPlane
-from cluster.control.messages import PlacementTimeoutError, QueueFullError, RequestOutcome
-from cluster.control.redis_server import EmbeddedRedis, connect, connect_async
+from cluster.control.messages import PlacementTimeoutError, QueueFullError
+from cluster.control.redis_server import EmbeddedRedis, connect_async
 from cluster.control.store import ControllerStore
-
-BLOCKS = 10  # per simulated worker
-BLOCK_SIZE = 16
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as embedded:
-        yield embedded
-
-
-def config(**fields) -> ServiceConfig:
-    base = dict(num_workers=2, block_size=BLOCK_SIZE, policy="s3", max_model_len=1024, placement_timeout_s=5.0,
-                max_pending_placements=4, stats_interval_s=0.05, retrain=False)
-    base.update(fields)
-    return ServiceConfig(**base)
+from control_plane_driver import BLOCK_SIZE, BLOCKS, config, control_plane_runner, outcome, until
 
 
 @pytest.fixture
 def run(server):
-    """run(check): check(plane, backend) on a started control plane with 2 ready simulated workers."""
-    connect(server.url).flushdb()
-
-    def runner(check, backend=None, **fields):
-        async def main():
-            sim = backend or SimulatedWorkerBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE)
-            client = connect_async(server.url, max_retry_s=0.3, socket_timeout_s=1.0)
-            plane = ControlPlane(config(**fields), ControllerStore(client), sim)
-            await plane.start()
-            await until(lambda: len(plane.pool.ready_ids()) == plane.config.num_workers)
-            try:
-                return await check(plane, sim)
-            finally:
-                await client.aclose()
-        return asyncio.run(main())
-
-    return runner
-
-
-async def until(condition, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
-def outcome(n: int = 5) -> RequestOutcome:
-    return RequestOutcome("hi", 20, 200, 0.0, n, 40, "stop")
+    return control_plane_runner(server.url)
 
 
 def test_places_by_plan_first_fit_and_releases_in_one_write(run):
@@ -139,120 +97,6 @@ def test_a_dead_worker_is_replaced_and_its_requests_requeued_for_their_routers(r
         dead = [r for r in (await plane.status()).workers if r.state == "dead"]
         assert [r.worker_id for r in dead] == [placement.worker_id]
     run(check)
-
-
-def test_an_overrun_moves_with_its_raised_bound_and_may_move_again(run):
-    async def check(plane, sim):
-        placement = await plane.place("a", 20, 200, 40)
-        source = placement.worker_id
-        target = "w2" if source == "w1" else "w1"
-        # The worker preempted it at 41 tokens and raised its bound to 100 (next bucket edge).
-        sim.report_overrun(source, "a", 20, 41, 100, 8)
-        await plane.tick()
-        assert sim.moves == [("a", source, target, True)]
-        record = plane.ledger.get("a")
-        assert (record.worker_id, record.predicted_output_tokens) == (target, 100)
-        assert record.num_reserved_blocks == 8  # planned by the policy's rule: 20 + 100 tokens
-        assert plane.counters["migrations"] == 1 and "a" in plane.moving
-        sim.workers[target].held["a"] = 8  # the router resumed it there
-        await plane.tick()  # the target holds it: the move is settled
-        assert "a" not in plane.moving
-        sim.report_overrun(target, "a", 20, 101, 120, 9)  # overran again: bound 120, 9 blocks
-        await plane.tick()
-        assert sim.moves[-1] == ("a", target, source, True)  # moved a second time
-        assert plane.ledger.get("a").predicted_output_tokens == 120
-    run(check)
-
-
-async def hold_placed(plane, sim, request_ids) -> dict[str, list[str]]:
-    """Place 1-block requests (prompt 8 + bound 8 tokens) and have their workers hold them; worker -> ids."""
-    by_worker: dict[str, list[str]] = {"w1": [], "w2": []}
-    for request_id in request_ids:
-        placement = await plane.place(request_id, 8, 200, 8)
-        sim.workers[placement.worker_id].held[request_id] = placement.num_reserved_blocks
-        by_worker[placement.worker_id].append(request_id)
-    await plane.tick()  # fresh stats
-    return by_worker
-
-
-async def imbalanced(plane, sim) -> dict[str, list[str]]:
-    """Four 1-block requests on each worker, then three of w2's answers end: 4 live on w1, 1 on w2; one tick."""
-    by_worker = await hold_placed(plane, sim, [f"r{i}" for i in range(8)])
-    for request_id in by_worker["w2"][1:]:
-        sim.workers["w2"].held.pop(request_id)
-        await plane.finish(request_id, outcome())
-    await plane.tick()
-    return by_worker
-
-
-def test_a_live_request_moves_from_the_busiest_worker_to_the_idlest_until_they_are_even(run):
-    async def check(plane, sim):
-        by_worker = await imbalanced(plane, sim)
-        assert {w: len(ids) for w, ids in by_worker.items()} == {"w1": 4, "w2": 4}  # as placed
-        newest = by_worker["w1"][-1]
-        assert sim.moves == [(newest, "w1", "w2", True)]  # with its KV
-        assert plane.ledger.get(newest).worker_id == "w2" and plane.ledger.reserved_by_worker() == {"w1": 3, "w2": 2}
-        assert plane.counters["rebalances"] == 1 and plane.counters["migrations"] == 1
-        await plane.tick()  # 3 against 2: settled, nothing more moves
-        await plane.tick()
-        assert len(sim.moves) == 1
-        # w1 drains; w2 now holds its own request and the moved one (newest): the moved one stays
-        for request_id in by_worker["w1"][:-1]:
-            sim.workers["w1"].held.pop(request_id)
-            await plane.finish(request_id, outcome())
-        await plane.tick()
-        await plane.tick()
-        assert sim.moves[1:] == [(by_worker["w2"][0], "w2", "w1", True)]
-    run(check)
-
-
-class RefusingBackend(SimulatedWorkerBackend):
-    """Workers that refuse every move (the request ended meanwhile, or the source is dying)."""
-
-    async def move_out(self, handle, request_id, target_worker_id, with_kv):
-        return False
-
-
-class LosingBackend(SimulatedWorkerBackend):
-    """Workers that end a moved request whose router never resumes it anywhere."""
-
-    async def move_out(self, handle, request_id, target_worker_id, with_kv):
-        return handle.held.pop(request_id, None) is not None
-
-
-def test_a_refused_move_leaves_the_request_where_it_was(run):
-    async def check(plane, sim):
-        by_worker = await imbalanced(plane, sim)
-        newest = by_worker["w1"][-1]
-        assert plane.ledger.get(newest).worker_id == "w1" and plane.ledger.reserved_by_worker() == {"w1": 4, "w2": 1}
-        assert not plane.moving and "rebalances" not in plane.counters and "migrations" not in plane.counters
-    run(check, backend=RefusingBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE))
-
-
-def test_a_move_whose_target_never_gets_the_request_is_given_up(run, monkeypatch):
-    monkeypatch.setattr(mover_module, "MOVE_GIVE_UP_S", 0.0)
-
-    async def check(plane, sim):
-        by_worker = await imbalanced(plane, sim)
-        lost = by_worker["w1"][-1]
-        assert list(plane.moving) == [lost]  # its router died before resuming it on w2
-        await asyncio.sleep(0.01)
-        await plane.tick()
-        # given up, and rebalancing goes on: w1 (3 live) still has twice w2's, so its next newest moves
-        assert list(plane.moving) == [by_worker["w1"][-2]] and sim.moves == []
-    run(check, backend=LosingBackend(num_total_blocks=BLOCKS, block_size=BLOCK_SIZE))
-
-
-def test_rebalancing_off_moves_nothing(run):
-    async def check(plane, sim):
-        by_worker = await hold_placed(plane, sim, [f"r{i}" for i in range(8)])
-        for request_id in by_worker["w2"]:
-            sim.workers["w2"].held.pop(request_id)
-            await plane.finish(request_id, outcome())
-        await plane.tick()
-        await plane.tick()
-        assert not sim.moves and "rebalances" not in plane.counters
-    run(check, rebalance_min_gap=0)
 
 
 def test_reconcile_drops_entries_no_router_or_worker_will_release(run, monkeypatch):

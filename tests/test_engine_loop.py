@@ -9,7 +9,6 @@ import torch
 
 from workers.engine import Engine, EngineConfig
 from workers.engine_loop import EngineLoop, WorkEvent, WorkRequest
-from workers.models import make_tiny_model
 from workers.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -23,12 +22,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> torch.nn.Module:
-    """Weights redrawn at std 0.2 so that tokens depend on the whole context (see tests/test_engine.py)."""
-    return make_tiny_model(0, init_std=0.2)
 
 
 def make_engine(model: torch.nn.Module, num_blocks: int = 64, max_num_seqs: int = 4) -> Engine:

@@ -1,11 +1,13 @@
 """Triton and C++ CPU KV-cache kernels vs the torch reference; Triton on CPU through TRITON_INTERPRET=1 (conftest).
 
-Sizes stay small because the interpreter is slow: <= 6 sequences, <= 40 context tokens.
+Sizes stay small because the interpreter is slow: <= 6 sequences, <= 40 context tokens. The launchers' and the
+step metadata's argument checks are in `test_kv_kernel_arguments.py`.
 """
 
 import pytest
 import torch
 
+from kv_driver import blocks_for, cumulative, decode_lens, prefill_chunks, random_cache, shuffled_block_tables
 from kv_kernels import build_attention_metadata, cpu_build, cpu_kernels, reference, triton_kernels
 from kv_kernels.backend import CpuKVKernels, TorchKVKernels, TritonKVKernels
 from kv_kernels.layout import BlockPoolShape
@@ -17,49 +19,6 @@ IMPLS = pytest.mark.parametrize("impl", [reference, triton_kernels, cpu_kernels]
 FAST_IMPLS = pytest.mark.parametrize("impl", [triton_kernels, cpu_kernels], ids=["triton", "cpu"])
 HEADS = pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 2)], ids=["g1", "g3", "g4"])
 BLOCK_SIZES = pytest.mark.parametrize("block_size", [4, 8, 16])
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-def random_cache(num_blocks, block_size, num_kv_heads, head_dim, seed, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
-
-
-def shuffled_block_tables(context_lens, block_size, num_blocks, seed, pad_value=None, extra_cols=2):
-    """Non-contiguous shuffled block ids per sequence; entries past each sequence's blocks are padding
-    (random valid ids unless `pad_value` is given)."""
-    gen = torch.Generator().manual_seed(seed)
-    needed = [blocks_for(n, block_size) for n in context_lens]
-    assert sum(needed) <= num_blocks
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    width = max(needed) + extra_cols
-    if pad_value is None:
-        table = torch.randint(0, num_blocks, (len(context_lens), width), generator=gen, dtype=torch.int32)
-    else:
-        table = torch.full((len(context_lens), width), pad_value, dtype=torch.int32)
-    for seq, count in enumerate(needed):
-        table[seq, :count] = torch.tensor([free.pop() for _ in range(count)], dtype=torch.int32)
-    return table
-
-
-def decode_lens(block_size: int) -> list[int]:
-    """Lengths ending on a block boundary, one past it, one short of it, and a single token."""
-    return [1, block_size, 2 * block_size, block_size + 1, min(40, 3 * block_size - 1)]
-
-
-def prefill_chunks(block_size: int) -> tuple[list[int], list[int]]:
-    """(chunk lengths, prefix lengths): length-1 chunks, no prefix, prefixes on and off block boundaries."""
-    chunk_lens = [1, block_size, 7, 1, block_size + 3, 2]
-    prefix_lens = [0, 0, block_size, block_size + 2, 3, 2 * block_size - 1]
-    return chunk_lens, prefix_lens
-
-
-def cumulative(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
 
 
 # --------------------------------------------------------------------------- decode
@@ -286,62 +245,6 @@ def test_swap_out_swap_in_restores_exact_bytes(backend_cls, dtype):
     assert torch.equal(cache.view(torch.uint8), original.view(torch.uint8))
 
 
-# --------------------------------------------------------------------------- argument checks
-
-
-def _check_cases():
-    k_cache, v_cache = random_cache(4, 4, 2, 16, seed=0)
-    tables, lens = torch.zeros(2, 3, dtype=torch.int32), torch.tensor([3, 5])
-    query = torch.randn(2, 4, 16)
-    key = torch.randn(2, 2, 16)
-    cu, prefixes = torch.tensor([0, 1, 2]), torch.tensor([2, 4])
-    return {
-        "append_dtype": (lambda m: m.append_kv(key.double(), key, k_cache, v_cache, lens), "key must have dtype"),
-        "append_ndim": (lambda m: m.append_kv(key[0], key, k_cache, v_cache, lens), "key must have 3 dims"),
-        "decode_heads": (
-            lambda m: m.paged_decode_attention(torch.randn(2, 3, 16), k_cache, v_cache, tables, lens, 1.0),
-            "num_heads 3 is not a multiple of num_kv_heads 2",
-        ),
-        "decode_table_dtype": (
-            lambda m: m.paged_decode_attention(query, k_cache, v_cache, tables.float(), lens, 1.0),
-            "block_tables must have dtype",
-        ),
-        "decode_head_dim": (
-            lambda m: m.paged_decode_attention(query[..., :8], k_cache, v_cache, tables, lens, 1.0),
-            "query head_dim 8 != cache head_dim 16",
-        ),
-        "prefill_ndim": (
-            lambda m: m.prefill_attention(query[0], k_cache, v_cache, cu, prefixes, tables, 1.0),
-            "query must have 3 dims",
-        ),
-        "prefill_kv_heads": (
-            lambda m: m.prefill_attention(query, k_cache, v_cache[:, :, :1], cu, prefixes, tables, 1.0),
-            "k_cache shape .* != v_cache shape",
-        ),
-        "prefill_cu_seqlens_short": (
-            lambda m: m.prefill_attention(query, k_cache, v_cache, torch.tensor([0, 1, 1]), prefixes, tables, 1.0),
-            r"cu_seqlens_q must rise from 0 to num_tokens=2",
-        ),
-        "copy_out_of_range": (
-            lambda m: m.copy_blocks(k_cache, v_cache, torch.tensor([1, 4]), torch.tensor([2, 3])),
-            r"src_block_ids must lie in \[0, 4\)",
-        ),
-        "gather_negative": (lambda m: m.gather_blocks(k_cache, torch.tensor([-1])), "block_ids must lie in"),
-        "scatter_shape": (
-            lambda m: m.scatter_blocks(k_cache, torch.tensor([0, 1]), k_cache[:1].clone()),
-            "blocks must be",
-        ),
-    }
-
-
-@IMPLS
-@pytest.mark.parametrize("case", list(_check_cases()))
-def test_launchers_reject_bad_arguments(impl, case):
-    call, message = _check_cases()[case]
-    with pytest.raises(ValueError, match=message):
-        call(impl)
-
-
 # --------------------------------------------------------------------------- a whole step: attention()
 
 
@@ -387,17 +290,3 @@ def test_cpu_attention_routes_long_bf16_chunks_to_sdpa_with_the_same_result():
     want = reference.attention(query, key, value, want_k, want_v, meta, 0.125)
     got = cpu_kernels.attention(query, key, value, k_cache, v_cache, meta, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)  # bf16 outputs
-
-
-@pytest.mark.parametrize("change, message", [
-    (lambda q, s, t, sl: (q, s, [[99]] + t[1:], sl), r"block ids must lie in \[0, 8\)"),
-    (lambda q, s, t, sl: (q, [s[0] + 8] + s[1:], t, sl), "1 blocks cannot hold"),
-    (lambda q, s, t, sl: ([1, 3], [4, 6], t, sl + [0, 0]), "must decode one token"),
-    (lambda q, s, t, sl: (q, s, t, sl[:-1]), "slots for"),
-])
-def test_step_metadata_is_validated_once_with_the_values_shown(change, message):
-    pool = BlockPoolShape(1, 8, 4, 1, 16, torch.float32)
-    query_lens, seq_lens, tables, slots = [3, 1], [3, 5], [[2], [0, 1]], [8, 9, 10, 4]
-    query_lens, seq_lens, tables, slots = change(query_lens, seq_lens, tables, slots)
-    with pytest.raises(ValueError, match=message):
-        build_attention_metadata(query_lens, seq_lens, tables, slots, 1, pool, "cpu")

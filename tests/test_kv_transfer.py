@@ -1,6 +1,6 @@
 """KV export/import between engines: a sequence continued elsewhere gives the tokens it would have given at home.
 
-The tiny random Llama's weights are redrawn at std 0.2 (see tests/test_engine.py):
+The tiny random Llama's weights are redrawn at std 0.2 (see tests/engine_driver.py):
 at its default init it echoes the last token, which would hide KV read from
 the wrong blocks.
 """
@@ -13,7 +13,6 @@ import torch
 
 from workers.engine import Engine, EngineConfig
 from workers.kv_transfer import ExportedKV
-from workers.models import make_tiny_model
 from workers.policies import make_policy
 from workers.sampling_params import SamplingParams
 from workers.scheduling_policy import PreemptionCostModel
@@ -28,11 +27,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> torch.nn.Module:
-    return make_tiny_model(0, init_std=0.2)
 
 
 def make_engine(model: torch.nn.Module, num_blocks: int = 64, policy=None, block_size: int = BLOCK_SIZE) -> Engine:

@@ -5,10 +5,8 @@ import copy
 import random
 
 import pytest
-import torch
 
 from workers.engine import Engine, EngineConfig
-from workers.models import make_tiny_model
 from workers.policies import make_policy
 from workers.sampling_params import SamplingParams
 from workers.scheduling_policy import PreemptionCostModel
@@ -19,11 +17,6 @@ PREFIX = [random.Random(7).randrange(256) for _ in range(24)]  # 6 full blocks, 
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def tiny_model() -> torch.nn.Module:
-    return make_tiny_model(0, init_std=0.2)  # every token depends on the whole context
 
 
 def engine(model, caching: bool, num_blocks: int = 64, policy=None, max_num_seqs: int = 4) -> Engine:

@@ -11,12 +11,6 @@ import redis
 from cluster.control.redis_server import EmbeddedRedis, connect, redis_server_executable
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as embedded:
-        yield embedded
-
-
 def test_start_answers_on_localhost_with_persistence_on(server):
     assert server.is_running
     assert server.url == f"redis://127.0.0.1:{server.port}"

@@ -12,12 +12,6 @@ from cluster.control.redis_server import EmbeddedRedis, connect, connect_async
 from cluster.control.store import ControllerStore
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as embedded:
-        yield embedded
-
-
 @pytest.fixture
 def run(server):
     """run(fn): fn(store) in a fresh event loop over a flushed database (clients belong to one loop)."""
