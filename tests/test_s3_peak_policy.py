@@ -20,11 +20,14 @@ def test_s3_peak_with_exact_predictions_never_preempts_and_packs_more_than_s3():
     assert allocator.num_free_blocks == allocator.num_blocks
 
 
+RUNNING = [waiting_seq("running", arrival_s=0.0, predicted=50, decoded=5)]  # something holds blocks
+
+
 def _kv_scarce(policy: S3PeakPolicy) -> S3PeakPolicy:
     """`policy` after its peak test refused a request in the last step."""
     huge = waiting_seq("huge", arrival_s=0.0, predicted=10_000)
-    assert not policy.can_admit(huge, [], num_blocks=4, block_size=16, step_token_budget=64)
-    policy.on_step([])
+    assert not policy.can_admit(huge, RUNNING, num_blocks=4, block_size=16, step_token_budget=64)
+    policy.on_step(RUNNING)
     return policy
 
 
@@ -48,21 +51,30 @@ def test_s3_peak_admits_the_shortest_predicted_remaining_first_and_ages_the_long
         S3PeakPolicy(wait_s_per_token=-1)
 
 
-def test_s3_peak_admits_in_arrival_order_until_its_peak_test_refuses_and_for_a_window_after():
+def test_s3_peak_takes_its_queue_in_order_until_kv_runs_short_and_for_a_window_after():
     policy = S3PeakPolicy(pressure_window_steps=3)
     long_old = waiting_seq("long_old", arrival_s=0.0, predicted=400)
     short_new = waiting_seq("short_new", arrival_s=5.0, predicted=100)
-    queue = [long_old, short_new]
+    queue, shortest_first = [long_old, short_new], ["short_new", "long_old"]
     fits = waiting_seq("fits", arrival_s=0.0, predicted=10)
-    assert policy.can_admit(fits, [], num_blocks=4, block_size=16, step_token_budget=64)
-    policy.on_step([])
+    assert policy.can_admit(fits, RUNNING, num_blocks=40, block_size=16, step_token_budget=64)
+    policy.on_step(RUNNING)
     assert not policy.kv_scarce and policy.admission_order(queue) == queue  # room for all: as paging admits
-    _kv_scarce(policy)
-    orders = []
-    for _ in range(5):  # no refusal since: scarce for the window's 3 steps, then arrival order again
-        orders.append([s.seq_id for s in policy.admission_order(queue)])
-        policy.on_step([])
-    assert orders == [["short_new", "long_old"]] * 4 + [["long_old", "short_new"]]
+
+    def orders(num_steps: int) -> list[list[str]]:
+        seen = []
+        for _ in range(num_steps):
+            seen.append([s.seq_id for s in policy.admission_order(queue)])
+            policy.on_step(RUNNING)
+        return seen
+
+    _kv_scarce(policy)  # refused in the last step: shortest first for the window's 3 steps, then in order
+    assert orders(4) == [shortest_first] * 3 + [["long_old", "short_new"]]
+    policy.on_preempted(RUNNING[0], [])  # a sequence could not grow: as scarce as a refusal
+    policy.on_step(RUNNING)
+    assert orders(1) == [shortest_first]
+    policy.on_step([])  # nothing runs: every block is free, whatever happened before
+    assert not policy.kv_scarce and policy.admission_order(queue) == queue
     with pytest.raises(ValueError, match="pressure_window_steps"):
         S3PeakPolicy(pressure_window_steps=0)
 

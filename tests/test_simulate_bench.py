@@ -89,7 +89,9 @@ def test_simulator_agrees_with_the_real_engine_on_this_cpu(tmp_path, model_cache
     assert [row["policy"] for row in calibration["agreement"]] == ["paged_greedy", "max_reserve", "s3"]
     for row in calibration["agreement"]:
         assert row["real_tokens_per_s"] > 0 and abs(row["error_pct"]) <= STATED_ERROR_PCT, row
-    assert data["kind"] == "cpu" and len(data["runs"]) == 8
+    assert data["kind"] == "cpu"
+    assert sorted((r["policy"], r["num_workers"]) for r in data["runs"]) == sorted(
+        (p, n) for p in ("max_reserve", "paged_greedy", "s3", "s3_peak", "sglang_ratio") for n in (1, 4))
 
 
 def test_reused_rows_come_back_in_a_fresh_order_each_pass():

@@ -164,11 +164,12 @@ class S3PeakPolicy(S3Policy):
     It plans by the predictor's point estimate, not its upper bound
     (`prediction_from`): an underestimate costs a stretched plan, not a
     preemption, and the worker's length probe refines it as decoding goes on.
-    While KV is scarce (the peak test refused a request within the last
-    `pressure_window_steps` steps) waiting requests are admitted shortest
-    predicted remaining first, aged by arrival (`wait_s_per_token`), so blocks
-    go to those that give them back soonest; otherwise in arrival order, as
-    paging admits: with room for all, the order only decides which prompts
+    While KV is scarce (within `pressure_window_steps` steps of the peak test
+    refusing a request or a sequence being preempted for want of blocks, and
+    while anything runs) waiting requests are admitted shortest predicted
+    remaining first, aged by arrival (`wait_s_per_token`), so blocks go to
+    those that give them back soonest; otherwise in queue order (arrival, the
+    preempted first), as paging admits: with room for all, the order only decides which prompts
     are prefilled first, and shortest first then makes the batch swing from
     short answers with many prefills to long answers decoding nearly alone,
     which costs tokens/s (simulated Azure conv, LLaMA-7B on A100s, 64
@@ -189,7 +190,7 @@ class S3PeakPolicy(S3Policy):
         wait_s_per_token: seconds of waiting that outweigh one predicted
             remaining token in the admission order (0: first come first served).
         pressure_window_steps: steps after the peak test last refused a request
-            during which admission stays shortest first.
+            (or a sequence was preempted) during which admission stays shortest first.
     """
 
     name = "s3_peak"
@@ -204,17 +205,24 @@ class S3PeakPolicy(S3Policy):
                              f"and {pressure_window_steps}")
         self.wait_s_per_token = wait_s_per_token
         self.pressure_window_steps = pressure_window_steps
-        self._steps_since_refusal = pressure_window_steps + 1  # state of one worker's scheduler, as sglang's ratio
+        self._steps_since_refusal = pressure_window_steps  # state of one worker's scheduler, as sglang's ratio
         self._refused = False
 
     @property
     def kv_scarce(self) -> bool:
-        """The peak test refused a request within the last `pressure_window_steps` steps."""
-        return self._steps_since_refusal <= self.pressure_window_steps
+        """The peak test refused a request, or a sequence was preempted, in one of the last
+        `pressure_window_steps` steps; never with nothing running (every block is free then)."""
+        return self._steps_since_refusal < self.pressure_window_steps
 
     def on_step(self, running: list[Sequence]) -> None:
-        self._steps_since_refusal = 0 if self._refused else self._steps_since_refusal + 1
+        if not running:
+            self._steps_since_refusal = self.pressure_window_steps
+        else:
+            self._steps_since_refusal = 0 if self._refused else self._steps_since_refusal + 1
         self._refused = False
+
+    def on_preempted(self, victim: Sequence, running: list[Sequence]) -> None:
+        self._refused = True  # a sequence could not grow: as scarce as a refusal
 
     def remaining_tokens(self, seq: Sequence) -> int:
         """Output tokens `seq` is still planned to generate (by its refined prediction, or the next bound)."""

@@ -133,7 +133,9 @@ class SchedulingPolicy(abc.ABC):
     def can_admit(
         self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int, step_token_budget: int
     ) -> bool:
-        """Extra admission test beyond "the reservation's blocks are free"; none by default."""
+        """Extra admission test beyond "the reservation's blocks are free"; none by default. The scheduler may
+        also ask it of a subset of `running` (would preempting the less urgent make room?), and only after
+        the real test or the allocation failed; a policy may keep scheduler-level state from its answers."""
         return True
 
     def on_step(self, running: list[Sequence]) -> None:

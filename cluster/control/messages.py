@@ -66,7 +66,7 @@ class RequestRecord:
         max_tokens: the client's output limit.
         predicted_output_tokens: the bound it is planned with now (raised when it overran and moved).
         num_reserved_blocks: KV blocks reserved for it on `worker_id` (its policy's `placement_tokens`, in
-            blocks: its plan, or for s3_peak what it holds on admission).
+            blocks: its plan, or for s3_peak and sglang_ratio what it holds on admission).
         state: "pending" (waiting for room or requeued) or "placed".
         num_attempts: placements so far (a re-placement after a worker's death or a move adds one).
         created_s: wall-clock time it entered the ledger.

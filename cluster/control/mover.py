@@ -73,8 +73,9 @@ class Mover:
                     continue
                 bound = report.predicted_output_tokens or record.predicted_output_tokens or None
                 request = (report.num_prompt_tokens, report.num_output_tokens, record.max_tokens, bound)
-                # The target must have room for the plan of the next bound (the worker's own test, for s3_peak,
-                # would refuse it otherwise); the ledger charges it what the policy places by.
+                # The target must have room for the plan of the next bound (s3_peak's worker tests the same
+                # plan, and would refuse it otherwise; sglang_ratio's charges a newcomer its whole max_tokens,
+                # so there this check is looser); the ledger charges it what the policy places by.
                 target = migration_target(blocks_for(policy.planned_tokens(*request), block_size),
                                           self.pool.budgets(self.ledger.reserved_blocks), exclude_worker_id=worker_id)
                 if target is None:
