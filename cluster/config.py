@@ -101,6 +101,10 @@ class ServiceConfig(BaseModel):
         1, ge=1, description="ranks (GPUs) each worker's engine runs over, in one placement group on one node: "
                              "DeepSpeed AutoTP shards the model and each rank holds 1/N of the KV heads "
                              "(kv_cache_bytes is per rank; each rank asks for worker_num_cpus and worker_num_gpus)")
+    rank_stall_s: float = Field(
+        300.0, gt=0, description="with tensor_parallel_size above 1: seconds rank 0 may wait inside one call the "
+                                 "ranks share (a step's forward, a KV copy) before the worker counts as hung and is "
+                                 "replaced, as when a rank dies")
     num_torch_threads: int | None = Field(
         None, ge=1, description="torch threads per worker (default: cores / workers)")
     stats_interval_s: float = Field(0.5, gt=0, description="how often the controller polls worker stats")

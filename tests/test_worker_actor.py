@@ -2,6 +2,8 @@
 
 import asyncio
 import random
+import re
+import time
 
 import pytest
 import ray
@@ -9,6 +11,7 @@ import torch
 
 from workers.engine_loop import WorkEvent, WorkRequest
 from workers.sampling_params import SamplingParams
+from workers.tensor_parallel import LeadRunner
 from workers.worker_actor import WorkerActor, WorkerSettings, build_engine
 
 BLOCK_SIZE = 4
@@ -205,8 +208,6 @@ def test_a_tensor_parallel_worker_whose_follower_dies_fails_its_stats_poll_namin
     """The controller's stats poll is what finds dead workers: once a follower rank has died, the worker's
     stats call fails (so its requests are requeued and it is replaced) instead of answering while every
     step it runs waits for the missing rank."""
-    import time
-
     from workers.rank_group import follower_name
 
     backend = _two_rank_backend()
@@ -228,9 +229,32 @@ def test_a_tensor_parallel_worker_whose_follower_dies_fails_its_stats_poll_namin
         backend.kill("tpdead", handle)
 
 
+def _held_lead_runner() -> LeadRunner:
+    """A `LeadRunner` in no process group (nothing is sent): `_local` calls run here, as on rank 0."""
+    runner = object.__new__(LeadRunner)
+    runner.broken, runner.in_call = None, None
+    return runner
+
+
+def test_a_lead_rank_held_inside_a_shared_call_reports_the_call_after_the_limit():
+    import threading
+
+    runner, release = _held_lead_runner(), threading.Event()
+    runner.in_call = ("forward", time.monotonic())  # as `_send` leaves it: the followers were sent the call
+    step = threading.Thread(target=runner._local, args=(release.wait,))  # a collective a hung rank never joins
+    step.start()
+    try:
+        assert runner.stalled(after_s=60.0) is None  # a slow step is not a hang
+        time.sleep(0.2)
+        assert re.fullmatch(r"rank 0 has waited \d+ s in forward for the other ranks", runner.stalled(after_s=0.1))
+    finally:
+        release.set()
+        step.join()
+    assert runner.in_call is None and runner.stalled(after_s=0.0) is None and runner.broken is None
+
+
 def test_rank_failure_names_a_follower_that_ended_and_a_lead_rank_out_of_step(ray_cluster):
-    """What the stats poll reports, for the two ways a tensor-parallel engine stops being able to step."""
-    import time
+    """What the stats poll reports, for the ways a tensor-parallel engine stops being able to step."""
     from types import SimpleNamespace
 
     @ray.remote(num_cpus=0.1)
@@ -239,7 +263,7 @@ def test_rank_failure_names_a_follower_that_ended_and_a_lead_rank_out_of_step(ra
         return num_calls
 
     worker = object.__new__(WorkerActor)  # the state stats() reads, without loading ranks
-    worker._closed, worker._engine = False, SimpleNamespace(runner=SimpleNamespace(broken=None))
+    worker._closed, worker._engine, worker._rank_stall_s = False, SimpleNamespace(runner=_held_lead_runner()), 30.0
     still_following = follow.remote(0, 600)
     try:
         worker._followers = [(None, still_following)]
@@ -253,5 +277,8 @@ def test_rank_failure_names_a_follower_that_ended_and_a_lead_rank_out_of_step(ra
         ray.wait([stopped], timeout=TIMEOUT_S)
         worker._followers = [(None, still_following), (None, stopped)]
         assert worker._rank_failure() == "follower rank 2 stopped after 7 calls"
+        worker._followers = [(None, still_following)]
+        worker._engine.runner.in_call = ("swap_out", time.monotonic() - 31.0)  # held past rank_stall_s
+        assert worker._rank_failure() == "rank 0 has waited 31 s in swap_out for the other ranks"
     finally:
         ray.cancel(still_following, force=True)

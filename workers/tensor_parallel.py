@@ -19,7 +19,9 @@ count: for an export every rank copies its heads to host and rank 0 gathers and 
 an import rank 0 splits the heads and scatters each rank its share, over a gloo group of the ranks
 (`host_group`) so that the copies never pass through GPU memory. A call that fails on rank 0
 after it was sent leaves the ranks out of step: every later call is refused, so the worker fails
-its requests instead of hanging, and must be replaced.
+its requests instead of hanging, and must be replaced. A rank that hangs without dying leaves rank 0
+waiting inside a shared call; `LeadRunner.stalled` says so once the wait is long enough, and the
+worker's stats poll then fails like a dead rank's.
 
     export:  rank k: copy its heads' blocks to host --gather--> rank 0: join along the head axis
     import:  rank 0: split along the head axis --scatter--> rank k: its share as a swap copy
@@ -130,6 +132,9 @@ class LeadRunner:
         self.num_calls_sent = 0
         self.closed = False
         self.broken: str | None = None  # why the ranks fell out of step, once they have
+        # (call name, monotonic start) while rank 0 is inside a call the other ranks share; one tuple, so the
+        # actor's stats poll, on another thread, reads both halves of the same call
+        self.in_call: tuple[str, float] | None = None
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
@@ -140,10 +145,12 @@ class LeadRunner:
         if self.broken is not None:
             raise RuntimeError(f"the tensor-parallel ranks are out of step since rank 0 failed a call they made "
                                f"({self.broken}); the worker must be replaced")
+        self.in_call = (name, time.monotonic())  # until `_local` returns: the followers make it meanwhile
         try:
             _broadcast((name, args))
         except BaseException as error:  # some ranks may have the call and others not
             self.broken = f"sending {name}: {type(error).__name__}: {error}"
+            self.in_call = None
             raise
         self.num_calls_sent += 1
 
@@ -154,6 +161,17 @@ class LeadRunner:
         except BaseException as error:
             self.broken = f"{type(error).__name__}: {error}"
             raise
+        finally:
+            self.in_call = None
+
+    def stalled(self, after_s: float) -> str | None:
+        """Why the ranks look hung: rank 0 has been inside one shared call (its collectives wait for every
+        rank) for more than `after_s` seconds; None otherwise."""
+        in_call = self.in_call
+        if in_call is None:
+            return None
+        waited_s = time.monotonic() - in_call[1]
+        return f"rank 0 has waited {waited_s:.0f} s in {in_call[0]} for the other ranks" if waited_s > after_s else None
 
     def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator,
             want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk]]:

@@ -64,6 +64,8 @@ class WorkerSettings:
         tensor_parallel_size: processes (GPUs) the worker's engine runs over: this actor is rank 0 and starts
             the others as `FollowerRank` actors in its placement group (`workers.rank_group`); each holds 1/tp
             of the model (DeepSpeed AutoTP) and of the KV heads, so `kv_cache_bytes` is per rank.
+        rank_stall_s: with tensor_parallel_size above 1, seconds rank 0 may wait inside one call the ranks
+            share (a step's forward, a KV copy) before the worker counts as hung and its stats poll fails.
     """
 
     model: str = DEFAULT_MODEL
@@ -85,6 +87,7 @@ class WorkerSettings:
     kv_cache_fraction: float | None = None
     length_probe: str | None = None
     tensor_parallel_size: int = 1
+    rank_stall_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -104,6 +107,8 @@ class WorkerSettings:
             check_probe_folder(self.length_probe, self.length_probe)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.rank_stall_s > 0:
+            raise ValueError(f"rank_stall_s must be > 0, got {self.rank_stall_s}")
         # Fail in the caller's process, not later inside the actor.
         self.make_policy()
         EngineConfig(self.kv_cache_bytes, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
@@ -189,6 +194,7 @@ class WorkerActor:
         self._engine = build_engine(settings, join)
         self._loop = EngineLoop(self._engine, worker_id)
         self._closed = False
+        self._rank_stall_s = settings.rank_stall_s
 
     async def ready(self) -> WorkerStats:
         """Answers once the engine is built (the constructor loads the model)."""
@@ -223,15 +229,18 @@ class WorkerActor:
         return self._loop.stats()
 
     def _rank_failure(self) -> str | None:
-        """Why the ranks of a tensor-parallel engine can no longer step together: a follower died, or rank 0
-        failed a call the followers made (`LeadRunner.broken`); None otherwise, and for one rank."""
+        """Why the ranks of a tensor-parallel engine can no longer step together: a follower died, rank 0
+        failed a call the followers made (`LeadRunner.broken`), or rank 0 has waited in one shared call
+        longer than `rank_stall_s` (a rank hangs without dying); None otherwise, and for one rank."""
         if not self._followers or self._closed:
             return None
         from workers.rank_group import ended_follower
 
-        broken = getattr(self._engine.runner, "broken", None)
-        return ended_follower(self._followers) or (f"rank 0 failed a call the followers made ({broken})"
-                                                   if broken is not None else None)
+        runner = self._engine.runner
+        broken = getattr(runner, "broken", None)
+        return (ended_follower(self._followers)
+                or (f"rank 0 failed a call the followers made ({broken})" if broken is not None else None)
+                or runner.stalled(self._rank_stall_s))
 
     async def close(self) -> None:
         """End every stream with "abort" and stop the step thread (before killing the actor on purpose); the
