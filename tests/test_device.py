@@ -44,6 +44,10 @@ def test_device_settings_travel_from_the_service_config_to_the_worker_settings()
     assert worker_settings(ServiceConfig(tensor_parallel_size=2, worker_num_gpus=1)).tensor_parallel_size == 2
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ServiceConfig(tensor_parallel_size=0)
+    assert worker_settings(ServiceConfig()).rank_stall_s == 300.0
+    assert worker_settings(ServiceConfig(rank_stall_s=30)).rank_stall_s == 30.0
+    with pytest.raises(ValueError, match="rank_stall_s"):
+        ServiceConfig(rank_stall_s=0)
 
 
 def test_a_tensor_parallel_worker_needs_its_placement_group():

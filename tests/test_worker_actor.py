@@ -229,11 +229,36 @@ def test_a_tensor_parallel_worker_whose_follower_dies_fails_its_stats_poll_namin
         backend.kill("tpdead", handle)
 
 
-def _held_lead_runner() -> LeadRunner:
-    """A `LeadRunner` in no process group (nothing is sent): `_local` calls run here, as on rank 0."""
-    runner = object.__new__(LeadRunner)
-    runner.broken, runner.in_call = None, None
-    return runner
+def _held_lead_runner(runner=None) -> LeadRunner:
+    """A `LeadRunner` over `runner` in no process group: `_local` calls run here, as on rank 0."""
+    lead = object.__new__(LeadRunner)
+    lead.runner, lead.broken, lead.in_call, lead.closed, lead.num_calls_sent = runner, None, None, False, 0
+    return lead
+
+
+def test_a_lead_rank_is_inside_a_shared_call_from_sending_it_until_it_returns(monkeypatch):
+    from types import SimpleNamespace
+
+    import workers.tensor_parallel as tensor_parallel
+
+    seen = {}
+
+    def swap_out(seq_id: str, block_ids: list[int]) -> int:
+        seen["in_call"] = lead.in_call[0]  # rank 0's own share of the call: the followers make theirs meanwhile
+        return 3
+
+    lead = _held_lead_runner(SimpleNamespace(swap_out=swap_out))
+    monkeypatch.setattr(tensor_parallel, "_broadcast", lambda call: seen.setdefault("sent", call))
+    assert lead.swap_out("a", [1, 2]) == 3
+    assert seen == {"sent": ("swap_out", ("a", [1, 2])), "in_call": "swap_out"} and lead.in_call is None
+
+    def fail(call):
+        raise RuntimeError("connection reset")
+
+    monkeypatch.setattr(tensor_parallel, "_broadcast", fail)
+    with pytest.raises(RuntimeError, match="connection reset"):
+        lead.swap_out("a", [1, 2])
+    assert lead.in_call is None and lead.broken == "sending swap_out: RuntimeError: connection reset"
 
 
 def test_a_lead_rank_held_inside_a_shared_call_reports_the_call_after_the_limit():

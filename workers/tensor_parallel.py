@@ -96,6 +96,16 @@ def _scatter(shares: list[HostKV] | None, group) -> HostKV:
     return box[0]
 
 
+def _forward_and_wait(runner: ModelRunner, inputs, want_hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward, returned once the device has run it. On CUDA a forward only queues kernels (the ranks'
+    all-reduces among them): without the wait, a hung rank would hold up the sampler after rank 0 had left
+    the shared call, and `LeadRunner.stalled` would never see it."""
+    out = runner.forward(inputs, want_hidden)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return out
+
+
 def _gather_from(runner: ModelRunner, group, name: str, *args) -> list[HostKV] | None:
     """Make the host-copy call `name` on this rank's runner and gather the copies on rank 0."""
     share = getattr(runner, name)(*args)
@@ -179,7 +189,7 @@ class LeadRunner:
         inputs, sampling_chunks = self.runner.prepare(chunks, allocator)
         self._send("forward", inputs, want_hidden)
         packed_s = time.perf_counter() - start_s
-        logits, hidden = self._local(self.runner.forward, inputs, want_hidden)
+        logits, hidden = self._local(_forward_and_wait, self.runner, inputs, want_hidden)
         self.runner.last_times.prepare_s += packed_s
         return logits, hidden, sampling_chunks
 

@@ -237,7 +237,7 @@ class WorkerActor:
         from workers.rank_group import ended_follower
 
         runner = self._engine.runner
-        broken = getattr(runner, "broken", None)
+        broken = runner.broken
         return (ended_follower(self._followers)
                 or (f"rank 0 failed a call the followers made ({broken})" if broken is not None else None)
                 or runner.stalled(self._rank_stall_s))
