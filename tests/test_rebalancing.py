@@ -129,7 +129,9 @@ def test_a_drained_worker_takes_a_live_request_from_the_busy_one_and_output_is_u
         jobs = []
         for index, num_output_tokens in enumerate((long_tokens, 16, long_tokens, 16)):  # w1, w2, w1, w2
             jobs.append(asyncio.ensure_future(_run(controller, _job(f"r{index}", prompt, num_output_tokens, 8))))
-            await asyncio.sleep(0.05)  # placed in this order, before the short ones end
+            # Placed in this order, and before the first stats round can show r0's growth on w1: placement
+            # counts the larger of the ledger's and the worker's blocks, so a later look could send r2 to w2.
+            await asyncio.sleep(0.01)
         return await asyncio.gather(*jobs)
 
     results = asyncio.run(scenario())

@@ -5,8 +5,7 @@ Pure decisions (no torch, no Ray, no Redis). Each policy has ONE planning rule,
 request is planned to hold at its peak. The worker's scheduler reserves by it (or, for
 on-demand policies, admits by it), the controller's ledger places by it (`placement_tokens`:
 except for s3_peak and sglang_ratio, whose worker-side tests need progress only the worker
-sees), and a moved
-request carries the bound it works from. The registry below is the only list of names; the
+sees), and a moved request carries the bound it works from. The registry below is the only list of names; the
 interface every policy implements is `workers.scheduling_policy.SchedulingPolicy`.
 Same engine, same budget:
 
@@ -169,14 +168,14 @@ class S3PeakPolicy(S3Policy):
     while anything runs) waiting requests are admitted shortest predicted
     remaining first, aged by arrival (`wait_s_per_token`), so blocks go to
     those that give them back soonest; otherwise in queue order (arrival, the
-    preempted first), as paging admits: with room for all, the order only decides which prompts
-    are prefilled first, and shortest first then makes the batch swing from
-    short answers with many prefills to long answers decoding nearly alone,
-    which costs tokens/s (simulated Azure conv, LLaMA-7B on A100s, 64
-    workers: 0.98x paged_greedy shortest first always, 1.00x so). When a
-    sequence cannot grow, the running one predicted to hold its blocks
-    longest is preempted (swapped or recomputed by the cost model), so those
-    about to finish and free theirs keep going.
+    preempted first), as paging admits. With room for all, the order only
+    decides which prompts are prefilled first, and shortest first then makes
+    the batch swing from short answers with many prefills to long answers
+    decoding nearly alone, which costs tokens/s (simulated Azure conv,
+    LLaMA-7B on A100s, 64 workers: 0.98x paged_greedy shortest first always,
+    1.00x so). When a sequence cannot grow, the running one predicted to hold
+    its blocks longest is preempted (swapped or recomputed by the cost model),
+    so those about to finish and free theirs keep going.
 
     The future peak needs every running sequence's progress, which only the
     worker sees, so the controller charges a request only its prompt
