@@ -230,8 +230,7 @@ class Engine:
         elif seq.num_computed_tokens > 0 and self.allocator.has(seq_id):
             num_blocks = self.allocator.blocks_for(seq.num_computed_tokens)
             layers = self.runner.copy_to_host(self.allocator.block_table(seq_id)[:num_blocks])
-            if self.runner.device.type == "cuda":
-                torch.cuda.synchronize(self.runner.device)  # the copies into pinned memory are asynchronous
+            self.runner.wait_for_device()  # the copies into pinned memory are asynchronous
         else:
             return ExportedKV((), 0, block_size)
         return ExportedKV(tuple(layers), seq.num_computed_tokens, block_size)

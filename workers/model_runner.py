@@ -169,6 +169,12 @@ class ModelRunner:
             saved.append((k_host, v_host))
         return saved
 
+    def wait_for_device(self) -> None:
+        """Return once the device has run what was queued on it (on CUDA, kernels and copies into pinned host
+        memory are asynchronous; on CPU everything already ran)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @property
     def transfer_shape(self) -> BlockPoolShape:
         """The pool as a moved request's KV sees it (`LeadRunner` joins the ranks' heads; one rank has them all)."""

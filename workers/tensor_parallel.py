@@ -101,16 +101,14 @@ def _forward_and_wait(runner: ModelRunner, inputs, want_hidden: bool) -> tuple[t
     all-reduces among them): without the wait, a hung rank would hold up the sampler after rank 0 had left
     the shared call, and `LeadRunner.stalled` would never see it."""
     out = runner.forward(inputs, want_hidden)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
+    runner.wait_for_device()
     return out
 
 
 def _gather_from(runner: ModelRunner, group, name: str, *args) -> list[HostKV] | None:
     """Make the host-copy call `name` on this rank's runner and gather the copies on rank 0."""
     share = getattr(runner, name)(*args)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)  # copies into pinned memory are asynchronous
+    runner.wait_for_device()  # copies into pinned memory are asynchronous
     return _gather(share, group)
 
 
