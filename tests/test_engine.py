@@ -10,7 +10,7 @@ import pytest
 
 from engine_driver import (BLOCK_SIZE, BYTES_PER_BLOCK, assert_pool_empty, drain, greedy, make_engine, make_model,
                            make_prompt, run_engine)
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine, EngineConfig, hits_stop_string
 from workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -171,6 +171,17 @@ def test_stop_string_ends_generation(smollm2_tokenizer):
     assert list(outputs["across"].output_token_ids) == reference[: stop_index + 2]
     assert list(outputs["plain"].output_token_ids) == reference
     assert_pool_empty(engine)
+
+
+def test_a_stop_string_of_many_tokens_per_character_is_found(smollm2_tokenizer):
+    # "👍👍👍" is 3 characters, 12 UTF-8 bytes and 9 SmolLM2 tokens: a window of characters + 4 tokens missed it.
+    stop = "👍👍👍"
+    ids = smollm2_tokenizer.encode("Well done " + stop, add_special_tokens=False)
+    assert len(smollm2_tokenizer.encode(stop, add_special_tokens=False)) > len(stop) + 4
+    assert hits_stop_string(smollm2_tokenizer, ids, (stop,))
+    assert hits_stop_string(smollm2_tokenizer, ids, ("never", stop))
+    assert not hits_stop_string(smollm2_tokenizer, ids[:-1], (stop,))  # one token short: not yet
+    assert not hits_stop_string(smollm2_tokenizer, ids, ("👍👍👍👍",))
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])

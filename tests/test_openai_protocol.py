@@ -98,6 +98,27 @@ def test_defaults_sent_explicitly_and_unknown_fields_are_accepted():
     assert not hasattr(req, "some_future_field")
 
 
+@pytest.mark.parametrize("build", [completion, chat])
+def test_null_means_the_default_where_openai_allows_null(build):
+    # openai-python sends `"temperature": null` when code passes temperature=None; vLLM takes it as the default.
+    req = build(temperature=None, top_p=None, n=None, stream=None, stop=None, seed=None, max_tokens=None)
+    assert (req.temperature, req.top_p, req.n, req.stream, req.stop_sequences) == (1.0, 1.0, 1, False, ())
+
+
+@pytest.mark.parametrize("build", [completion, chat])
+@pytest.mark.parametrize(
+    "field, default, value",
+    [("top_k", -1, 5), ("min_p", 0.0, 0.1), ("repetition_penalty", 1.0, 1.2), ("min_tokens", 0, 4),
+     ("stop_token_ids", [], [2]), ("include_stop_str_in_output", False, True)],
+)
+def test_vllm_sampling_extras_are_refused_unless_left_at_their_default(build, field, default, value):
+    # Clients moving from vLLM send these through extra_body: dropping them would change answers unnoticed.
+    assert build(**{field: default})
+    with pytest.raises(ValidationError, match=f"'{field}' is not supported") as exc_info:
+        build(**{field: value})
+    assert error_fields(exc_info)[0] == field
+
+
 def test_chat_request_messages_and_max_tokens():
     req = chat(
         messages=[

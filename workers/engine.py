@@ -363,18 +363,22 @@ class Engine:
             return "length" if len(seq.output_token_ids) >= params.forced_output_tokens else None
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
-        if params.stop and self._hit_stop_string(seq):
+        if params.stop and hits_stop_string(self.tokenizer, seq.output_token_ids, params.stop):
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        # Only the tail can contain a new match: decode enough tokens to cover
-        # the longest stop string plus a multi-token character.
-        longest = max(len(s) for s in seq.params.stop)
-        tail = self.tokenizer.decode(seq.output_token_ids[-(longest + 4):], skip_special_tokens=True)
-        return any(stop in tail for stop in seq.params.stop)
+
+def hits_stop_string(tokenizer, output_token_ids: list[int], stops: tuple[str, ...]) -> bool:
+    """Whether the output's text contains a stop string, checked after each new token.
+
+    Only the tail can hold a new match, so only the last tokens are decoded: as many as the
+    longest stop has UTF-8 bytes (a byte-level token carries at least one byte, so "日本語",
+    3 characters, may take 9 tokens), plus 4 for a character split across the window's start."""
+    longest_bytes = max(len(stop.encode("utf-8")) for stop in stops)
+    tail = tokenizer.decode(output_token_ids[-(longest_bytes + 4):], skip_special_tokens=True)
+    return any(stop in tail for stop in stops)
 
 
 def _eos_ids(model: torch.nn.Module) -> frozenset[int]:

@@ -228,3 +228,22 @@ class ServiceMetrics:
     def render(self) -> tuple[bytes, str]:
         """(body, content type) of the Prometheus text exposition."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def cluster_snapshot(status):
+    """The controller's status as the metrics module's snapshot."""
+    stats_by_id = {s.worker_id: s for s in status.stats}
+    gauges = []
+    for record in status.workers:
+        stats = stats_by_id.get(record.worker_id)
+        gauges.append(WorkerGauge(
+            worker_id=record.worker_id, state=record.state, num_total_blocks=record.num_total_blocks,
+            num_used_blocks=stats.num_used_blocks if stats else 0,
+            num_reserved_blocks=max(status.reserved_blocks.get(record.worker_id, 0),
+                                    stats.num_reserved_blocks if stats else 0),
+            num_running=stats.num_running if stats else 0, num_waiting=stats.num_waiting if stats else 0))
+    counters = status.counters
+    return ClusterSnapshot(
+        workers=tuple(gauges), num_queued=status.num_pending,
+        num_overruns=counters.get("overruns", 0), num_preemptions=counters.get("preemptions", 0),
+        num_migrations=counters.get("migrations", 0), num_requeues=counters.get("requeues", 0))

@@ -1,14 +1,16 @@
 """OpenAI-compatible request bodies of the router, and its one import for the wire format.
 
 Requests are pydantic models (the HTTP edge): strict types, so `"max_tokens": "10"` or
-`true` is a 400 rather than a silent coercion; unknown fields are ignored because the
-official clients send some we do not use; parameters we do not implement (echo,
-logprobs, penalties, tools, ...) are rejected when set to anything but their default,
-never silently dropped. The response builders live in `cluster/ingress/openai_responses.py`
+`true` is a 400 rather than a silent coercion; `null` means the default wherever OpenAI's
+spec makes a field nullable (openai-python sends `"temperature": null` for
+`temperature=None`); unknown fields are ignored because the official clients send some we
+do not use; parameters we do not implement (echo, logprobs, penalties, tools, and vLLM's
+sampling extras such as top_k or repetition_penalty) are rejected when set to anything but
+their default, never silently dropped. The response builders live in `cluster/ingress/openai_responses.py`
 and are re-exported here, so the router imports the whole protocol from one place.
 """
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo
 from pydantic import field_validator, model_validator
@@ -55,6 +57,17 @@ MAX_STOP_SEQUENCES = 4
 _SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}
 
 # Parameters we accept only at their default: field -> values that mean "not used".
+# vLLM's sampling extras (clients moving from vLLM send them through `extra_body`), on both endpoints:
+_VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "min_tokens": (None, 0),
+    "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False),
+}
+# OpenAI's nullable fields that we type strictly: null means the field's default.
+_NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream")
 _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "logprobs": (None,),
@@ -132,6 +145,26 @@ class _SamplingRequest(BaseModel):
     ignore_eos: StrictBool = False
     forced_output_tokens: MaxTokens | None = None
     priority: Priority = 0
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+
+    @field_validator(*_NULL_MEANS_DEFAULT, mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    # The endpoint's parameters accepted only at their default (each subclass adds its own).
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _VLLM_UNSUPPORTED
+
+    @field_validator(*{**_VLLM_UNSUPPORTED, **_COMPLETION_UNSUPPORTED, **_CHAT_UNSUPPORTED}, mode="before",
+                     check_fields=False)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        return _reject_non_default(value, info, cls.unsupported)
 
     @field_validator("n")
     @classmethod
@@ -186,6 +219,7 @@ class CompletionRequest(_SamplingRequest):
         user: end-user id, recorded only.
     """
 
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**_VLLM_UNSUPPORTED, **_COMPLETION_UNSUPPORTED}
     prompt: StrictStr | list[StrictStr]
     max_tokens: MaxTokens | None = None
     echo: Any = None
@@ -204,11 +238,6 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0]:
             return value
         raise ValueError("prompt must be a non-empty string, or a list holding exactly one non-empty string")
-
-    @field_validator(*_COMPLETION_UNSUPPORTED, mode="before")
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return _reject_non_default(value, info, _COMPLETION_UNSUPPORTED)
 
 
 class ChatMessage(BaseModel):
@@ -254,6 +283,7 @@ class ChatCompletionRequest(_SamplingRequest):
         The remaining fields mean what they mean in `CompletionRequest`.
     """
 
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**_VLLM_UNSUPPORTED, **_CHAT_UNSUPPORTED}
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
@@ -267,11 +297,6 @@ class ChatCompletionRequest(_SamplingRequest):
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
-
-    @field_validator(*_CHAT_UNSUPPORTED, mode="before")
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return _reject_non_default(value, info, _CHAT_UNSUPPORTED)
 
     @model_validator(mode="after")
     def _one_max_tokens(self):

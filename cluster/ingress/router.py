@@ -31,7 +31,7 @@ from cluster.ingress.errors import (APIError, bad_request, body_too_large, check
                             not_found_model, prompt_too_long, queue_full, unavailable)
 from cluster.ingress.event_stream import EventStream
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
-from cluster.ingress.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
+from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.text_stream import TextStream
 from predictor_service.length_example import join_messages
@@ -55,24 +55,9 @@ def _openai_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def cluster_snapshot(status):
-    """The controller's status as the metrics module's snapshot."""
-    stats_by_id = {s.worker_id: s for s in status.stats}
-    gauges = []
-    for record in status.workers:
-        stats = stats_by_id.get(record.worker_id)
-        gauges.append(WorkerGauge(
-            worker_id=record.worker_id, state=record.state, num_total_blocks=record.num_total_blocks,
-            num_used_blocks=stats.num_used_blocks if stats else 0,
-            num_reserved_blocks=max(status.reserved_blocks.get(record.worker_id, 0),
-                                    stats.num_reserved_blocks if stats else 0),
-            num_running=stats.num_running if stats else 0, num_waiting=stats.num_waiting if stats else 0))
-    counters = status.counters
-    return ClusterSnapshot(
-        workers=tuple(gauges), num_queued=status.num_pending,
-        num_overruns=counters.get("overruns", 0), num_preemptions=counters.get("preemptions", 0),
-        num_migrations=counters.get("migrations", 0), num_requeues=counters.get("requeues", 0))
-
+def _wall_s(start_s: float) -> int:
+    """Unix time of a request that started at monotonic `start_s` (a response's `created`)."""
+    return int(time.time() - (time.monotonic() - start_s))
 
 
 # Generations outlive Serve's 20 s default drain: a rollout lets the old replica finish its streams.
@@ -276,19 +261,21 @@ class Router:
                 texts.push(first)
             async for token_ids in stream:
                 texts.push(token_ids)
+        except Exception as error:  # noqa: BLE001 - nothing is sent yet: a 503 to retry, as a stream reports in-band
+            logger.exception("generation of %s failed", job.request_id)
+            raise unavailable(f"worker serving the request ({type(error).__name__})") from None
         finally:
             self.num_in_flight -= 1
         texts.finish(result.finish_reason == "stop")
-        text = texts.text
         self._observe(job, result, start_s)
         build = protocol.chat_response if is_chat else protocol.completion_response
-        return build(job.request_id, self.config.model_id, text, _openai_reason(result.finish_reason),
-                     len(job.prompt_token_ids), len(result.output_token_ids), self.started_s)
+        return build(job.request_id, self.config.model_id, texts.text, _openai_reason(result.finish_reason),
+                     len(job.prompt_token_ids), len(result.output_token_ids), _wall_s(start_s))
 
     async def _sse(self, req, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,
                    start_s: float):
         texts = TextStream(self.tokenizer, job.params.stop)
-        model_id, created_s = self.config.model_id, self.started_s
+        model_id, created_s = self.config.model_id, _wall_s(start_s)
         include_usage = req.include_usage
 
         def chunk(delta: str | None, reason: str | None, role: str | None = None) -> bytes:
@@ -300,7 +287,7 @@ class Router:
 
         try:
             if is_chat:
-                yield chunk(None, None, role="assistant")
+                yield chunk("", None, role="assistant")
             if first is not None:
                 delta = texts.push(first)
                 if delta:
