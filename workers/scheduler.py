@@ -8,7 +8,8 @@ Priority classes (`Sequence.priority`, lower is more urgent) come before the pol
 waiting sequences are considered class by class (the policy's order within a class); a
 victim is always taken from the least urgent class present (the policy's choice within it),
 so a sequence never loses its blocks to a less urgent one; and a sequence that does not fit
-at admission preempts running sequences of less urgent classes until it does.
+at admission, for want of blocks or of a slot (`max_num_seqs`), preempts running sequences of
+less urgent classes until it does.
 
 With prefix caching, a waiting sequence whose first block a running sequence is computing
 right now waits (others may go ahead): a step later that block is cached and it shares the
@@ -74,14 +75,21 @@ class SchedulerConfig:
         max_num_seqs: most sequences holding KV blocks at once.
         max_num_batched_tokens: most tokens in one forward; long prompts are
             prefilled in chunks that fit what decodes leave of it.
+        max_overtaken_steps: under a first-fit policy (s3, s3_peak) a waiting sequence that does
+            not fit is passed by later ones that do; this many steps after the first time, nobody
+            passes it any more until it fits (it goes first in its class), so a large request is
+            not starved by a stream of smaller ones.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    max_overtaken_steps: int = 512
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_overtaken_steps < 0:
+            raise ValueError(f"max_overtaken_steps must be >= 0, got {self.max_overtaken_steps}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -169,10 +177,13 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        # sorted() is stable: the policy's order holds within each class.
-        for seq in sorted(self.policy.admission_order(self.waiting), key=lambda s: s.priority):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                return
+        queue_position = {seq.seq_id: index for index, seq in enumerate(self.waiting)}  # arrival (preempted first)
+        last_admitted = -1  # queue position of the latest arrival admitted this step
+        # sorted() is stable: the policy's order holds within each class, after those passed long enough.
+        order = sorted(self.policy.admission_order(self.waiting), key=lambda s: (s.priority, not self._passed_enough(s)))
+        for seq in order:
+            if budget <= 0 or (len(self.running) >= self.config.max_num_seqs and not self._has_less_urgent(seq)):
+                break
             if self._first_block_in_progress(seq):
                 continue
             blocks = self._try_allocate(seq)
@@ -180,10 +191,14 @@ class Scheduler:
                 budget += self._preempt_less_urgent(seq, out)
                 blocks = self._try_allocate(seq)
             if blocks is None:
-                if self.policy.is_first_fit:
+                if self.policy.is_first_fit and not self._passed_enough(seq):
                     continue
-                return  # FCFS: nobody overtakes the head of the queue
+                break  # FCFS, or passed long enough: nobody overtakes it
+            last_admitted = max(last_admitted, queue_position[seq.seq_id])
+            if len(self.running) >= self.config.max_num_seqs:  # no slot left: a less urgent one gives up its own
+                budget += self._preempt_less_urgent(seq, out)
             self.waiting.remove(seq)
+            seq.first_passed_step = None
             self._prefix_hashes.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -203,6 +218,18 @@ class Scheduler:
             if num_tokens > 0:
                 out.chunks.append(ScheduledChunk(seq, num_tokens))
                 budget -= num_tokens
+        for seq in self.waiting:  # those that arrived before one admitted now were passed
+            if seq.first_passed_step is None and queue_position.get(seq.seq_id, last_admitted) < last_admitted:
+                seq.first_passed_step = self.num_steps
+
+    def _has_less_urgent(self, seq: Sequence) -> bool:
+        return any(s.priority > seq.priority for s in self.running)
+
+    def _passed_enough(self, seq: Sequence) -> bool:
+        """Later ones were admitted past waiting `seq` for `max_overtaken_steps` steps: it goes first, and
+        nobody of its class or a less urgent one passes it again."""
+        passed = seq.first_passed_step
+        return passed is not None and self.num_steps - passed >= self.config.max_overtaken_steps
 
     def _ensure_capacity(self, seq: Sequence, out: SchedulerOutput) -> tuple[bool, int]:
         """Make room for all of `seq`'s known tokens, preempting as the policy says.

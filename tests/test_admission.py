@@ -1,0 +1,104 @@
+"""Admission liveness, without a model: a large request is not starved by small ones passing it (first-fit
+policies), and a more urgent request takes a slot from a less urgent one when `max_num_seqs` is the limit."""
+
+import pytest
+
+from workers.kv_cache_manager import BlockAllocator
+from workers.policies import S3PeakPolicy, S3Policy
+from workers.sampling_params import SamplingParams
+from workers.scheduler import Scheduler, SchedulerConfig
+from workers.sequence import Sequence, SequenceStatus
+
+BLOCK_SIZE = 4
+
+
+def request(seq_id: str, num_output_tokens: int, priority: int = 0) -> Sequence:
+    """A 10-token prompt answered in exactly `num_output_tokens`, predicted exactly."""
+    return Sequence(seq_id, list(range(10)), SamplingParams(max_tokens=200, forced_output_tokens=num_output_tokens),
+                    predicted_output_tokens=num_output_tokens, priority=priority)
+
+
+def step(scheduler: Scheduler) -> None:
+    """One engine step: compute the chunks, sample a token where the prompt is done, finish at the forced length."""
+    for chunk in scheduler.schedule().chunks:
+        seq = chunk.seq
+        samples = chunk.completes_sequence_tokens
+        seq.num_computed_tokens += chunk.num_tokens
+        if samples:
+            seq.output_token_ids.append(7)
+            if seq.num_output_tokens == seq.params.forced_output_tokens:
+                seq.status = SequenceStatus.FINISHED
+                scheduler.finish(seq)
+
+
+def steps_until_admitted(policy, medium: int, max_overtaken_steps: int, max_steps: int = 1000) -> int | None:
+    """A request of `medium` output tokens running, a large one waiting, and another medium one queued behind
+    it whenever fewer than two wait; the step the large one starts, if it does."""
+    # 30 blocks of 4 tokens: the large one (110 tokens, 28 blocks) fits beside nobody, while a medium one
+    # gets in beside the one running as that one nears its end.
+    scheduler = Scheduler(SchedulerConfig(16, 64, max_overtaken_steps), BlockAllocator(30, BLOCK_SIZE), policy)
+    scheduler.add(request("first", medium))
+    step(scheduler)
+    large = request("large", 100)
+    scheduler.add(large)
+    for index in range(max_steps):
+        if len(scheduler.waiting) < 2:
+            scheduler.add(request(f"next{index}", medium))
+        step(scheduler)
+        if large.status is not SequenceStatus.WAITING:
+            return index
+    return None
+
+
+# s3 holds whole plans, so two 50-token requests (13 blocks each) run side by side; s3_peak overlaps a
+# newcomer with the end of the one running, so there 70-token ones (18 blocks) keep the large one out.
+@pytest.mark.parametrize("policy_class, medium", [(S3Policy, 40), (S3PeakPolicy, 60)])
+def test_a_large_request_passed_long_enough_is_admitted_before_later_ones(policy_class, medium):
+    # Without the guard, one of the others always runs and the large one never gets in.
+    assert steps_until_admitted(policy_class(bucket_tokens=16), medium, max_overtaken_steps=10**9) is None
+    admitted_at = steps_until_admitted(policy_class(bucket_tokens=16), medium, max_overtaken_steps=100)
+    # First passed within `medium` steps; 100 steps later nobody passes it, and those running end within
+    # `medium` more.
+    assert admitted_at is not None and 100 <= admitted_at <= medium + 100 + medium
+
+
+def test_the_guard_starts_only_once_someone_passed():
+    scheduler = Scheduler(SchedulerConfig(16, 64, 5), BlockAllocator(30, BLOCK_SIZE), S3Policy(bucket_tokens=16))
+    blocker, large = request("blocker", 50), request("large", 100)
+    scheduler.add(blocker)
+    step(scheduler)
+    scheduler.add(large)
+    for _ in range(20):  # nobody else waits: it does not fit, but nobody passes it either
+        step(scheduler)
+    assert large.first_passed_step is None and large.status is SequenceStatus.WAITING
+    small = request("small", 2)
+    scheduler.add(small)
+    step(scheduler)  # small fits beside the blocker and passes it
+    assert small.status is SequenceStatus.RUNNING and large.first_passed_step == scheduler.num_steps
+    while large.status is SequenceStatus.WAITING:
+        step(scheduler)
+    assert large.first_passed_step is None  # reset once it runs
+
+
+def test_an_urgent_request_takes_a_slot_from_a_less_urgent_one_when_slots_are_the_limit():
+    # Blocks for everyone, slots for two: the urgent request must not wait for a batch request to finish.
+    scheduler = Scheduler(SchedulerConfig(2, 64), BlockAllocator(200, BLOCK_SIZE), S3Policy(bucket_tokens=16))
+    batch = [request("batch0", 150, priority=5), request("batch1", 150, priority=5)]
+    for seq in batch:
+        scheduler.add(seq)
+    step(scheduler)
+    urgent = request("urgent", 4, priority=0)
+    scheduler.add(urgent)
+    step(scheduler)
+    assert urgent.status is SequenceStatus.RUNNING and len(scheduler.running) == 2
+    assert sum(seq.num_preemptions for seq in batch) == 1
+    # The same class does not: a second batch request waits for a slot.
+    late = request("batch2", 4, priority=5)
+    scheduler.add(late)
+    step(scheduler)
+    assert late.status is SequenceStatus.WAITING and sum(seq.num_preemptions for seq in batch) == 1
+
+
+def test_a_negative_guard_is_refused():
+    with pytest.raises(ValueError, match="max_overtaken_steps must be >= 0"):
+        SchedulerConfig(4, 64, -1)
