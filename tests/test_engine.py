@@ -216,3 +216,34 @@ def test_mispredicted_sequences_preempted_by_swap_or_recompute_keep_exact_greedy
     for seq_id, prompt in prompts.items():
         assert list(finished[seq_id].output_token_ids) == hf_greedy(prompt, lengths[seq_id]), seq_id
     assert_pool_empty(engine)
+
+
+def test_a_swap_out_that_fails_is_recomputed_instead_and_answers_are_unchanged(tiny_model, hf_greedy):
+    from workers.policies import make_policy
+    from workers.scheduling_policy import PreemptionCostModel
+
+    always_swap = PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18, swap_overhead_s=0.0)
+    engine = Engine(copy.deepcopy(tiny_model),
+                    EngineConfig(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
+                                 max_num_batched_tokens=16),
+                    policy=make_policy("s3", bucket_tokens=4, cost_model=always_swap))
+    copy_to_host, failed = engine.runner.swap_out, []
+
+    def swap_out_failing_once(seq_id, block_ids):
+        if not failed:
+            failed.append(seq_id)
+            raise RuntimeError("pinned host memory exhausted")
+        return copy_to_host(seq_id, block_ids)
+
+    engine.runner.swap_out = swap_out_failing_once
+    prompts = {f"r{i}": make_prompt(3 + 2 * i, seed=90 + i) for i in range(6)}
+    lengths = {f"r{i}": 10 + 3 * i for i in range(6)}
+    for seq_id, prompt in prompts.items():  # predicted 2 tokens each: all outrun their reservation
+        engine.add_request(prompt, SamplingParams(max_tokens=40, forced_output_tokens=lengths[seq_id]),
+                           seq_id=seq_id, predicted_output_tokens=2)
+    finished = {out.seq_id: out for out in drain(engine) if out.is_finished}
+    assert failed and engine.scheduler.stats.num_recomputed_tokens > 0  # the one that failed, and only by it
+    assert engine.swapped_bytes > 0  # the others still swapped
+    for seq_id, prompt in prompts.items():
+        assert list(finished[seq_id].output_token_ids) == hf_greedy(prompt, lengths[seq_id]), seq_id
+    assert_pool_empty(engine)

@@ -8,6 +8,7 @@ give their blocks back.
 """
 
 import itertools
+import logging
 import time
 
 import torch
@@ -25,6 +26,8 @@ from workers.scheduling_policy import SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import RequestMetrics, StepOutput, StepShape, StepTimes, step_shape
 from workers.tensor_parallel import LeadRunner, check_ranks, send_config
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineConfig", "RequestMetrics", "StepOutput", "StepTimes"]
 
@@ -262,7 +265,12 @@ class Engine:
         start_s = time.perf_counter()
         decisions = self.scheduler.schedule()
         for seq, block_ids in decisions.swap_out:
-            self.swapped_bytes += self.runner.swap_out(seq.seq_id, block_ids)
+            try:
+                self.swapped_bytes += self.runner.swap_out(seq.seq_id, block_ids)
+            except Exception:  # noqa: BLE001 - no host copy (pinned memory ran out, ...): recompute it instead
+                logger.exception("swapping out %s failed; it will be recomputed", seq.seq_id)
+                self.runner.drop_swapped(seq.seq_id)
+                self.scheduler.recompute_instead(seq)
         for seq, block_ids in decisions.swap_in:
             self.swapped_bytes += self.runner.swap_in(seq.seq_id, block_ids)
         chunks = decisions.chunks

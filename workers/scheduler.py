@@ -166,6 +166,13 @@ class Scheduler:
             return 0
         return self.allocator.shrink(seq.seq_id, max(self.policy.reservation_tokens(seq), seq.num_tokens + 1))
 
+    def recompute_instead(self, seq: Sequence) -> None:
+        """The host copy of a sequence preempted by swapping could not be made: it computes its KV again."""
+        if seq.is_swapped:
+            seq.is_swapped = False
+            self.stats.num_recomputed_tokens += seq.num_computed_tokens
+            seq.num_computed_tokens = 0
+
     def finish(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence's blocks."""
         self.allocator.release(seq.seq_id)
