@@ -112,6 +112,33 @@ def test_bad_input_raises_before_any_event_and_others_keep_running(tiny_model):
     assert ids == ()
 
 
+def test_an_id_taken_while_a_moved_request_fetches_its_kv_is_refused_to_the_later_one(tiny_model):
+    first, second = make_request("same", 5, 6, seed=13), make_request("same", 4, 200, seed=14)
+
+    async def main():
+        loop = EngineLoop(make_engine(tiny_model), "w0")
+        kv_arrives = asyncio.Event()
+
+        async def lost_kv():  # the exporter is gone: the moved request recomputes
+            await kv_arrives.wait()
+            raise ConnectionError("exporter died")
+
+        moved = asyncio.ensure_future(collect(loop, WorkRequest(first.request_id, first.prompt_token_ids,
+                                                                first.params, kv=lost_kv())))
+        await asyncio.sleep(0.05)  # the moved request is past the id check, waiting for its KV
+        served = asyncio.ensure_future(collect(loop, second))
+        await asyncio.sleep(0.01)  # the later one holds the id (it runs for 200 tokens)
+        kv_arrives.set()
+        with pytest.raises(ValueError, match="'same' is already in use"):
+            await moved
+        events = await served
+        await loop.close()
+        return events
+
+    events = run(main())
+    assert events[-1].finish_reason == "length" and tokens_of(events) == expected_tokens(tiny_model, second)
+
+
 def test_abort_ends_the_stream_and_frees_its_blocks(tiny_model):
     async def main():
         loop = EngineLoop(make_engine(tiny_model), "w0")
