@@ -130,8 +130,11 @@ def test_bad_input_is_a_shaped_4xx(service, body, status, param):
         assert error["param"] == param
 
 
-def test_chat_with_no_messages_is_a_400(service):
+def test_chat_with_no_messages_is_a_400_and_too_long_messages_a_413(service):
     _assert_openai_error(_post(service, "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
+    long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 10)}]}
+    error = _assert_openai_error(_post(service, "/v1/chat/completions", json=long_chat), 413)
+    assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
 
 
 def test_fuzzed_bodies_get_openai_shaped_4xx_and_never_a_5xx(service):

@@ -37,3 +37,39 @@ def test_special_tokens_are_not_shown(smollm2_tokenizer):
     stream.push(ids)
     stream.finish(is_stop=True)
     assert stream.text == "Hi"
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the token ids it is asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.num_decoded_ids = 0
+
+    def decode(self, token_ids, **kwargs) -> str:
+        self.num_decoded_ids += len(token_ids)
+        return self.tokenizer.decode(token_ids, **kwargs)
+
+
+def test_a_long_answer_streams_exactly_with_work_linear_in_its_length(smollm2_tokenizer):
+    text = " ".join(f"línea {i}: ✓ 日本語 🎉 ok." for i in range(150))
+    ids = smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
+    counting = CountingTokenizer(smollm2_tokenizer)
+    stream = TextStream(counting, stop=("never here",))
+    deltas = [stream.push([token]) for token in ids] + [stream.finish()]
+    assert "".join(deltas) == stream.text == smollm2_tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert all("\ufffd" not in d for d in deltas)
+    # Each push decodes a window of a few tokens, not the whole answer (which would be ~len(ids)^2 / 2).
+    assert len(ids) > 2000 and counting.num_decoded_ids < 20 * len(ids)
+
+
+def test_a_stop_string_split_across_pushes_and_characters_is_cut(smollm2_tokenizer):
+    full, deltas = _stream_all(smollm2_tokenizer, "fine 👍👍👍 and more text", stop=("👍👍👍",))
+    assert full == "fine " and "".join(deltas) == full
+
+
+def test_a_trailing_half_character_is_sent_at_the_end(smollm2_tokenizer):
+    ids = smollm2_tokenizer("ok 🎉", add_special_tokens=False)["input_ids"]
+    stream = TextStream(smollm2_tokenizer)
+    sent = stream.push(ids[:-1])  # the emoji's last byte is missing
+    assert "\ufffd" not in sent and stream.finish() == smollm2_tokenizer.decode(ids[:-1])[len(sent):]

@@ -154,7 +154,7 @@ class Router:
     def _sampling(self, req, num_prompt_tokens: int, is_chat: bool) -> SamplingParams:
         limit = self.config.max_model_len
         if num_prompt_tokens >= limit:
-            raise prompt_too_long(num_prompt_tokens, limit)
+            raise prompt_too_long(num_prompt_tokens, limit, "messages" if is_chat else "prompt")
         max_tokens = protocol.requested_max_tokens(req)
         if max_tokens is None:
             max_tokens = min(self.config.default_max_tokens, limit - num_prompt_tokens)

@@ -1,8 +1,11 @@
 """Token ids to text deltas for streaming: no half characters, and stop strings cut out (pure).
 
-Decoding each token alone breaks multi-byte characters and merged spaces, so the
-whole output is decoded each time and only the new, settled suffix goes out. With
-stop strings, the last few characters are held back until they cannot start one.
+Decoding each token alone breaks multi-byte characters and merged spaces, and decoding
+the whole output after each token costs O(n^2) over an answer. So only a short window is
+decoded: the tokens since the last settled text plus the ones before them as context,
+and the new text is what the window adds to its context. Text that ends in half a
+character waits for the next token. With stop strings, the last few characters are held
+back until they cannot start one.
 """
 
 from collections.abc import Sequence
@@ -19,41 +22,55 @@ class TextStream:
     def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
-        self._hold_chars = max((len(s) for s in self.stop), default=1) - 1
+        self._longest_stop = max((len(s) for s in self.stop), default=1)
         self.token_ids: list[int] = []
-        self.text = ""  # everything sent so far
+        self._decoded = ""  # the output's settled text, sent or not
+        self._num_sent = 0  # characters of it sent so far
+        self._context_from = 0  # token where the decoding window starts (context before the new tokens)
+        self._new_from = 0  # first token whose text is not settled yet
         self._cut_at: int | None = None  # end of the text once a stop string was found
 
-    def _decoded(self) -> str:
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+    @property
+    def text(self) -> str:
+        """Everything sent so far."""
+        return self._decoded[: self._num_sent]
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the text that can be sent now."""
         self.token_ids.extend(token_ids)
         if self._cut_at is not None:
             return ""
-        full = self._decoded()
-        for stop in self.stop:
-            at = full.find(stop)
-            if at != -1 and (self._cut_at is None or at < self._cut_at):
-                self._cut_at = at
+        self._settle(final=False)
         if self._cut_at is not None:
-            return self._advance(full[: self._cut_at])
-        settled = full.rstrip("\ufffd")  # an incomplete character decodes to U+FFFD
-        if self._hold_chars:
-            settled = settled[: max(len(settled) - self._hold_chars, len(self.text))]
-        return self._advance(settled)
+            return self._advance(self._cut_at)
+        return self._advance(max(len(self._decoded) - (self._longest_stop - 1), self._num_sent))
 
     def finish(self, is_stop: bool = False) -> str:
         """The rest of the text once the request ended (`is_stop`: it stopped on EOS or a stop string)."""
-        full = self._decoded()
-        if self._cut_at is not None:
-            full = full[: self._cut_at]
-        return self._advance(full)
+        if self._cut_at is None:
+            self._settle(final=True)
+        return self._advance(len(self._decoded) if self._cut_at is None else self._cut_at)
 
-    def _advance(self, upto: str) -> str:
-        if not upto.startswith(self.text) or len(upto) <= len(self.text):
+    def _settle(self, final: bool) -> None:
+        """Decode the window and take its new text, unless it ends in half a character (and more may come)."""
+        context = self._decode(self.token_ids[self._context_from:self._new_from])
+        window = self._decode(self.token_ids[self._context_from:])
+        if len(window) <= len(context) or (window.endswith("\ufffd") and not final):
+            return
+        searched_from = max(0, len(self._decoded) - (self._longest_stop - 1))  # a stop may span the old end
+        self._decoded += window[len(context):]
+        self._context_from, self._new_from = self._new_from, len(self.token_ids)
+        for stop in self.stop:
+            at = self._decoded.find(stop, searched_from)
+            if at != -1 and (self._cut_at is None or at < self._cut_at):
+                self._cut_at = at
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _advance(self, upto: int) -> str:
+        if upto <= self._num_sent:
             return ""
-        delta = upto[len(self.text):]
-        self.text = upto
+        delta = self._decoded[self._num_sent:upto]
+        self._num_sent = upto
         return delta
