@@ -52,18 +52,24 @@ def simulate(policy, seqs: list[Sequence], num_blocks: int, max_num_seqs: int = 
             assert seq.seq_id in swapped
             assert len(block_ids) == allocator.blocks_for(seq.num_computed_tokens)
         running_counts.append(len(scheduler.running))
-        for chunk in out.chunks:
-            seq = chunk.seq
-            samples = chunk.completes_sequence_tokens
-            assert allocator.num_reserved_tokens(seq.seq_id) >= seq.num_computed_tokens + chunk.num_tokens
-            seq.num_computed_tokens += chunk.num_tokens
-            if samples:
-                seq.output_token_ids.append(7)
-                if seq.num_output_tokens == seq.params.forced_output_tokens:
-                    seq.status = SequenceStatus.FINISHED
-                    scheduler.finish(seq)
+        run_step(scheduler, out)
     assert not scheduler.has_unfinished(), "simulation did not finish"
     return scheduler, allocator, running_counts, swapped
+
+
+def run_step(scheduler: Scheduler, out) -> None:
+    """The engine's part of a step: compute the chunks, sample a token where a sequence's known tokens are all
+    computed, finish at the forced length."""
+    for chunk in out.chunks:
+        seq = chunk.seq
+        samples = chunk.completes_sequence_tokens
+        assert scheduler.allocator.num_reserved_tokens(seq.seq_id) >= seq.num_computed_tokens + chunk.num_tokens
+        seq.num_computed_tokens += chunk.num_tokens
+        if samples:
+            seq.output_token_ids.append(7)
+            if seq.num_output_tokens == seq.params.forced_output_tokens:
+                seq.status = SequenceStatus.FINISHED
+                scheduler.finish(seq)
 
 
 def waiting_seq(seq_id: str, arrival_s: float, predicted: int, decoded: int = 0) -> Sequence:

@@ -3,6 +3,7 @@ policies), and a more urgent request takes a slot from a less urgent one when `m
 
 import pytest
 
+from policy_driver import run_step
 from workers.kv_cache_manager import BlockAllocator
 from workers.policies import S3PeakPolicy, S3Policy
 from workers.sampling_params import SamplingParams
@@ -19,16 +20,7 @@ def request(seq_id: str, num_output_tokens: int, priority: int = 0) -> Sequence:
 
 
 def step(scheduler: Scheduler) -> None:
-    """One engine step: compute the chunks, sample a token where the prompt is done, finish at the forced length."""
-    for chunk in scheduler.schedule().chunks:
-        seq = chunk.seq
-        samples = chunk.completes_sequence_tokens
-        seq.num_computed_tokens += chunk.num_tokens
-        if samples:
-            seq.output_token_ids.append(7)
-            if seq.num_output_tokens == seq.params.forced_output_tokens:
-                seq.status = SequenceStatus.FINISHED
-                scheduler.finish(seq)
+    run_step(scheduler, scheduler.schedule())
 
 
 def steps_until_admitted(policy, medium: int, max_overtaken_steps: int, max_steps: int = 1000) -> int | None:
