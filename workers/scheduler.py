@@ -83,7 +83,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    max_overtaken_steps: int = 512
+    max_overtaken_steps: int = 1024
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
