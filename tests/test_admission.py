@@ -72,6 +72,22 @@ def test_the_guard_starts_only_once_someone_passed():
     assert large.first_passed_step is None  # reset once it runs
 
 
+def test_a_more_urgent_request_getting_in_first_is_priority_not_a_pass():
+    scheduler = Scheduler(SchedulerConfig(16, 64, 5), BlockAllocator(30, BLOCK_SIZE), S3Policy(bucket_tokens=16))
+    blocker, batch = request("blocker", 50, priority=5), request("batch", 100, priority=5)
+    for seq in (blocker, batch):
+        scheduler.add(seq)
+    step(scheduler)
+    urgent = request("urgent", 2, priority=0)
+    scheduler.add(urgent)
+    step(scheduler)  # the urgent one fits beside the blocker and gets in ahead of the waiting batch request
+    assert urgent.status is SequenceStatus.RUNNING and batch.first_passed_step is None
+    same_class = request("same-class", 2, priority=5)
+    scheduler.add(same_class)
+    step(scheduler)  # one of its own class passing it starts the clock
+    assert same_class.status is SequenceStatus.RUNNING and batch.first_passed_step == scheduler.num_steps
+
+
 def test_an_urgent_request_takes_a_slot_from_a_less_urgent_one_when_slots_are_the_limit():
     # Blocks for everyone, slots for two: the urgent request must not wait for a batch request to finish.
     scheduler = Scheduler(SchedulerConfig(2, 64), BlockAllocator(200, BLOCK_SIZE), S3Policy(bucket_tokens=16))

@@ -131,7 +131,7 @@ def test_an_id_taken_while_a_moved_request_fetches_its_kv_is_refused_to_the_late
         kv_arrives.set()
         with pytest.raises(ValueError, match="'same' is already in use"):
             await moved
-        events = await served
+        events = await asyncio.wait_for(served, 10)  # before the fix its stream was lost and it waited forever
         await loop.close()
         return events
 

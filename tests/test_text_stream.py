@@ -68,8 +68,14 @@ def test_a_stop_string_split_across_pushes_and_characters_is_cut(smollm2_tokeniz
     assert full == "fine " and "".join(deltas) == full
 
 
-def test_a_trailing_half_character_is_sent_at_the_end(smollm2_tokenizer):
-    ids = smollm2_tokenizer("ok 🎉", add_special_tokens=False)["input_ids"]
+def test_half_a_character_waits_for_the_rest_and_an_answer_cut_inside_one_ends_as_decoded(smollm2_tokenizer):
+    word = smollm2_tokenizer("ok", add_special_tokens=False)["input_ids"]
+    emoji = smollm2_tokenizer(" 🎉", add_special_tokens=False)["input_ids"]
+    assert len(emoji) > 1  # several byte tokens
     stream = TextStream(smollm2_tokenizer)
-    sent = stream.push(ids[:-1])  # the emoji's last byte is missing
-    assert "\ufffd" not in sent and stream.finish() == smollm2_tokenizer.decode(ids[:-1])[len(sent):]
+    assert stream.push(word) == "ok"
+    assert stream.push(emoji[:-1]) == ""  # half a character: nothing yet
+    assert stream.push(emoji[-1:]) == " 🎉"
+    cut = TextStream(smollm2_tokenizer)
+    cut.push(word + emoji[:-1])
+    assert cut.text + cut.finish() == smollm2_tokenizer.decode(word + emoji[:-1])  # the answer ended mid-character

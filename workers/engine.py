@@ -268,9 +268,10 @@ class Engine:
             try:
                 self.swapped_bytes += self.runner.swap_out(seq.seq_id, block_ids)
             except Exception:  # noqa: BLE001 - no host copy (pinned memory ran out, ...): recompute it instead
+                # (With tensor parallelism the ranks are out of step after this; the worker gets replaced.)
                 logger.exception("swapping out %s failed; it will be recomputed", seq.seq_id)
                 self.runner.drop_swapped(seq.seq_id)
-                self.scheduler.recompute_instead(seq)
+                self.scheduler.recompute_instead(seq, len(block_ids))
         for seq, block_ids in decisions.swap_in:
             self.swapped_bytes += self.runner.swap_in(seq.seq_id, block_ids)
         chunks = decisions.chunks
@@ -379,13 +380,12 @@ class Engine:
 
 
 def hits_stop_string(tokenizer, output_token_ids: list[int], stops: tuple[str, ...]) -> bool:
-    """Whether the output's text contains a stop string, checked after each new token.
-
-    Only the tail can hold a new match, so only the last tokens are decoded: as many as the
-    longest stop has UTF-8 bytes (a byte-level token carries at least one byte, so "日本語",
-    3 characters, may take 9 tokens), plus 4 for a character split across the window's start."""
+    """Whether the output's text contains a stop string, checked after each new token. Only the tail can hold
+    a new match: as many tokens as the longest stop has UTF-8 bytes (a byte-level token carries one byte at
+    least: "日本語" may take 9), plus 4 for a character split across the window's start."""
     longest_bytes = max(len(stop.encode("utf-8")) for stop in stops)
-    tail = tokenizer.decode(output_token_ids[-(longest_bytes + 4):], skip_special_tokens=True)
+    tail = tokenizer.decode(output_token_ids[-(longest_bytes + 4):], skip_special_tokens=True,
+                            clean_up_tokenization_spaces=False)
     return any(stop in tail for stop in stops)
 
 

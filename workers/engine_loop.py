@@ -130,6 +130,8 @@ class EngineLoop:
         self._ensure_started()
         if request.kv is not None and inspect.isawaitable(request.kv):
             request = replace(request, kv=await _resolve_kv(request))
+            if self._is_closed:
+                raise RuntimeError(f"worker {self.worker_id} is closed")
             if request.request_id in self._streams:  # taken while its KV was fetched: one stream per id
                 raise ValueError(f"request id {request.request_id!r} is already in use")
         arrival_s = time.monotonic() if request.arrival_s is None else request.arrival_s

@@ -166,10 +166,13 @@ class Scheduler:
             return 0
         return self.allocator.shrink(seq.seq_id, max(self.policy.reservation_tokens(seq), seq.num_tokens + 1))
 
-    def recompute_instead(self, seq: Sequence) -> None:
-        """The host copy of a sequence preempted by swapping could not be made: it computes its KV again."""
+    def recompute_instead(self, seq: Sequence, num_blocks: int) -> None:
+        """The host copy of a sequence preempted by swapping (`num_blocks` blocks) could not be made: it computes
+        its KV again."""
         if seq.is_swapped:
             seq.is_swapped = False
+            self.stats.num_swaps -= 1
+            self.stats.num_swapped_blocks -= num_blocks
             self.stats.num_recomputed_tokens += seq.num_computed_tokens
             seq.num_computed_tokens = 0
 
@@ -185,7 +188,7 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         queue_position = {seq.seq_id: index for index, seq in enumerate(self.waiting)}  # arrival (preempted first)
-        last_admitted = -1  # queue position of the latest arrival admitted this step
+        last_admitted: dict[int, int] = {}  # class -> queue position of its latest arrival admitted this step
         # sorted() is stable: the policy's order holds within each class, after those passed long enough.
         order = sorted(self.policy.admission_order(self.waiting), key=lambda s: (s.priority, not self._passed_enough(s)))
         for seq in order:
@@ -201,7 +204,7 @@ class Scheduler:
                 if self.policy.is_first_fit and not self._passed_enough(seq):
                     continue
                 break  # FCFS, or passed long enough: nobody overtakes it
-            last_admitted = max(last_admitted, queue_position[seq.seq_id])
+            last_admitted[seq.priority] = max(last_admitted.get(seq.priority, -1), queue_position[seq.seq_id])
             if len(self.running) >= self.config.max_num_seqs:  # no slot left: a less urgent one gives up its own
                 budget += self._preempt_less_urgent(seq, out)
             self.waiting.remove(seq)
@@ -225,12 +228,21 @@ class Scheduler:
             if num_tokens > 0:
                 out.chunks.append(ScheduledChunk(seq, num_tokens))
                 budget -= num_tokens
-        for seq in self.waiting:  # those that arrived before one admitted now were passed
-            if seq.first_passed_step is None and queue_position.get(seq.seq_id, last_admitted) < last_admitted:
-                seq.first_passed_step = self.num_steps
+        if self.policy.is_first_fit and last_admitted:
+            self._mark_passed(queue_position, last_admitted)
 
     def _has_less_urgent(self, seq: Sequence) -> bool:
         return any(s.priority > seq.priority for s in self.running)
+
+    def _mark_passed(self, queue_position: dict[str, int], last_admitted: dict[int, int]) -> None:
+        """Waiting sequences that arrived before one of their class or a less urgent one admitted this step were
+        passed (a more urgent one passing is priority, not starvation)."""
+        for seq in self.waiting:
+            position = queue_position.get(seq.seq_id)
+            if seq.first_passed_step is not None or position is None:
+                continue
+            if any(position < last for priority, last in last_admitted.items() if priority >= seq.priority):
+                seq.first_passed_step = self.num_steps
 
     def _passed_enough(self, seq: Sequence) -> bool:
         """Later ones were admitted past waiting `seq` for `max_overtaken_steps` steps: it goes first, and

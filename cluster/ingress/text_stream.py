@@ -66,7 +66,8 @@ class TextStream:
                 self._cut_at = at
 
     def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        # No clean-up of spaces (" ." -> "."): it would make a window's text differ from its context's plus the new.
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _advance(self, upto: int) -> str:
         if upto <= self._num_sent:
