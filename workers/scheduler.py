@@ -190,7 +190,8 @@ class Scheduler:
         queue_position = {seq.seq_id: index for index, seq in enumerate(self.waiting)}  # arrival (preempted first)
         last_admitted: dict[int, int] = {}  # class -> queue position of its latest arrival admitted this step
         # sorted() is stable: the policy's order holds within each class, after those passed long enough.
-        order = sorted(self.policy.admission_order(self.waiting), key=lambda s: (s.priority, not self._passed_enough(s)))
+        order = sorted(self.policy.admission_order(self.waiting),
+                       key=lambda s: (s.priority, not self._passed_enough(s)))
         for seq in order:
             if budget <= 0 or (len(self.running) >= self.config.max_num_seqs and not self._has_less_urgent(seq)):
                 break
