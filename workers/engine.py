@@ -267,10 +267,9 @@ class Engine:
         for seq, block_ids in decisions.swap_out:
             try:
                 self.swapped_bytes += self.runner.swap_out(seq.seq_id, block_ids)
-            except Exception:  # noqa: BLE001 - no host copy (pinned memory ran out, ...): recompute it instead
+            except Exception:  # noqa: BLE001 - no host copy was kept (pinned memory ran out, ...): recompute it
                 # (With tensor parallelism the ranks are out of step after this; the worker gets replaced.)
                 logger.exception("swapping out %s failed; it will be recomputed", seq.seq_id)
-                self.runner.drop_swapped(seq.seq_id)
                 self.scheduler.recompute_instead(seq, len(block_ids))
         for seq, block_ids in decisions.swap_in:
             self.swapped_bytes += self.runner.swap_in(seq.seq_id, block_ids)

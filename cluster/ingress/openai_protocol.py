@@ -57,8 +57,12 @@ MAX_STOP_SEQUENCES = 4
 _SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}
 
 # Parameters we accept only at their default: field -> values that mean "not used".
-# vLLM's sampling extras (clients moving from vLLM send them through `extra_body`), on both endpoints:
-_VLLM_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+# On both endpoints: OpenAI's logit bias and penalties, and vLLM's sampling extras (clients moving from
+# vLLM send them through `extra_body`).
+_SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
     "top_k": (None, -1, 0),
     "min_p": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
@@ -73,16 +77,10 @@ _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None,),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
 }
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -145,6 +143,9 @@ class _SamplingRequest(BaseModel):
     ignore_eos: StrictBool = False
     forced_output_tokens: MaxTokens | None = None
     priority: Priority = 0
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
     top_k: Any = None
     min_p: Any = None
     repetition_penalty: Any = None
@@ -158,9 +159,9 @@ class _SamplingRequest(BaseModel):
         return cls.model_fields[info.field_name].default if value is None else value
 
     # The endpoint's parameters accepted only at their default (each subclass adds its own).
-    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _VLLM_UNSUPPORTED
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _SHARED_UNSUPPORTED
 
-    @field_validator(*{**_VLLM_UNSUPPORTED, **_COMPLETION_UNSUPPORTED, **_CHAT_UNSUPPORTED}, mode="before",
+    @field_validator(*{**_SHARED_UNSUPPORTED, **_COMPLETION_UNSUPPORTED, **_CHAT_UNSUPPORTED}, mode="before",
                      check_fields=False)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
@@ -219,16 +220,13 @@ class CompletionRequest(_SamplingRequest):
         user: end-user id, recorded only.
     """
 
-    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**_VLLM_UNSUPPORTED, **_COMPLETION_UNSUPPORTED}
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**_SHARED_UNSUPPORTED, **_COMPLETION_UNSUPPORTED}
     prompt: StrictStr | list[StrictStr]
     max_tokens: MaxTokens | None = None
     echo: Any = None
     logprobs: Any = None
     best_of: Any = None
     suffix: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -283,15 +281,12 @@ class ChatCompletionRequest(_SamplingRequest):
         The remaining fields mean what they mean in `CompletionRequest`.
     """
 
-    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**_VLLM_UNSUPPORTED, **_CHAT_UNSUPPORTED}
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**_SHARED_UNSUPPORTED, **_CHAT_UNSUPPORTED}
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: Any = None
     top_logprobs: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
