@@ -40,7 +40,7 @@ from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
 from cluster.config import DTYPES
 from cluster.control.rebalance import check_min_gap
-from workers.length_probe import check_probe_folder
+from predictor_service.probe_files import check_probe_folder
 from workers.policies import SERVING_POLICY_NAMES
 from workers.ports import free_port
 

@@ -21,8 +21,8 @@ from benchmarks.policy_summary import CACHE_COMPARED, PROBE_SUFFIX, PROBED, poli
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
 from benchmarks.traces import MOONCAKE_BLOCK_TOKENS, build_requests, load_prompt_texts, read_trace, select_sessions
+from cluster.control.worker_probe import load_length_probe
 from predictor_service.artifacts import load_predictor
-from predictor_service.hidden_probe import load_probe_for
 from predictor_service.length_example import TextOf
 from predictor_service.length_predictor import LengthPredictor, LengthQuery
 from predictor_service.server import DEFAULT_ARTIFACT_ROOT
@@ -214,7 +214,7 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     estimates_by_spec = {config.predictor: estimates_for(config.predictor)}
     probe = None
     if config.probe is not None:
-        probe = load_probe_for(config.probe, model.config.hidden_size)
+        probe = load_length_probe(config.probe, model.config.hidden_size)
     # (policy, predictor spec, is a sweep run, prefix caching, probe)
     plan = [(name, config.predictor, False, config.prefix_caching, None) for name in config.policies]
     if probe is not None:

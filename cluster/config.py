@@ -12,8 +12,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.control.rebalance import check_min_gap
+from predictor_service.probe_files import check_probe_folder
 from workers.device import check_device
-from workers.length_probe import check_probe_folder
 from workers.models import DEFAULT_MODEL
 from workers.policies import SERVING_POLICY_NAMES
 

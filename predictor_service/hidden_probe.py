@@ -31,8 +31,7 @@ from predictor_service.calibration import BoundCalibration, fit_calibration, is_
 from predictor_service.hidden_features import HiddenFeatures
 from predictor_service.length_predictor import LengthPrediction
 from predictor_service.metrics import bucket_of
-from workers.length_probe import (PROBE_MANIFEST_FILE, PROBE_WEIGHTS_FILE, LengthProbe, ProbeQuery,
-                                  RemainingEstimate, is_probe_folder)
+from predictor_service.probe_files import PROBE_MANIFEST_FILE, PROBE_WEIGHTS_FILE, is_probe_folder
 
 DEFAULT_PROBE = Path(__file__).parent / "default_probe"  # trained on the shipped labels' features
 
@@ -122,8 +121,9 @@ def _pairwise_ranking(score: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return F.softplus(-diff_score[mask]).mean()
 
 
-class HiddenStateProbe(LengthProbe):
-    """The trained probe; a `LengthProbe` the engine calls, and a predictor `bench predictor` scores."""
+class HiddenStateProbe:
+    """The trained probe: a predictor `bench predictor` scores, and the worker's `LengthProbe` once the
+    cluster wraps it (`cluster.control.worker_probe`; this package imports nothing of the workers)."""
 
     name = "probe"
 
@@ -138,10 +138,11 @@ class HiddenStateProbe(LengthProbe):
         self.calibration: BoundCalibration | None = None
         self.last_read_tokens: int | None = None  # the most decoded tokens of a training row; no reads past it
 
-    def is_due(self, num_output_tokens: int) -> bool:
-        """Every `interval_tokens`, but never past the decoded counts the probe was trained on."""
+    def reads_at(self, num_output_tokens: int) -> bool:
+        """Whether a sequence that has decoded `num_output_tokens` is read: every `interval_tokens` (0
+        included), but never past the decoded counts the probe was trained on."""
         within = self.last_read_tokens is None or num_output_tokens <= self.last_read_tokens
-        return within and super().is_due(num_output_tokens)
+        return within and num_output_tokens % self.interval_tokens == 0
 
     # -- inputs -------------------------------------------------------------
 
@@ -227,11 +228,6 @@ class HiddenStateProbe(LengthProbe):
         done = np.asarray(num_output, dtype=np.int64)
         return [LengthPrediction(int(d + p), int(d + u), tuple(float(v) for v in probs))
                 for d, p, u, probs in zip(done, out.point_remaining, out.upper_remaining, out.bucket_probs)]
-
-    def estimate_remaining(self, hidden, queries: list[ProbeQuery]) -> list[RemainingEstimate | None]:
-        out = self.predict_rows(hidden, [q.num_prompt_tokens for q in queries],
-                                [q.num_output_tokens for q in queries], [q.max_tokens for q in queries])
-        return [RemainingEstimate(int(p), int(u)) for p, u in zip(out.point_remaining, out.upper_remaining)]
 
     # -- files --------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from workers.models import DEFAULT_MODEL
 def feature_jobs(label_paths, prompt_paths, tokenizer, max_len: int, limit: int | None = None) -> tuple[list, dict]:
     """Greedy labels at `max_len` joined to their chat-templated prompts; (jobs, counts of what was left out)."""
     from benchmarks.prompt_pool import encode_chat, read_prompts
-    from predictor_service.hidden_features import FeatureJob
+    from s3serve_cli.probe_features import FeatureJob
     from predictor_service.training import read_labels
 
     records = {r.prompt_id: r for path in prompt_paths for r in read_prompts(path)}
@@ -41,7 +41,7 @@ def run_extract(label_paths, prompt_paths, out: Path, max_len: int = 1024, inter
     """Record the probe's training rows for every greedy label (fp32, as `s3serve label` runs); write `out` (.npz)."""
     from tqdm import tqdm
 
-    from predictor_service.hidden_features import extract_hidden_features, report_dict
+    from s3serve_cli.probe_features import extract_hidden_features, report_dict
     from workers.models import load_model, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(model_name, model_cache_dir)

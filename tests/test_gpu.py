@@ -115,6 +115,7 @@ def test_engine_mixed_steps_equal_hf_greedy_and_swap_round_trips(device):
 @DEVICES
 def test_the_length_probe_reads_hidden_states_where_the_engine_runs(device, synthetic_probe_features):
     """The engine's rows stay on the device; the probe (a host model) takes them from there."""
+    from cluster.control.worker_probe import PredictorLengthProbe
     from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
     from workers.policies import S3PeakPolicy
 
@@ -122,7 +123,7 @@ def test_the_length_probe_reads_hidden_states_where_the_engine_runs(device, synt
     probe = HiddenStateProbe(ProbeConfig(max_len=128, hidden_units=8, num_epochs=1, interval_tokens=4),
                              hidden_size=model.config.hidden_size).fit(synthetic_probe_features(30, 96, seed=9))
     engine = Engine(model, EngineConfig(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_model_len=128),
-                    policy=S3PeakPolicy(bucket_tokens=8), probe=probe)
+                    policy=S3PeakPolicy(bucket_tokens=8), probe=PredictorLengthProbe(probe))
     seq_id = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=12, ignore_eos=True))
     engine.step()
     assert engine.runner.device.type == device and engine.num_probe_reads == 1

@@ -2,21 +2,23 @@
 engine re-bounding sequences with it (tiny random Llama; the shipped probe is scored by `bench predictor`)."""
 
 import copy
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from predictor_service.hidden_features import FeatureJob, HiddenStateRecorder, extract_hidden_features
-from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig, load_probe_for
+from cluster.control.worker_probe import PredictorLengthProbe, load_length_probe
+from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
 from predictor_service.metrics import kendall_tau
+from s3serve_cli.probe_features import FeatureJob, HiddenStateRecorder, extract_hidden_features
 from workers.engine import Engine, EngineConfig
 from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate, refined_bound, remaining_for
 from workers.policies import PagedGreedyPolicy, S3PeakPolicy, S3Policy
 from workers.models import make_tiny_model
 from workers.sampling_params import SamplingParams
 from workers.work_types import BoundReport
-from workers.worker_actor import WorkerSettings
+from workers.worker_actor import WorkerSettings, build_engine
 from workers.worker_snapshot import LoopCounters, snapshot
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -146,7 +148,7 @@ def test_extracted_rows_train_a_probe_that_the_engine_then_reads_with():
 
     probe = HiddenStateProbe(ProbeConfig(max_len=128, hidden_units=16, interval_tokens=8, num_epochs=5),
                              hidden_size=model.config.hidden_size).fit(features)
-    engine = _engine(model, probe, policy=S3PeakPolicy(bucket_tokens=8))
+    engine = _engine(model, PredictorLengthProbe(probe), policy=S3PeakPolicy(bucket_tokens=8))
     seq_id = engine.add_request(prompts[0], SamplingParams(max_tokens=40, ignore_eos=True), predicted_output_tokens=40)
     engine.step()
     first = engine.sequence(seq_id).predicted_output_tokens
@@ -158,19 +160,29 @@ def test_extracted_rows_train_a_probe_that_the_engine_then_reads_with():
 
 
 def test_the_shipped_probe_loads_for_the_default_model_only():
-    probe = load_probe_for("default", hidden_size=576)  # SmolLM2-135M's width
-    assert probe.calibration is not None and probe.interval_tokens == 64
+    probe = load_length_probe("default", hidden_size=576)  # SmolLM2-135M's width
+    assert isinstance(probe, LengthProbe) and probe.predictor.calibration is not None and probe.interval_tokens == 64
     queries = [ProbeQuery("a", 40, 0, 900), ProbeQuery("b", 40, 256, 900)]
     estimates = probe.estimate_remaining(torch.randn(2, 576), queries)
     assert all(1 <= e.point_tokens <= e.upper_tokens <= q.max_remaining_tokens for e, q in zip(estimates, queries))
     with pytest.raises(ValueError, match="hidden states of size 576, the model has 96"):
-        load_probe_for("default", hidden_size=96)
+        load_length_probe("default", hidden_size=96)
 
 
-def test_worker_settings_refuse_a_probe_folder_that_holds_none(tmp_path):
-    with pytest.raises(ValueError, match="not a probe folder"):
-        WorkerSettings(length_probe=str(tmp_path))
-    assert WorkerSettings(length_probe="default").length_probe == "default"
+def test_a_worker_builds_its_probe_with_the_loader_it_is_given():
+    settings = WorkerSettings(tiny_model_seed=0, dtype="float32", length_probe="some/probe", policy="s3_peak",
+                              kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_model_len=128)
+    with pytest.raises(ValueError, match="no probe loader"):
+        build_engine(settings)
+    asked = []
+
+    def load(spec, hidden_size):
+        asked.append((spec, hidden_size))
+        return _FixedProbe(upper=3, interval_tokens=1)
+
+    engine = build_engine(settings, load_probe=load)
+    assert asked == [("some/probe", 96)] and isinstance(engine.probe, _FixedProbe)  # the tiny model's width
+    assert build_engine(replace(settings, length_probe=None)).probe is None  # no probe named: no loader needed
 
 
 def test_policies_that_ignore_predictions_never_run_the_probe():
@@ -188,4 +200,5 @@ def test_a_trained_probe_reads_only_as_far_as_its_training_rows_went(synthetic_p
     probe = HiddenStateProbe(ProbeConfig(max_len=520, hidden_units=0, num_epochs=2, interval_tokens=64),
                              hidden_size=8).fit(synthetic_probe_features(60, 8, seed=5))
     assert probe.last_read_tokens == 128  # the synthetic rows sit at 0, 64 and 128 decoded tokens
-    assert [n for n in (0, 64, 100, 128, 192, 256) if probe.is_due(n)] == [0, 64, 128]
+    assert [n for n in (0, 64, 100, 128, 192, 256) if probe.reads_at(n)] == [0, 64, 128]
+    assert [n for n in (0, 64, 100, 128, 192, 256) if PredictorLengthProbe(probe).is_due(n)] == [0, 64, 128]

@@ -1,6 +1,6 @@
 """The layering holds: pure decision modules and cross-process messages import with torch, Ray and Redis absent,
-the router and controller modules load no torch, and the serving packages never import the CLI or the
-benchmarks.
+the router and controller modules load no torch, the serving packages import one another only in DESIGN's
+direction, and never the CLI or the benchmarks.
 
 Each check runs in a fresh interpreter whose import system refuses the named packages, so a
 new top-level import anywhere on the path fails here with the chain that pulled it in.
@@ -32,6 +32,8 @@ PURE_MODULES = [
     "cluster.control.rebound",
     "cluster.control.rebalance",
     "predictor_service.label_stats",
+    "predictor_service.probe_files",
+    "cluster.control.worker_probe",
 ]
 # Processes that never run a model: Ray and Redis are fine there, torch is not.
 NO_TORCH_MODULES = [
@@ -106,3 +108,21 @@ def test_serving_packages_never_import_the_cli_or_the_benchmarks():
     offenders = {path: names for path, names in offenders.items() if names}
     assert not offenders, f"serving code imports the CLI or the benchmarks: {offenders}"
     assert _imported_top_levels(root / "s3serve_cli" / "bench.py") & TOOL_PACKAGES  # the scan sees such imports
+
+
+# DESIGN's import direction: kv_kernels <-- workers <-- cluster --> predictor_service (deploy and the tools on top).
+FORBIDDEN_IMPORTS = {
+    "kv_kernels": {"workers", "cluster", "predictor_service", "deploy"},
+    "workers": {"cluster", "predictor_service", "deploy"},
+    "predictor_service": {"workers", "cluster", "deploy"},
+    "cluster": {"deploy"},
+}
+
+
+def test_serving_packages_import_one_another_only_in_the_design_direction():
+    root = Path(__file__).resolve().parents[1]
+    offenders = {str(path.relative_to(root)): sorted(_imported_top_levels(path) & forbidden)
+                 for package, forbidden in FORBIDDEN_IMPORTS.items() for path in (root / package).rglob("*.py")}
+    offenders = {path: names for path, names in offenders.items() if names}
+    assert not offenders, f"imports against DESIGN's direction: {offenders}"
+    assert _imported_top_levels(root / "cluster" / "control" / "worker_probe.py") >= {"workers", "predictor_service"}

@@ -229,6 +229,30 @@ def test_a_tensor_parallel_worker_whose_follower_dies_fails_its_stats_poll_namin
         backend.kill("tpdead", handle)
 
 
+@pytest.mark.slow
+def test_a_worker_started_as_the_service_starts_it_reads_with_the_probe_it_names(ray_cluster, tmp_path,
+                                                                                synthetic_probe_features):
+    """The controller hands each worker the cluster's probe loader (the workers import no predictor): a worker
+    whose settings name a probe folder loads it in its own process and re-bounds its sequences with it."""
+    from dataclasses import replace
+
+    from cluster.control.worker_pool import RayWorkerBackend
+    from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
+
+    probe = HiddenStateProbe(ProbeConfig(max_len=512, hidden_units=0, num_epochs=1, interval_tokens=4),
+                             hidden_size=96).fit(synthetic_probe_features(30, 96, seed=3))  # the tiny model's width
+    settings = replace(SETTINGS, policy="s3_peak", length_probe=str(probe.save(tmp_path / "probe")))
+    backend = RayWorkerBackend(lambda: settings, 0.5, 0.0, "s3-probe-test", lambda worker_id: f"s3-worker-{worker_id}")
+    handle = backend.start("probe")
+    try:
+        assert ray.get(handle.ready.remote(), timeout=TIMEOUT_S).num_probe_reads == 0
+        events = asyncio.run(asyncio.wait_for(collect(handle, make_request("p", 6, 9, seed=50, predicted_output_tokens=9)), TIMEOUT_S))
+        assert len(tokens_of(events)) == 9
+        assert ray.get(handle.stats.remote(), timeout=TIMEOUT_S).num_probe_reads == 3  # after prefill, at 4 and 8
+    finally:
+        backend.kill("probe", handle)
+
+
 def _held_lead_runner(runner=None) -> LeadRunner:
     """A `LeadRunner` over `runner` in no process group: `_local` calls run here, as on rank 0."""
     lead = object.__new__(LeadRunner)

@@ -13,28 +13,14 @@ overrun there costs a preemption; a policy that takes blocks on demand and only 
 by the plan (s3_peak) takes the point, refined as decoding goes on, since an overrun
 there only stretches a plan (`remaining_for`).
 
-Pure decisions (no torch import): the engine passes the rows, implementations
-(`predictor_service.hidden_probe`) bring their own model.
+Pure decisions (no torch import): the engine passes the rows, an implementation brings
+its own model. The service's is the predictor's hidden-state probe
+(`predictor_service.hidden_probe`), which imports nothing of the workers: the cluster
+wraps it in this interface and hands the worker a loader (`cluster.control.worker_probe`).
 """
 
 import abc
 from dataclasses import dataclass
-from pathlib import Path
-
-PROBE_MANIFEST_FILE = "probe.json"  # what `s3serve probe train` writes: the manifest and the weights
-PROBE_WEIGHTS_FILE = "probe.pt"
-
-
-def is_probe_folder(folder: Path | str) -> bool:
-    """Whether `folder` holds a trained probe."""
-    return all((Path(folder) / name).is_file() for name in (PROBE_MANIFEST_FILE, PROBE_WEIGHTS_FILE))
-
-
-def check_probe_folder(folder: Path | str, spec: str) -> None:
-    """Raise ValueError, naming the `length_probe` setting `spec`, unless `folder` holds a trained probe."""
-    if not is_probe_folder(folder):
-        raise ValueError(f"length_probe {spec!r} is not a probe folder (needs {PROBE_MANIFEST_FILE} and "
-                         f"{PROBE_WEIGHTS_FILE}): give 'default' or a folder from `s3serve probe train`")
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ dies, the next `await ref` raises `ray.exceptions.RayActorError`.
 """
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -23,7 +23,7 @@ import ray
 
 from workers.device import check_device, free_device_bytes, kv_budget_bytes, probe_cuda, resolve_device
 from workers.engine_config import EngineConfig
-from workers.length_probe import check_probe_folder
+from workers.length_probe import LengthProbe
 from workers.models import DEFAULT_MODEL
 from workers.policies import POLICIES, S3Policy, make_policy
 from workers.prefix_cache import prefix_cache_salt
@@ -60,7 +60,8 @@ class WorkerSettings:
             is loaded, instead of kv_cache_bytes.
         length_probe: a hidden-state probe folder (`s3serve probe train`), or "default" for the shipped one:
             the engine re-bounds each sequence's output from its hidden states after prefill and every
-            N decoded tokens (`workers.length_probe`); None keeps the router's bound.
+            N decoded tokens (`workers.length_probe`); None keeps the router's bound. The actor builds it
+            with the loader it is given (`WorkerActor`'s load_probe); the service's config checks the folder.
         tensor_parallel_size: processes (GPUs) the worker's engine runs over: this actor is rank 0 and starts
             the others as `FollowerRank` actors in its placement group (`workers.rank_group`); each holds 1/tp
             of the model (DeepSpeed AutoTP) and of the KV heads, so `kv_cache_bytes` is per rank.
@@ -103,8 +104,6 @@ class WorkerSettings:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         if self.bucket_tokens is not None and not issubclass(POLICIES[self.policy], S3Policy):
             raise ValueError(f"bucket_tokens applies to the s3 and s3_peak policies, not {self.policy!r}")
-        if self.length_probe not in (None, "default"):
-            check_probe_folder(self.length_probe, self.length_probe)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.rank_stall_s > 0:
@@ -134,12 +133,18 @@ def load_worker_model(settings: WorkerSettings):
     return load_model(model_dir, dtype=dtype, device=device), load_tokenizer(model_dir), device
 
 
-def build_engine(settings: WorkerSettings, join_ranks=None):
+def build_engine(settings: WorkerSettings, join_ranks=None,
+                 load_probe: Callable[[str, int], LengthProbe] | None = None):
     """Load the model (or build the tiny one) and wrap it in an `Engine` with the settings' policy.
 
     With tensor_parallel_size above 1, `join_ranks()` (from `workers.rank_group.start_ranks`) makes this
     process rank 0 of the ranks once its model is loaded; torch.distributed may also run them already.
+    `load_probe(settings.length_probe, hidden_size)` builds the length probe when the settings name one (the
+    service passes `cluster.control.worker_probe.load_length_probe`: the workers import no predictor).
     """
+    if settings.length_probe is not None and load_probe is None:
+        raise ValueError(f"length_probe {settings.length_probe!r} is set but no probe loader was given "
+                         "(load_probe, e.g. cluster.control.worker_probe.load_length_probe)")
     # Here, not at the top: the controller imports this module to start workers and must not load torch.
     from workers.engine import Engine
 
@@ -158,11 +163,7 @@ def build_engine(settings: WorkerSettings, join_ranks=None):
         enable_prefix_caching=settings.enable_prefix_caching,
         cache_salt=prefix_cache_salt(settings.model, settings.dtype),
     )
-    probe = None
-    if settings.length_probe is not None:
-        from predictor_service.hidden_probe import load_probe_for
-
-        probe = load_probe_for(settings.length_probe, model.config.hidden_size)
+    probe = None if settings.length_probe is None else load_probe(settings.length_probe, model.config.hidden_size)
     return Engine(model, config, tokenizer=tokenizer, policy=settings.make_policy(), probe=probe)
 
 
@@ -176,10 +177,12 @@ class WorkerActor:
             the follower ranks take its other bundles (`workers.rank_group.rank_group`).
         namespace: the Ray namespace this named actor lives in; its follower ranks are named there
             (`workers.rank_group.follower_name`), so an operator can find them with `ray.get_actor`.
+        load_probe: builds the length probe the settings name (`build_engine`); None when they name none.
     """
 
     def __init__(self, worker_id: str, settings: WorkerSettings, rank_group=None,
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None,
+                 load_probe: Callable[[str, int], LengthProbe] | None = None) -> None:
         from workers.engine_loop import EngineLoop
 
         tune_cpu_runtime(settings.num_torch_threads)
@@ -191,7 +194,7 @@ class WorkerActor:
             # They load their share while this actor loads its own; all join torch.distributed after.
             self._followers, join = start_ranks(settings, rank_group, ray.get_runtime_context().get_actor_name(),
                                                 namespace)
-        self._engine = build_engine(settings, join)
+        self._engine = build_engine(settings, join, load_probe)
         self._loop = EngineLoop(self._engine, worker_id)
         self._closed = False
         self._rank_stall_s = settings.rank_stall_s

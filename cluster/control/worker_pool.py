@@ -22,6 +22,7 @@ import redis
 from cluster.control.messages import WorkerRecord
 from cluster.control.placement import WorkerBudget
 from cluster.control.store import ControllerStore
+from cluster.control.worker_probe import load_length_probe
 from workers.work_types import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class RayWorkerBackend(WorkerBackend):
             return ray.remote(WorkerActor).options(
                 name=self.actor_name(worker_id), namespace=self._namespace, lifetime="detached",
                 num_cpus=self._num_cpus, num_gpus=self._num_gpus, max_restarts=0, max_concurrency=1000, **options,
-            ).remote(worker_id, settings, group, self._namespace)
+            ).remote(worker_id, settings, group, self._namespace, load_length_probe)
         except BaseException:
             if group is not None:
                 from ray.util.placement_group import remove_placement_group
