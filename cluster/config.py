@@ -52,6 +52,9 @@ class ServiceConfig(BaseModel):
     max_model_len: int = Field(2048, ge=2, description="longest sequence (prompt + output) in tokens")
     max_num_seqs: int = Field(32, ge=1, description="most sequences a worker runs at once")
     max_num_batched_tokens: int = Field(512, ge=1, description="most tokens per forward (prefill chunk budget)")
+    max_overtaken_steps: int = Field(
+        1024, ge=0, description="under s3 and s3_peak, steps a waiting request that does not fit may keep being "
+                                "passed by later ones that do before nobody passes it any more (starvation guard)")
     dtype: str = Field(
         "auto", description="weights and KV dtype of the workers: auto (bf16 on CPUs with AVX512-BF16 or AMX and on "
                             "GPUs, else float32), float32, bfloat16 or float16")

@@ -1,5 +1,6 @@
 """The router's response bodies from a generation's token stream: `created`, the first chat chunk, and a
-generation that fails after its first tokens (a 503 to retry, as a stream reports in-band)."""
+generation that fails after its first tokens (a 503 to retry, as a stream reports in-band), and a detokenizer
+that fails (our bug: a 500)."""
 
 import asyncio
 import json
@@ -61,6 +62,25 @@ def test_a_generation_that_fails_after_its_first_tokens_is_a_503(smollm2_tokeniz
     assert router.num_in_flight == 0 and router.observed == []  # counted by status where it is answered
 
 
+def test_a_detokenizer_failure_is_our_error_not_a_503_to_retry(smollm2_tokenizer):
+    """The generation succeeded; retrying it would fail the same way, so the error reaches the app's handler
+    (a 500 internal_error) instead of being answered as a worker that went away."""
+
+    class BrokenDecode:
+        def encode(self, text):
+            return smollm2_tokenizer.encode(text)
+
+        def decode(self, ids, **kwargs):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad vocabulary entry")
+
+    router, result = fake_router(BrokenDecode()), GenerationResult([])
+    ids = smollm2_tokenizer.encode(" one two")
+    with pytest.raises(UnicodeDecodeError):
+        asyncio.run(RouterClass._collect(router, False, make_job(smollm2_tokenizer), token_stream([ids[1:]], result),
+                                         ids[:1], result, time.monotonic()))
+    assert router.num_in_flight == 0 and router.observed == []
+
+
 def test_a_chat_stream_opens_with_the_role_and_empty_content(smollm2_tokenizer):
     router, result = fake_router(smollm2_tokenizer), GenerationResult([])
     ids = smollm2_tokenizer.encode(" Hello there")
@@ -79,3 +99,26 @@ def test_a_chat_stream_opens_with_the_role_and_empty_content(smollm2_tokenizer):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert {c["created"] for c in chunks} == {chunks[0]["created"]}  # the request's start, 30 s ago
     assert int(time.time()) - 31 <= chunks[0]["created"] <= int(time.time()) - 29
+
+
+async def _parse(body: dict, model_cls):
+    async def read_body(request) -> bytes:
+        return json.dumps(body).encode()
+
+    return await RouterClass._parse(SimpleNamespace(_read_body=read_body), None, model_cls)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"model": MODEL_ID, "prompt": "Hi", "stream_options": {"include_usage": True}}, None,
+     "stream_options is only allowed when stream is true"),  # a rule across fields: its own words, no field
+    ({"model": MODEL_ID, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "messages[0].role: "),
+])
+def test_a_request_the_protocol_refuses_is_a_400_in_openai_words(body, param, message):
+    from cluster.ingress import openai_protocol as protocol
+
+    model_cls = protocol.ChatCompletionRequest if "messages" in body else protocol.CompletionRequest
+    with pytest.raises(APIError) as raised:
+        asyncio.run(_parse(body, model_cls))
+    error = raised.value.body()["error"]
+    assert raised.value.status_code == 400 and error["param"] == param
+    assert error["message"].startswith(message) and "Value error" not in error["message"]

@@ -27,6 +27,7 @@ def test_yaml_then_flags(tmp_path):
     ({"port": 0}, "port"),
     ({"typo_field": 1}, "typo_field"),
     ({"length_probe": "/nonexistent/probe"}, "not a probe folder"),
+    ({"max_overtaken_steps": -1}, "max_overtaken_steps"),
     ({"rebalance_min_gap": 1}, "rebalance_min_gap must be 0 .off. or at least 2"),
     ({"rebalance_min_gap": -1}, "rebalance_min_gap"),
 ])
@@ -50,6 +51,19 @@ def test_prefix_caching_is_on_by_default_and_reaches_the_worker_settings():
     assert ServiceConfig().prefix_caching is True
     assert worker_settings(ServiceConfig()).enable_prefix_caching is True
     assert worker_settings(ServiceConfig(prefix_caching=False)).enable_prefix_caching is False
+
+
+def test_the_starvation_guard_setting_reaches_the_workers_scheduler():
+    from dataclasses import replace
+
+    from cluster.control.controller import worker_settings
+    from workers.worker_actor import build_engine
+
+    settings = worker_settings(ServiceConfig(max_overtaken_steps=7, policy="s3_peak", max_model_len=512))
+    assert settings.max_overtaken_steps == 7 and worker_settings(ServiceConfig()).max_overtaken_steps == 1024
+    engine = build_engine(replace(settings, tiny_model_seed=0, dtype="float32", kv_cache_bytes=1 << 20,
+                                  num_torch_threads=1))
+    assert engine.scheduler.config.max_overtaken_steps == 7
 
 
 def test_a_length_probe_folder_is_made_absolute_for_the_workers(monkeypatch):

@@ -25,6 +25,8 @@ class EngineConfig:
             (`workers.prefix_cache`).
         cache_salt: names the model and dtype in every cached block's hash; None derives it from
             the model (the service passes `prefix_cache_salt(model, dtype)`, which routers share).
+        max_overtaken_steps: steps after a waiting sequence is first passed by later ones (under s3
+            and s3_peak) before nobody passes it any more (`SchedulerConfig.max_overtaken_steps`).
     """
 
     kv_cache_bytes: int = 512 * 1024**2
@@ -36,6 +38,7 @@ class EngineConfig:
     use_fast_path: bool = True
     enable_prefix_caching: bool = True
     cache_salt: str | None = None
+    max_overtaken_steps: int = 1024
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes <= 0:
@@ -46,3 +49,5 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.max_overtaken_steps < 0:
+            raise ValueError(f"max_overtaken_steps must be >= 0, got {self.max_overtaken_steps}")

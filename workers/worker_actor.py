@@ -65,6 +65,8 @@ class WorkerSettings:
         tensor_parallel_size: processes (GPUs) the worker's engine runs over: this actor is rank 0 and starts
             the others as `FollowerRank` actors in its placement group (`workers.rank_group`); each holds 1/tp
             of the model (DeepSpeed AutoTP) and of the KV heads, so `kv_cache_bytes` is per rank.
+        max_overtaken_steps: under s3 and s3_peak, steps a waiting request may keep being passed by later
+            ones that fit before it goes first (`EngineConfig.max_overtaken_steps`).
         rank_stall_s: with tensor_parallel_size above 1, seconds rank 0 may wait inside one call the ranks
             share (a step's forward, a KV copy) before the worker counts as hung and its stats poll fails.
     """
@@ -89,6 +91,7 @@ class WorkerSettings:
     length_probe: str | None = None
     tensor_parallel_size: int = 1
     rank_stall_s: float = 300.0
+    max_overtaken_steps: int = 1024
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -111,7 +114,7 @@ class WorkerSettings:
         # Fail in the caller's process, not later inside the actor.
         self.make_policy()
         EngineConfig(self.kv_cache_bytes, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
-                     self.max_model_len, self.tensor_parallel_size)
+                     self.max_model_len, self.tensor_parallel_size, max_overtaken_steps=self.max_overtaken_steps)
 
     def make_policy(self) -> SchedulingPolicy:
         """The worker's policy, built as the controller builds its own (same registry, same buckets)."""
@@ -162,6 +165,7 @@ def build_engine(settings: WorkerSettings, join_ranks=None,
         use_fast_path=settings.use_fast_path,
         enable_prefix_caching=settings.enable_prefix_caching,
         cache_salt=prefix_cache_salt(settings.model, settings.dtype),
+        max_overtaken_steps=settings.max_overtaken_steps,
     )
     probe = None if settings.length_probe is None else load_probe(settings.length_probe, model.config.hidden_size)
     return Engine(model, config, tokenizer=tokenizer, policy=settings.make_policy(), probe=probe)

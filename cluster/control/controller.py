@@ -37,7 +37,8 @@ def worker_settings(config: ServiceConfig) -> WorkerSettings:
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
         num_torch_threads=threads, dtype=config.dtype, enable_prefix_caching=config.prefix_caching,
         device=config.device, kv_cache_fraction=config.kv_cache_fraction, length_probe=config.length_probe,
-        tensor_parallel_size=config.tensor_parallel_size, rank_stall_s=config.rank_stall_s)
+        tensor_parallel_size=config.tensor_parallel_size, rank_stall_s=config.rank_stall_s,
+        max_overtaken_steps=config.max_overtaken_steps)
 
 
 class Controller:

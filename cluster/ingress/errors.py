@@ -158,11 +158,13 @@ def _problem(error: dict) -> tuple[str, str | None]:
     if kind == "json_invalid":
         reason = (error.get("ctx") or {}).get("error", "malformed JSON")
         return f"The request body is not valid JSON: {reason}.", None
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None:
         if kind == "missing":
             return "The request body is missing; send a JSON object.", None
-        return "The request body must be a JSON object (Content-Type: application/json).", None
-    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if kind in ("model_type", "model_attributes_type", "dict_type"):
+            return "The request body must be a JSON object (Content-Type: application/json).", None
+        return message, None  # a rule across fields (e.g. stream_options without stream)
     if kind == "missing":
         message = "this field is required"
     return f"{param}: {message}", param

@@ -28,7 +28,7 @@ from cluster.control.messages import PlacementTimeoutError, QueueFullError
 from cluster.ingress.dashboard import (DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data,
                                generated_tokens_by_worker)
 from cluster.ingress.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
-                            not_found_model, prompt_too_long, queue_full, unavailable)
+                            not_found_model, prompt_too_long, queue_full, unavailable, validation_error)
 from cluster.ingress.event_stream import EventStream
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
@@ -134,9 +134,7 @@ class Router:
         try:
             return model_cls.model_validate(payload)
         except ValidationError as error:
-            first = error.errors()[0]
-            param = ".".join(str(p) for p in first.get("loc", ())) or None
-            raise bad_request(f"{param}: {first.get('msg')}" if param else first.get("msg"), param) from None
+            raise validation_error(list(error.errors())) from None
 
     def _encode_prompt(self, req, is_chat: bool) -> tuple[str, list[int]]:
         if is_chat:
@@ -255,17 +253,19 @@ class Router:
 
     async def _collect(self, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,
                        start_s: float) -> dict:
-        texts = TextStream(self.tokenizer, job.params.stop)
+        chunks = [] if first is None else [first]
         try:
-            if first is not None:
-                texts.push(first)
             async for token_ids in stream:
-                texts.push(token_ids)
+                chunks.append(token_ids)
         except Exception as error:  # noqa: BLE001 - nothing is sent yet: a 503 to retry, as a stream reports in-band
             logger.exception("generation of %s failed", job.request_id)
             raise unavailable(f"worker serving the request ({type(error).__name__})") from None
         finally:
             self.num_in_flight -= 1
+        # Decoded once the generation is in: a detokenizer error is our bug (a 500), not a worker's to retry.
+        texts = TextStream(self.tokenizer, job.params.stop)
+        for token_ids in chunks:
+            texts.push(token_ids)
         texts.finish(result.finish_reason == "stop")
         self._observe(job, result, start_s)
         build = protocol.chat_response if is_chat else protocol.completion_response
