@@ -14,9 +14,9 @@ A small MLP (or a linear map, `hidden_units=0`) with two heads:
 `ranking_weight > 0` adds a pairwise logistic ranking loss on the point head
 within each mini-batch (ordering is what a scheduler consumes; vllm-ltr's result).
 
-Training rows come from `predictor_service.hidden_features` (the engine's own rows at
-0, 64, 128, ... decoded tokens), so one probe answers both the first prediction after
-prefill and every re-prediction while decoding.
+Training rows are `predictor_service.hidden_features` rows: the engine's own, read by
+`s3serve probe extract` at 0, 64, 128, ... decoded tokens, so one probe answers both the
+first prediction after prefill and every re-prediction while decoding.
 """
 
 import json

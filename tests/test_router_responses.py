@@ -80,6 +80,13 @@ def test_a_detokenizer_failure_is_our_error_not_a_503_to_retry(smollm2_tokenizer
                                          ids[:1], result, time.monotonic()))
     assert router.num_in_flight == 0 and router.observed == []
 
+    async def failing_handler():
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad vocabulary entry")
+
+    with pytest.raises(UnicodeDecodeError):  # the route counts it as the 500 the app's handler answers
+        asyncio.run(RouterClass._counted(router, failing_handler()))
+    assert router.observed == ["500"]
+
 
 def test_a_chat_stream_opens_with_the_role_and_empty_content(smollm2_tokenizer):
     router, result = fake_router(smollm2_tokenizer), GenerationResult([])

@@ -246,7 +246,8 @@ def test_a_worker_started_as_the_service_starts_it_reads_with_the_probe_it_names
     handle = backend.start("probe")
     try:
         assert ray.get(handle.ready.remote(), timeout=TIMEOUT_S).num_probe_reads == 0
-        events = asyncio.run(asyncio.wait_for(collect(handle, make_request("p", 6, 9, seed=50, predicted_output_tokens=9)), TIMEOUT_S))
+        request = make_request("p", 6, 9, seed=50, predicted_output_tokens=9)
+        events = asyncio.run(asyncio.wait_for(collect(handle, request), TIMEOUT_S))
         assert len(tokens_of(events)) == 9
         assert ray.get(handle.stats.remote(), timeout=TIMEOUT_S).num_probe_reads == 3  # after prefill, at 4 and 8
     finally:

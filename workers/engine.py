@@ -79,8 +79,8 @@ class Engine:
         self.allocator = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size,
                                                     config.enable_prefix_caching, cache_salt)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_overtaken_steps), self.allocator,
-            policy,
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_overtaken_steps),
+            self.allocator, policy,
         )
         if tensor_parallel_size > 1:
             send_config(config, self.allocator.num_blocks)  # the followers build their runners alongside

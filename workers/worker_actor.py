@@ -136,6 +136,13 @@ def load_worker_model(settings: WorkerSettings):
     return load_model(model_dir, dtype=dtype, device=device), load_tokenizer(model_dir), device
 
 
+def check_probe_loader(settings: WorkerSettings, load_probe) -> None:
+    """ValueError when the settings name a length probe and no loader was given to build it."""
+    if settings.length_probe is not None and load_probe is None:
+        raise ValueError(f"length_probe {settings.length_probe!r} is set but no probe loader was given "
+                         "(load_probe, e.g. cluster.control.worker_probe.load_length_probe)")
+
+
 def build_engine(settings: WorkerSettings, join_ranks=None,
                  load_probe: Callable[[str, int], LengthProbe] | None = None):
     """Load the model (or build the tiny one) and wrap it in an `Engine` with the settings' policy.
@@ -145,9 +152,7 @@ def build_engine(settings: WorkerSettings, join_ranks=None,
     `load_probe(settings.length_probe, hidden_size)` builds the length probe when the settings name one (the
     service passes `cluster.control.worker_probe.load_length_probe`: the workers import no predictor).
     """
-    if settings.length_probe is not None and load_probe is None:
-        raise ValueError(f"length_probe {settings.length_probe!r} is set but no probe loader was given "
-                         "(load_probe, e.g. cluster.control.worker_probe.load_length_probe)")
+    check_probe_loader(settings, load_probe)
     # Here, not at the top: the controller imports this module to start workers and must not load torch.
     from workers.engine import Engine
 
@@ -189,6 +194,7 @@ class WorkerActor:
                  load_probe: Callable[[str, int], LengthProbe] | None = None) -> None:
         from workers.engine_loop import EngineLoop
 
+        check_probe_loader(settings, load_probe)  # before starting any follower rank
         tune_cpu_runtime(settings.num_torch_threads)
         self.worker_id = worker_id
         self._followers, join = [], None

@@ -307,6 +307,7 @@ class Router:
             yield protocol.SSE_DONE
             self._observe(job, result, start_s)
         except Exception as error:  # noqa: BLE001 - headers are sent: report in-band, OpenAI style
+            # (a detokenizer error, our bug, reads the same here: the client already has part of the answer)
             logger.exception("stream of %s failed", job.request_id)
             self.metrics.observe_status("error")
             yield protocol.sse_event(APIError(503, f"generation failed ({type(error).__name__}); retry the request",
@@ -331,6 +332,9 @@ class Router:
             raise
         except asyncio.CancelledError:
             self.metrics.observe_status("cancelled")
+            raise
+        except Exception:
+            self.metrics.observe_status("500")  # our bug: the app's handler answers it as internal_error
             raise
 
     @app.get("/v1/models")
