@@ -67,6 +67,8 @@ class PolicyBenchConfig:
             the prefix cache off.
         probe: a hidden-state probe folder (`s3serve probe train`; "default": the shipped one): s3 and s3_peak
             run again with it refining their bounds in the engine, reported as s3+probe and s3_peak+probe.
+        overcommit_step: s3_peak's budget stretch per refusing step (`S3PeakPolicy`; None: its default,
+            0: the peak always within the pool).
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -91,6 +93,7 @@ class PolicyBenchConfig:
     workload: str = "trace"
     labels_path: Path = HELD_OUT_LABELS
     probe: str | None = None
+    overcommit_step: float | None = None
 
 
 def quick_config(workload: str = "trace", **overrides) -> PolicyBenchConfig:

@@ -12,7 +12,7 @@ from benchmarks.policy_summary import NO_CACHE_SUFFIX, PROBE_SUFFIX
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.length_probe import LengthProbe
-from workers.policies import make_policy
+from workers.policies import make_policy, overcommit_options
 from workers.sampling_params import SamplingParams
 from workers.scheduling_policy import PreemptionCostModel
 
@@ -58,6 +58,7 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
     chooses (`SchedulingPolicy.prediction_from`)."""
     natural = config.workload == "natural"
     kwargs = {"cost_model": cost_model} if name.startswith("s3") else {}
+    kwargs.update(overcommit_options(name, config.overcommit_step))
     if name == "oracle" and natural:
         kwargs = {"from_prediction": True}  # `estimates` hold the labelled lengths; nothing is forced
     policy = make_policy(name, max_model_len=config.max_len, **kwargs)

@@ -35,7 +35,7 @@ from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
 from benchmarks.traces import read_trace
 from cluster.control.rebalance import check_min_gap
 from predictor_service.length_predictor import LengthQuery
-from workers.policies import POLICY_NAMES, make_policy
+from workers.policies import POLICY_NAMES, make_policy, overcommit_options
 
 STATEMENT = ("SIMULATION: the service's scheduler, policies and placement code driven by a modelled clock; "
              "GPU step times are a datasheet roofline with assumed efficiencies, not measured on a GPU")
@@ -67,6 +67,7 @@ class SimulateBenchConfig:
         gpu_memory_fraction: of device memory for weights plus KV (the KV budget is the rest).
         calibrate: run the real CPU engine first and print the simulator's error against it.
         rebalance_min_gap: the controller's `rebalance_min_gap` (0: no load rebalancing between workers).
+        overcommit_step: s3_peak's budget stretch per refusing step (None: its default; 0: none).
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -90,6 +91,7 @@ class SimulateBenchConfig:
     calibration_requests: int = 24
     calibration_max_len: int = 512
     rebalance_min_gap: int = 2
+    overcommit_step: float | None = None
 
 
 def quick_config(**overrides) -> SimulateBenchConfig:
@@ -225,8 +227,9 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
         for policy in config.policies:
             with tqdm(total=len(requests), desc=f"{num_workers} workers, {policy}", unit="req",
                       mininterval=2.0) as progress:
-                simulation = ClusterSimulation(sim_config, lambda: make_policy(policy, max_model_len=config.max_len),
-                                               step_model)
+                options = overcommit_options(policy, config.overcommit_step)
+                simulation = ClusterSimulation(
+                    sim_config, lambda: make_policy(policy, max_model_len=config.max_len, **options), step_model)
                 result = simulation.run(requests, progress)
             runs.append({
                 "policy": policy, "num_workers": num_workers, "num_requests": len(requests),

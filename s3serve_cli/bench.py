@@ -51,6 +51,7 @@ def _bench_policies(args: argparse.Namespace) -> int:
         "predictor": args.predictor,
         "kv_cache_bytes": args.kv_cache_bytes,
         "sweep_sigmas": tuple(args.sweep_sigma or ()),
+        "overcommit_step": args.overcommit_step,
     }
     if args.num_requests is not None:
         overrides["num_requests"] = args.num_requests
@@ -215,6 +216,10 @@ def add_bench_parser(commands) -> None:
                           help="subset of max_reserve paged_greedy s3 s3_peak sglang_ratio oracle (default: all six)")
     policies.add_argument("--sweep-sigma", type=float, nargs="+", default=None, metavar="SIGMA",
                           help="also run s3 and s3_peak with noisy-oracle predictors of these sigmas; reports tok/s and preemptions")
+    policies.add_argument("--overcommit-step", type=float, default=None, metavar="F",
+                          help="s3_peak: share of the KV pool its peak test's budget stretches by per step it refuses "
+                               "a request while nothing was preempted (default 0.01; 0: the peak always within the "
+                               "pool)")
     policies.add_argument("--no-prefix-caching", action="store_true",
                           help="run every engine with its prefix cache off (on by default, as in the service)")
     policies.add_argument("--tokens-per-hash-id", type=int, default=None, metavar="N",

@@ -17,7 +17,7 @@ def _bench_simulate(args: argparse.Namespace) -> int:
     overrides = {"trace_path": args.trace, "answers_path": args.answers, "kind": args.kind,
                  "model_shape": args.model_shape, "calibrate": not args.no_calibration}
     for name in ("worker_counts", "requests_per_worker", "max_len", "max_prompt_tokens", "sigma", "policies",
-                 "calibration_requests", "rebalance_min_gap"):
+                 "calibration_requests", "rebalance_min_gap", "overcommit_step"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = tuple(value) if isinstance(value, list) else value
@@ -73,6 +73,9 @@ def add_simulate_parser(benches) -> None:
     simulate.add_argument("--no-calibration", action="store_true",
                           help="skip the real-engine comparison on this CPU (not allowed with --kind cpu)")
     add_rebalance_arg(simulate, "the controller's")
+    simulate.add_argument("--overcommit-step", type=float, default=None, metavar="F",
+                          help="s3_peak: share of a worker's KV pool its peak test's budget stretches by per step it "
+                               "refuses a request while nothing was preempted (default 0.01; 0: none)")
     simulate.add_argument("--quick", action="store_true", help="fewer workers and requests (a few minutes)")
     simulate.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     simulate.add_argument("--plot", type=Path, default=None, metavar="PNG",

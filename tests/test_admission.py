@@ -43,15 +43,23 @@ def steps_until_admitted(policy, medium: int, max_overtaken_steps: int, max_step
 
 
 # s3 holds whole plans, so two 50-token requests (13 blocks each) run side by side; s3_peak overlaps a
-# newcomer with the end of the one running, so there 70-token ones (18 blocks) keep the large one out.
-@pytest.mark.parametrize("policy_class, medium", [(S3Policy, 40), (S3PeakPolicy, 60)])
-def test_a_large_request_passed_long_enough_is_admitted_before_later_ones(policy_class, medium):
+# newcomer with the end of the one running, so there 70-token ones (18 blocks) keep the large one out. s3_peak
+# checks the peak against the pool itself here (no overcommit, which would let the large one in on its own).
+@pytest.mark.parametrize("policy_class, medium, options",
+                         [(S3Policy, 40, {}), (S3PeakPolicy, 60, {"overcommit_step": 0.0})])
+def test_a_large_request_passed_long_enough_is_admitted_before_later_ones(policy_class, medium, options):
     # Without the guard, one of the others always runs and the large one never gets in.
-    assert steps_until_admitted(policy_class(bucket_tokens=16), medium, max_overtaken_steps=10**9) is None
-    admitted_at = steps_until_admitted(policy_class(bucket_tokens=16), medium, max_overtaken_steps=100)
+    assert steps_until_admitted(policy_class(bucket_tokens=16, **options), medium, max_overtaken_steps=10**9) is None
+    admitted_at = steps_until_admitted(policy_class(bucket_tokens=16, **options), medium, max_overtaken_steps=100)
     # First passed within `medium` steps; 100 steps later nobody passes it, and those running end within
     # `medium` more.
     assert admitted_at is not None and 100 <= admitted_at <= medium + 100 + medium
+
+
+def test_s3_peak_stretching_its_budget_lets_a_large_request_in_without_the_guard():
+    # Refused step after step, the budget grows until the large one fits beside a medium one.
+    admitted_at = steps_until_admitted(S3PeakPolicy(bucket_tokens=16), 60, max_overtaken_steps=10**9)
+    assert admitted_at is not None and admitted_at < 100
 
 
 def test_the_guard_starts_only_once_someone_passed():

@@ -10,13 +10,62 @@ from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
 
 
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values)
+
+
 def test_s3_peak_with_exact_predictions_never_preempts_and_packs_more_than_s3():
     num_blocks = 3 * MAX_LEN // BLOCK_SIZE
-    peak, allocator, peak_running, _ = simulate(S3PeakPolicy(bucket_tokens=25), make_requests(60, 6), num_blocks)
+    peak, allocator, peak_running, _ = simulate(S3PeakPolicy(bucket_tokens=25, overcommit_step=0.0),
+                                                make_requests(60, 6), num_blocks)
     _, _, s3_running, _ = simulate(S3Policy(bucket_tokens=25), make_requests(60, 6), num_blocks)
-    assert peak.stats.num_preemptions == 0
+    assert peak.stats.num_preemptions == 0  # the peak checked against the pool itself
     # Shortest-first admission leaves the longest requests for the end, where few run beside them.
-    assert sum(peak_running) / len(peak_running) > 1.1 * sum(s3_running) / len(s3_running)
+    assert _mean(peak_running) > 1.1 * _mean(s3_running)
+    assert allocator.num_free_blocks == allocator.num_blocks
+
+
+def test_s3_peak_stretches_its_budget_while_it_refuses_and_halves_it_after_a_preemption():
+    policy = S3PeakPolicy(overcommit_step=0.25, max_overcommit=0.6)
+    # Blocks of 16 tokens. Running: 20 tokens held of 110 planned (7 blocks at its end, in 90 steps). Waiting:
+    # 70 planned (5 blocks at its end, in 60 steps, when the running one holds 80 tokens: 5 blocks).
+    held = waiting_seq("held", arrival_s=0.0, predicted=100, decoded=10)
+    newcomer = waiting_seq("new", arrival_s=1.0, predicted=60)
+
+    def admits() -> bool:
+        return policy.can_admit(newcomer, [held], num_blocks=8, block_size=16, step_token_budget=64)
+
+    assert not admits()  # together they would hold 10 blocks of 8 in 60 steps
+    policy.on_step([held])
+    assert policy.overcommit == 0.25 and admits()  # 8 x 1.25 = 10 blocks
+    for _ in range(3):
+        policy.on_step([held])
+    assert policy.overcommit == 0.25  # no refusal since: nothing to stretch for
+    for _ in range(2):  # 210 planned tokens: 14 blocks, refused each step
+        assert not policy.can_admit(waiting_seq("big", 2.0, predicted=200), [held], 8, 16, 64)
+        policy.on_step([held])
+    assert policy.overcommit == 0.6  # capped at max_overcommit
+    policy.on_preempted(held, [held])
+    policy.on_step([held])
+    assert policy.overcommit == 0.3  # a sequence could not grow: half the stretch
+    assert not policy.can_admit(waiting_seq("big", 2.0, predicted=200), [], 8, 16, 64)
+    policy.on_step([])
+    assert policy.overcommit == 0.3  # refused with nothing running: no stretch, and none given back while idle
+    for options in ({"overcommit_step": -0.1}, {"max_overcommit": -1.0}):
+        with pytest.raises(ValueError, match="overcommit"):
+            S3PeakPolicy(**options)
+
+
+def test_s3_peak_overcommit_runs_more_at_once_and_every_request_still_finishes():
+    num_blocks = 3 * MAX_LEN // BLOCK_SIZE
+    strict, _, strict_running, _ = simulate(S3PeakPolicy(bucket_tokens=25, overcommit_step=0.0),
+                                            make_requests(60, 6), num_blocks)
+    stretched, allocator, stretched_running, _ = simulate(S3PeakPolicy(bucket_tokens=25), make_requests(60, 6),
+                                                          num_blocks)
+    # Exact plans still peak below the pool most of the time: running beyond them fills the KV, at the cost of
+    # the preemptions that mark where the stretch stops.
+    assert _mean(stretched_running) > 1.1 * _mean(strict_running)
+    assert stretched.stats.num_preemptions > 0 and len(stretched_running) < len(strict_running)
     assert allocator.num_free_blocks == allocator.num_blocks
 
 
