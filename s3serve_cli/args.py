@@ -24,6 +24,14 @@ def add_rebalance_arg(parser: argparse.ArgumentParser, whose: str) -> None:
                              "busiest's (default 2; 0 turns it off)")
 
 
+def add_overcommit_arg(parser: argparse.ArgumentParser) -> None:
+    """`--overcommit-step`, s3_peak's `overcommit_step`, for the benches that run the policy."""
+    parser.add_argument("--overcommit-step", type=float, default=None, metavar="F",
+                        help="s3_peak: share of a worker's KV pool its peak test's budget stretches by per step it "
+                             "refuses a request while nothing was preempted (default 0.01; 0: the peak always "
+                             "within the pool)")
+
+
 def add_label_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--labels", type=Path, nargs="+", required=True, metavar="FILE",
                         help="labels JSONL files written by `s3serve label`")

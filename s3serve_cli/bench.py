@@ -5,7 +5,7 @@ from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from workers.models import DEFAULT_MODEL
-from s3serve_cli.args import add_model_args
+from s3serve_cli.args import add_model_args, add_overcommit_arg
 from s3serve_cli.bench_cluster import add_cluster_parser
 from s3serve_cli.bench_predictor import add_predictor_parser
 from s3serve_cli.bench_simulate import add_simulate_parser
@@ -216,10 +216,7 @@ def add_bench_parser(commands) -> None:
                           help="subset of max_reserve paged_greedy s3 s3_peak sglang_ratio oracle (default: all six)")
     policies.add_argument("--sweep-sigma", type=float, nargs="+", default=None, metavar="SIGMA",
                           help="also run s3 and s3_peak with noisy-oracle predictors of these sigmas; reports tok/s and preemptions")
-    policies.add_argument("--overcommit-step", type=float, default=None, metavar="F",
-                          help="s3_peak: share of the KV pool its peak test's budget stretches by per step it refuses "
-                               "a request while nothing was preempted (default 0.01; 0: the peak always within the "
-                               "pool)")
+    add_overcommit_arg(policies)
     policies.add_argument("--no-prefix-caching", action="store_true",
                           help="run every engine with its prefix cache off (on by default, as in the service)")
     policies.add_argument("--tokens-per-hash-id", type=int, default=None, metavar="N",

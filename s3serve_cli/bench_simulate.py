@@ -5,7 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.step_time import GPU_KINDS
-from s3serve_cli.args import add_model_args, add_rebalance_arg
+from s3serve_cli.args import add_model_args, add_overcommit_arg, add_rebalance_arg
 from workers.model_shapes import MODEL_SHAPES
 from workers.policies import POLICY_NAMES
 
@@ -73,9 +73,7 @@ def add_simulate_parser(benches) -> None:
     simulate.add_argument("--no-calibration", action="store_true",
                           help="skip the real-engine comparison on this CPU (not allowed with --kind cpu)")
     add_rebalance_arg(simulate, "the controller's")
-    simulate.add_argument("--overcommit-step", type=float, default=None, metavar="F",
-                          help="s3_peak: share of a worker's KV pool its peak test's budget stretches by per step it "
-                               "refuses a request while nothing was preempted (default 0.01; 0: none)")
+    add_overcommit_arg(simulate)
     simulate.add_argument("--quick", action="store_true", help="fewer workers and requests (a few minutes)")
     simulate.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     simulate.add_argument("--plot", type=Path, default=None, metavar="PNG",

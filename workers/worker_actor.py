@@ -113,8 +113,22 @@ class WorkerSettings:
             raise ValueError(f"rank_stall_s must be > 0, got {self.rank_stall_s}")
         # Fail in the caller's process, not later inside the actor.
         self.make_policy()
-        EngineConfig(self.kv_cache_bytes, self.block_size, self.max_num_seqs, self.max_num_batched_tokens,
-                     self.max_model_len, self.tensor_parallel_size, max_overtaken_steps=self.max_overtaken_steps)
+        self.engine_config(self.kv_cache_bytes)
+
+    def engine_config(self, kv_cache_bytes: int) -> EngineConfig:
+        """The engine's settings, with the KV budget the worker's device gives (`workers.device.kv_budget_bytes`)."""
+        return EngineConfig(
+            kv_cache_bytes=kv_cache_bytes,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size,
+            use_fast_path=self.use_fast_path,
+            enable_prefix_caching=self.enable_prefix_caching,
+            cache_salt=prefix_cache_salt(self.model, self.dtype),
+            max_overtaken_steps=self.max_overtaken_steps,
+        )
 
     def make_policy(self) -> SchedulingPolicy:
         """The worker's policy, built as the controller builds its own (same registry, same buckets)."""
@@ -159,19 +173,8 @@ def build_engine(settings: WorkerSettings, join_ranks=None,
     model, tokenizer, device = load_worker_model(settings)
     if join_ranks is not None:
         join_ranks()
-    config = EngineConfig(
-        kv_cache_bytes=kv_budget_bytes(settings.kv_cache_bytes, settings.kv_cache_fraction, device,
-                                       free_device_bytes(device)),
-        block_size=settings.block_size,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        use_fast_path=settings.use_fast_path,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        cache_salt=prefix_cache_salt(settings.model, settings.dtype),
-        max_overtaken_steps=settings.max_overtaken_steps,
-    )
+    config = settings.engine_config(kv_budget_bytes(settings.kv_cache_bytes, settings.kv_cache_fraction, device,
+                                                    free_device_bytes(device)))
     probe = None if settings.length_probe is None else load_probe(settings.length_probe, model.config.hidden_size)
     return Engine(model, config, tokenizer=tokenizer, policy=settings.make_policy(), probe=probe)
 
