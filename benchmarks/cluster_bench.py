@@ -40,6 +40,7 @@ from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
 from cluster.config import DTYPES
 from cluster.control.rebalance import check_min_gap
+from cluster.control.routing import DEFAULT_ROUTING, check_routing
 from predictor_service.probe_files import check_probe_folder
 from workers.policies import SERVING_POLICY_NAMES
 from workers.ports import free_port
@@ -49,7 +50,9 @@ DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 # 256 blocks of 16 tokens of SmolLM2-135M (720 KiB each): 4 worst-case 1024-token sequences, as in bench policies.
 DEFAULT_KV_CACHE_BYTES = 188_743_680
 STATS_SETTLE_S = 1.5  # the controller polls worker stats every 0.5 s; let the last poll land
-TABLE_KEYS = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s",
+ROUTING_MARK = "@"  # "s3_peak@room": a policy run with a routing other than the only one compared
+TABLE_KEYS = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "latency_mean_s", "latency_p50_s",
+              "latency_p99_s",
               "worker_balance_min_max", "migrations", "rebalances", "requeues", "preemptions", "overruns",
               "overhead_p50_ms", "overhead_p99_ms", "prefix_hit_rate", "probe_reads")
 FFD_ONLY_SUFFIX = "/ffd-only"  # the same policy with prefix-aware placement off
@@ -89,6 +92,7 @@ class ClusterBenchConfig:
         dtype: the workers' weights and KV dtype ("auto": bf16 where the CPU has it). In bf16 a greedy answer
             can change with what else is in its batch, so a request that moved or ran beside others may differ
             in its last tokens; "float32" makes the answers comparable token for token.
+        routings: the services' `routing`s; with several, every policy runs once with each ("policy@routing").
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -113,6 +117,7 @@ class ClusterBenchConfig:
     probe: str = "default"
     rebalance_min_gap: int = 2
     dtype: str = "auto"
+    routings: tuple[str, ...] = (DEFAULT_ROUTING,)
 
     @property
     def is_natural(self) -> bool:
@@ -134,6 +139,8 @@ class ClusterBenchConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose {', '.join(DTYPES)}")
         check_min_gap(self.rebalance_min_gap, "--rebalance-min-gap")
+        for routing in self.routings:
+            check_routing(routing)
         if self.is_natural and self.predictor.startswith("noisy-oracle:"):
             raise ValueError("--workload natural serves a real predictor (--predictor default or a directory): the "
                              "noisy oracle needs forced lengths")
@@ -191,6 +198,7 @@ def summarize_results(results: list[RequestResult], plan: list[LoadRequest]) -> 
         "requests_per_s": len(ok) / wall_s if wall_s else None,
         "ttft_p50_s": percentile(ttft, 0.5),
         "ttft_p99_s": percentile(ttft, 0.99),
+        "latency_mean_s": sum(latency) / len(latency) if latency else None,
         "latency_p50_s": percentile(latency, 0.5),
         "latency_p99_s": percentile(latency, 0.99),
         "overhead_p50_ms": percentile(overhead, 0.5),
@@ -251,6 +259,7 @@ def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, mo
                     data_dir: str, artifact: str | None = None, prefix_aware_placement: bool = True):
     from cluster.config import ServiceConfig
 
+    policy, _, routing = policy.partition(ROUTING_MARK)
     probe = None
     if policy.endswith(PROBE_SUFFIX):
         policy, probe = policy.removesuffix(PROBE_SUFFIX), config.probe
@@ -262,7 +271,7 @@ def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, mo
         max_model_len=config.max_len, max_num_seqs=config.max_num_seqs,
         default_max_tokens=min(256, config.max_len - 1), data_dir=data_dir, num_cpus=config.num_cpus,
         num_torch_threads=config.num_torch_threads, prefix_aware_placement=prefix_aware_placement,
-        rebalance_min_gap=config.rebalance_min_gap, dtype=config.dtype,
+        rebalance_min_gap=config.rebalance_min_gap, dtype=config.dtype, routing=routing or config.routings[0],
         # The bench measures throughput under a backlog: nothing may be refused or time out waiting for room.
         max_concurrent_requests=max(256, config.concurrency), max_pending_placements=max(128, config.concurrency),
         placement_timeout_s=24 * 3600.0)
@@ -324,11 +333,13 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
     with tempfile.TemporaryDirectory(prefix="s3serve-bench-") as work_dir:
         artifact = predictor_artifact(config, plan, Path(work_dir))
         print(f"predictor: {config.predictor}" + (f" (served from {artifact})" if artifact else ""))
-        for policy in config.policies:
+        runs = [policy if len(config.routings) == 1 else f"{policy}{ROUTING_MARK}{routing}"
+                for policy in config.policies for routing in config.routings]
+        for policy in runs:
             summaries[policy] = run_policy(config, policy, plan, model_name, model_cache_dir, Path(work_dir),
                                            artifact)
         if shares_prefixes:
-            first = config.policies[0]
+            first = runs[0]
             summaries[first + FFD_ONLY_SUFFIX] = run_policy(config, first, plan, model_name, model_cache_dir,
                                                             Path(work_dir), artifact, prefix_aware_placement=False)
             ratios_extra = {"prefix_hit_rate_with_prefix_placement": summaries[first]["prefix_hit_rate"],
@@ -340,7 +351,7 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
     # a failed request is in the table's failed column, not counted as a differing answer
     outputs = compare_outputs({name: {rid: d[rid] for rid in answered} for name, d in digests.items()})
     ratios = ratios_of(summaries)
-    headers = ["policy", "done", "failed", "tok/s", "req/s", "ttft_p50", "ttft_p99", "lat_p50", "lat_p99",
+    headers = ["policy", "done", "failed", "tok/s", "req/s", "ttft_p50", "ttft_p99", "lat_mean", "lat_p50", "lat_p99",
                "balance", "migr", "rebal", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms", "prefix_hit",
                "probe_reads"]
     table_rows = [[name, s["completed"], s["failed"], *(_cell(s[key]) for key in TABLE_KEYS)]
@@ -376,6 +387,7 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
         "kv_cache_bytes_per_worker": config.kv_cache_bytes,
         "concurrency": config.concurrency,
         "rebalance_min_gap": config.rebalance_min_gap,
+        "routings": list(config.routings),
         "dtype": config.dtype,
         "predictor": config.predictor,
         "workload": config.workload,

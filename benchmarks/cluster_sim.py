@@ -29,6 +29,7 @@ from benchmarks.step_time import StepModel
 from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, blocks_for, first_fit_decreasing,
                                        migration_target)
 from cluster.control.rebalance import Rebalance, WorkerLoad, choose_rebalance
+from cluster.control.routing import LENGTHS, LiveWork, route
 from workers.sequence import Sequence
 
 STEADY_FRACTION = 0.9  # the steady rate counts until this share of the requests has finished
@@ -66,6 +67,7 @@ class ClusterSimulation:
         self._events: list = []
         self._order = itertools.count()
         self.result = SimResult()
+        self._work: dict[str, tuple[tuple[int, int, int], LiveWork]] = {}  # worker -> (when built, its live work)
 
     # -- the event loop ---------------------------------------------------------------
 
@@ -170,7 +172,7 @@ class ClusterSimulation:
         return max(1, min(blocks_for(tokens, self.config.block_size), self.config.num_blocks))
 
     def _place(self, request: SimRequest, now_s: float) -> None:
-        """`ControlPlane.place`: roomiest worker at once when nobody waits, else queue for first-fit."""
+        """`ControlPlane.place`: the routing's worker at once when nobody waits, else queue for first-fit."""
         if request.point_output_tokens is not None and request.predicted_output_tokens is not None:
             # The router's choice: the point for on-demand policies, the upper bound for those that reserve.
             request = replace(request, point_output_tokens=None, predicted_output_tokens=self.policy.prediction_from(
@@ -178,7 +180,7 @@ class ClusterSimulation:
         num_blocks = self._plan_blocks(request, 0, request.predicted_output_tokens)
         seq = new_sequence(request)
         started_s = time.perf_counter()
-        worker_id = None if self.waiting else self.rooms.roomiest(num_blocks)
+        worker_id = None if self.waiting else self._route(num_blocks, request)
         self._decided(started_s)
         if worker_id is not None:
             self._assign(request.request_id, worker_id, num_blocks, seq, now_s)
@@ -188,6 +190,26 @@ class ClusterSimulation:
         else:
             self.waiting[request.request_id] = (PendingRequest(request.request_id, num_blocks, now_s), request, seq)
             self._place_waiting(now_s)
+
+    def _route(self, num_blocks: int, request: SimRequest) -> str | None:
+        """`ControlPlane._route`: the configured routing among workers with room (each seen as of its latest step)."""
+        if self.config.routing == "room":
+            return self.rooms.roomiest(num_blocks)
+        live = {worker_id: self._live_work(worker_id) for worker_id in self.workers}
+        own = LENGTHS.remaining_of(request.predicted_output_tokens, 0, request.max_tokens)
+        return route(self.config.routing, num_blocks, own, self.rooms.free(), live)
+
+    def _live_work(self, worker_id: str) -> LiveWork:
+        """A worker's `LiveWork`, rebuilt once per change of its sequences (a step ended, a request came or went)."""
+        worker = self.workers[worker_id]
+        key = (worker.scheduler.num_steps, len(worker.scheduler.running), len(worker.scheduler.waiting))
+        cached = self._work.get(worker_id)
+        if cached is None or cached[0] != key:
+            sequences = (*worker.scheduler.running, *worker.scheduler.waiting)
+            cached = self._work[worker_id] = (key, LiveWork(
+                LENGTHS.remaining_of(s.predicted_output_tokens, s.num_output_tokens, s.params.max_tokens)
+                for s in sequences))
+        return cached[1]
 
     def _place_waiting(self, now_s: float) -> None:
         """First-fit-decreasing over the queue, when some worker could take its smallest request."""

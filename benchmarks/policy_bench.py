@@ -16,7 +16,7 @@ from tqdm import tqdm
 from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload, compare_outputs
 from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.policy_plots import plot_runs
-from benchmarks.policy_replay import PolicyRun, run_policy
+from benchmarks.policy_replay import WARMUP_REQUESTS, PolicyRun, run_policy
 from benchmarks.policy_summary import CACHE_COMPARED, PROBE_SUFFIX, PROBED, policy_ratios, summarize
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
@@ -26,10 +26,10 @@ from predictor_service.artifacts import load_predictor
 from predictor_service.length_example import TextOf
 from predictor_service.length_predictor import LengthPredictor, LengthQuery
 from predictor_service.server import DEFAULT_ARTIFACT_ROOT
+from workers.engine_config import DEFAULT_SWAP_SPACE_BYTES
 from workers.model_runner import pool_shape_for
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.policies import POLICY_NAMES
-from workers.scheduling_policy import PreemptionCostModel
 
 POLICIES = POLICY_NAMES
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
@@ -69,6 +69,9 @@ class PolicyBenchConfig:
             run again with it refining their bounds in the engine, reported as s3+probe and s3_peak+probe.
         overcommit_step: s3_peak's budget stretch per refusing step (`S3PeakPolicy`; None: its default,
             0: the peak always within the pool).
+        preemption_mode: how every policy's victims give up their KV (`EngineConfig.preemption_mode`): the same
+            mechanism for all, so the policies differ only in their decisions.
+        swap_space_bytes: host bytes swapped-out KV may hold at once, for every policy (`EngineConfig`).
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -94,6 +97,8 @@ class PolicyBenchConfig:
     labels_path: Path = HELD_OUT_LABELS
     probe: str | None = None
     overcommit_step: float | None = None
+    preemption_mode: str = "auto"
+    swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
 
 
 def quick_config(workload: str = "trace", **overrides) -> PolicyBenchConfig:
@@ -199,7 +204,6 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     pool = pool_shape_for(model.config, 1, 16, model.dtype)
     bytes_per_token = pool.bytes_per_block // pool.block_size
     kv_cache_bytes = config.kv_cache_bytes or config.reserve_slots * config.max_len * bytes_per_token
-    cost_model = PreemptionCostModel(kv_bytes_per_token=bytes_per_token)
     true_lengths = {r.request_id: r.output_tokens for r in requests}
     queries = [LengthQuery(r.request_id, r.prompt_token_ids, config.max_len - len(r.prompt_token_ids))
                for r in requests]
@@ -239,7 +243,7 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
             estimates = ({rid: (n, n) for rid, n in true_lengths.items()} if natural and name == "oracle"
                          else estimates_by_spec[spec])
             result = run_policy(copy.deepcopy(model), name, requests, estimates, config, kv_cache_bytes,
-                                cost_model, progress, caching, run_probe)
+                                progress, caching, run_probe)
             if not is_sweep:
                 runs.append(result)
             else:
@@ -250,11 +254,15 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
                               "mean_concurrency": summary["mean_concurrency"]})
     summaries = {r.policy: summarize(r, len(requests)) for r in runs}
     ratios = policy_ratios(summaries)
+    print(f"preemption: {config.preemption_mode} for every policy, swap space {config.swap_space_bytes / 1e6:.0f} MB "
+          f"(beyond it, recompute); each engine warmed up untimed with the same {WARMUP_REQUESTS} requests")
     headers = ["policy", "tok/s", "req/s", "conc_mean", "conc_max", "kv_used", "kv_resv", "preempt",
-               "recomp_tok", "swap_MB", "lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "tpot_p50", "prefix_hit"]
+               "recomp_tok", "swap_MB", "swap_peak_MB", "lat_mean", "lat_p50", "lat_p99", "ttft_p50", "ttft_p99",
+               "tpot_p50", "prefix_hit"]
     table_rows = [[name, s["tokens_per_s"], s["requests_per_s"], s["mean_concurrency"], s["max_concurrency"],
                    s["kv_used_fraction_mean"], s["kv_reserved_fraction_mean"], s["preemptions"],
-                   s["recomputed_tokens"], s["swapped_bytes"] / 1e6, s["latency_p50_s"], s["latency_p99_s"],
+                   s["recomputed_tokens"], s["swapped_bytes"] / 1e6, s["swap_space_peak_bytes"] / 1e6,
+                   s["latency_mean_s"], s["latency_p50_s"], s["latency_p99_s"],
                    s["ttft_p50_s"], s["ttft_p99_s"], s["tpot_p50_s"],
                    s["prefix_hit_rate"] if s["prefix_caching"] else "off"] for name, s in summaries.items()]
     print(format_table(headers, table_rows))
@@ -285,6 +293,9 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
         "max_len": config.max_len,
         "predictor": config.predictor,
         "kv_cache_bytes": kv_cache_bytes,
+        "preemption_mode": config.preemption_mode,
+        "swap_space_bytes": config.swap_space_bytes,
+        "warmup_requests": WARMUP_REQUESTS,
         "kv_blocks": runs[0].num_blocks if runs else None,
         "max_reserve_slots": kv_cache_bytes // (config.max_len * bytes_per_token),
         "workload": config.workload,

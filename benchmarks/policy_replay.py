@@ -1,5 +1,10 @@
 """One replay of `bench policies`: a fresh engine, one policy (optionally with the hidden-state probe), the
-requests fed at their arrival times, and what it measured."""
+requests fed at their arrival times, and what it measured.
+
+Every replay is on the same footing: the same preemption mechanism and swap budget whatever the policy
+(`PolicyBenchConfig.preemption_mode`, `swap_space_bytes`), and the same untimed warm-up on its fresh engine
+(`WARMUP_REQUESTS` short requests whose prompts share no block with the workload's) before the clock starts.
+"""
 
 import time
 from dataclasses import dataclass, field
@@ -14,12 +19,15 @@ from workers.engine_config import EngineConfig
 from workers.length_probe import LengthProbe
 from workers.policies import make_policy, overcommit_options
 from workers.sampling_params import SamplingParams
-from workers.scheduling_policy import PreemptionCostModel
+from workers.scheduler import SchedulerStats
 
 if TYPE_CHECKING:
     from benchmarks.policy_bench import PolicyBenchConfig
 
 MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
+WARMUP_REQUESTS = 2  # untimed, through every fresh engine before its replay
+WARMUP_PROMPT_TOKENS = 24
+WARMUP_OUTPUT_TOKENS = 8
 
 
 @dataclass(slots=True)
@@ -38,6 +46,8 @@ class PolicyRun:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
     swapped_bytes: int = 0
+    swap_space_peak_bytes: int = 0  # the most swapped-out KV held on the host at once (bounded by the budget)
+    num_swaps_over_budget: int = 0  # preemptions that recomputed because swap space was full
     num_mispredictions: int = 0
     misprediction_events: list[dict] = field(default_factory=list)
     num_blocks: int = 0
@@ -49,16 +59,32 @@ class PolicyRun:
     num_probe_reads: int = 0  # bounds the hidden-state probe set (after prefill and every N decoded tokens)
 
 
+def warm_up(engine: Engine, vocab_size: int) -> None:
+    """Run `WARMUP_REQUESTS` short requests through `engine`, untimed, then zero what a replay counts."""
+    for index in range(WARMUP_REQUESTS):
+        # Token ids from the top of the vocabulary, in an order no text makes: no prefix block in common.
+        prompt = [vocab_size - 1 - (7 * index + 3 * j) % 97 for j in range(WARMUP_PROMPT_TOKENS)]
+        # Forced and predicted exactly, so that every policy (the oracle too) takes them.
+        engine.add_request(prompt, SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True,
+                                                  forced_output_tokens=WARMUP_OUTPUT_TOKENS),
+                           seq_id=f"warmup-{index}", predicted_output_tokens=WARMUP_OUTPUT_TOKENS)
+    while engine.has_unfinished():
+        engine.step()
+    engine.scheduler.stats = SchedulerStats()
+    engine.scheduler.swap_space.peak_blocks = 0
+    engine.swapped_bytes = 0
+    engine.num_probe_reads = 0
+
+
 def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]], config: "PolicyBenchConfig",
-               kv_cache_bytes: int, cost_model: PreemptionCostModel, progress: tqdm,
-               prefix_caching: bool = True, probe: LengthProbe | None = None) -> PolicyRun:
+               kv_cache_bytes: int, progress: tqdm, prefix_caching: bool = True,
+               probe: LengthProbe | None = None) -> PolicyRun:
     """Replay the requests through a fresh engine with one policy (and `probe` refining its bounds, if given).
 
     `estimates` holds each request's (point, upper bound) output tokens; the policy plans by the one it
     chooses (`SchedulingPolicy.prediction_from`)."""
     natural = config.workload == "natural"
-    kwargs = {"cost_model": cost_model} if name.startswith("s3") else {}
-    kwargs.update(overcommit_options(name, config.overcommit_step))
+    kwargs = overcommit_options(name, config.overcommit_step)
     if name == "oracle" and natural:
         kwargs = {"from_prediction": True}  # `estimates` hold the labelled lengths; nothing is forced
     policy = make_policy(name, max_model_len=config.max_len, **kwargs)
@@ -66,10 +92,12 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
         model,
         EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len,
-                     enable_prefix_caching=prefix_caching),
+                     enable_prefix_caching=prefix_caching, preemption_mode=config.preemption_mode,
+                     swap_space_bytes=config.swap_space_bytes),
         policy=policy,
         probe=probe,
     )
+    warm_up(engine, engine.vocab_size)
     label = name if probe is None else f"{name}{PROBE_SUFFIX}"
     run = PolicyRun(policy=label if prefix_caching else f"{label}{NO_CACHE_SUFFIX}", num_blocks=engine.allocator.num_blocks,
                     prefix_caching=prefix_caching)
@@ -118,6 +146,8 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
     run.num_preemptions = stats.num_preemptions
     run.num_recomputed_tokens = stats.num_recomputed_tokens
     run.swapped_bytes = engine.swapped_bytes
+    run.swap_space_peak_bytes = engine.swap_space_peak_bytes
+    run.num_swaps_over_budget = stats.num_swaps_over_budget
     run.num_mispredictions = len(stats.mispredictions)
     run.num_probe_reads = engine.num_probe_reads
     run.num_prompt_tokens = stats.num_prompt_tokens_admitted

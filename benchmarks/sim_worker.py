@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 
 from benchmarks.step_time import StepModel
 from cluster.control.rebalance import check_min_gap
+from cluster.control.routing import DEFAULT_ROUTING, check_routing
 from workers.kv_cache_manager import BlockAllocator
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.scheduling_policy import SchedulingPolicy
+from workers.preemption import PreemptionRule
+from workers.scheduling_policy import PreemptionCostModel, SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import StepShape, step_shape
 
@@ -78,6 +80,9 @@ class SimConfig:
             beyond it the router is refused (429) and the simulated client retries as soon as the
             queue has space, in arrival order.
         rebalance_min_gap: the service's `rebalance_min_gap` (0: no load rebalancing).
+        routing: the service's `routing`: which worker with room takes a request when nobody waits.
+        preemption_mode: how every policy's victims give up their KV (`EngineConfig.preemption_mode`); swapped
+            copies may fill as much host memory as one worker's KV pool, beyond it they recompute.
     """
 
     num_workers: int
@@ -88,6 +93,8 @@ class SimConfig:
     tick_s: float = 0.5
     max_pending: int = 128
     rebalance_min_gap: int = 2
+    routing: str = DEFAULT_ROUTING
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -97,6 +104,7 @@ class SimConfig:
         if self.tick_s <= 0:
             raise ValueError(f"tick_s must be > 0, got {self.tick_s}")
         check_min_gap(self.rebalance_min_gap)
+        check_routing(self.routing)
 
 
 @dataclass(slots=True)
@@ -147,8 +155,10 @@ class SimWorker:
     def __init__(self, worker_id: str, config: SimConfig, policy: SchedulingPolicy, step_model: StepModel):
         self.worker_id = worker_id
         self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        preemption = PreemptionRule(config.preemption_mode, config.num_blocks,
+                                    PreemptionCostModel(kv_bytes_per_token=step_model.kv_bytes_per_token))
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                                   self.allocator, policy)
+                                   self.allocator, policy, preemption)
         self.step_model = step_model
         self.bytes_per_block = step_model.kv_bytes_per_token * config.block_size
         self.is_busy = False

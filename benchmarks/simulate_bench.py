@@ -12,11 +12,13 @@ mean 1,155 context and 211 generated tokens); `paper` is the S3 paper's kind of 
 short instructions with text-davinci-003's answers (`benchmarks.answer_lengths`, mean about
 86 + 87 tokens), where reserving the worst case wastes the most.
 
-Every request arrives at t=0, so two rates are reported: `tokens_per_s` over the whole run,
-and `steady_tokens_per_s` until 90% of the requests have finished. The first includes the
-drain, when a few of the longest answers decode alone whatever the policy; the second is
-the cluster's capacity. (It does not end at the last request's start: a policy that admits
-everything at once would then be judged on its first prefills alone.)
+By default every request arrives at t=0, so two rates are reported: `tokens_per_s` over the
+whole run, and `steady_tokens_per_s` until 90% of the requests have finished. The first
+includes the drain, when a few of the longest answers decode alone whatever the policy; the
+second is the cluster's capacity. (It does not end at the last request's start: a policy that
+admits everything at once would then be judged on its first prefills alone.) With
+`arrival_rate_per_worker`, requests arrive online instead (Poisson, seeded), and the latency
+columns (mean, p99, TTFT) say how each routing (`cluster.control.routing`) serves them.
 """
 
 import random
@@ -34,6 +36,7 @@ from benchmarks.sim_worker import SimConfig, SimRequest
 from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
 from benchmarks.traces import read_trace
 from cluster.control.rebalance import check_min_gap
+from cluster.control.routing import DEFAULT_ROUTING, check_routing
 from predictor_service.length_predictor import LengthQuery
 from workers.policies import POLICY_NAMES, make_policy, overcommit_options
 
@@ -68,6 +71,8 @@ class SimulateBenchConfig:
         calibrate: run the real CPU engine first and print the simulator's error against it.
         rebalance_min_gap: the controller's `rebalance_min_gap` (0: no load rebalancing between workers).
         overcommit_step: s3_peak's budget stretch per refusing step (None: its default; 0: none).
+        routings: the controller's routings to compare (`ServiceConfig.routing`), each with every policy.
+        arrival_rate_per_worker: requests per second per worker, Poisson (seeded); None: all at t=0.
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -92,6 +97,8 @@ class SimulateBenchConfig:
     calibration_max_len: int = 512
     rebalance_min_gap: int = 2
     overcommit_step: float | None = None
+    routings: tuple[str, ...] = (DEFAULT_ROUTING,)
+    arrival_rate_per_worker: float | None = None
 
 
 def quick_config(**overrides) -> SimulateBenchConfig:
@@ -128,6 +135,31 @@ def build_sim_requests(rows, count: int, max_len: int, max_prompt_tokens: int, s
     bounds = oracle.predict([LengthQuery(rid, (), max_len - prompt) for rid, prompt, _ in shapes])
     return [SimRequest(rid, 0.0, prompt, out, max_len - prompt, bound.upper_bound_tokens, bound.point_tokens)
             for (rid, prompt, out), bound in zip(shapes, bounds)]
+
+
+def poisson_arrivals(requests: list[SimRequest], rate_per_s: float, seed: int) -> list[SimRequest]:
+    """The requests in their order, arriving as a seeded Poisson process of `rate_per_s`."""
+    rng = random.Random(seed)
+    arrival_s, timed = 0.0, []
+    for request in requests:
+        arrival_s += rng.expovariate(rate_per_s)
+        timed.append(replace(request, arrival_s=arrival_s))
+    return timed
+
+
+def routing_ratios(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Each non-room routing against room alone, per cluster size and policy: "<workers>/<policy>/<routing>" ->
+    tokens/s, mean and p99 latency and TTFT p50, as ratios (latency below 1 is better)."""
+    by = {(r["num_workers"], r["policy"], r["routing"]): r for r in runs}
+    ratios = {}
+    for (num_workers, policy, routing), run in by.items():
+        room = by.get((num_workers, policy, "room"))
+        if routing == "room" or room is None:
+            continue
+        ratios[f"{num_workers}/{policy}/{routing}"] = {
+            key: run[key] / room[key] if room[key] else None
+            for key in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")}
+    return ratios
 
 
 def _passes(rows: list, rng: random.Random) -> Iterator:
@@ -199,6 +231,10 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
     if any(n < 1 for n in config.worker_counts):
         raise ValueError(f"worker counts must be >= 1, got {config.worker_counts}")
     check_min_gap(config.rebalance_min_gap, "--rebalance-min-gap")
+    for routing in config.routings:
+        check_routing(routing)
+    if config.arrival_rate_per_worker is not None and config.arrival_rate_per_worker <= 0:
+        raise ValueError(f"--arrival-rate must be > 0, got {config.arrival_rate_per_worker}")
     if config.kind != CPU_KIND:
         gpu_kind(config.kind)
         shape_cost(config.model_shape)  # fail on a bad name before the calibration run
@@ -221,22 +257,26 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
     for num_workers in config.worker_counts:
         requests = build_sim_requests(rows, num_workers * config.requests_per_worker, config.max_len,
                                       config.max_prompt_tokens, config.sigma, config.seed)
-        sim_config = SimConfig(num_workers, num_blocks, config.block_size, config.max_num_seqs,
-                               config.max_num_batched_tokens, max_pending=config.max_pending,
-                               rebalance_min_gap=config.rebalance_min_gap)
-        for policy in config.policies:
-            with tqdm(total=len(requests), desc=f"{num_workers} workers, {policy}", unit="req",
+        if config.arrival_rate_per_worker is not None:
+            requests = poisson_arrivals(requests, config.arrival_rate_per_worker * num_workers, config.seed)
+        for routing, policy in ((r, p) for r in config.routings for p in config.policies):
+            sim_config = SimConfig(num_workers, num_blocks, config.block_size, config.max_num_seqs,
+                                   config.max_num_batched_tokens, max_pending=config.max_pending,
+                                   rebalance_min_gap=config.rebalance_min_gap, routing=routing)
+            with tqdm(total=len(requests), desc=f"{num_workers} workers, {policy}, {routing}", unit="req",
                       mininterval=2.0) as progress:
                 options = overcommit_options(policy, config.overcommit_step)
                 simulation = ClusterSimulation(
                     sim_config, lambda: make_policy(policy, max_model_len=config.max_len, **options), step_model)
                 result = simulation.run(requests, progress)
             runs.append({
-                "policy": policy, "num_workers": num_workers, "num_requests": len(requests),
+                "policy": policy, "routing": routing, "num_workers": num_workers, "num_requests": len(requests),
                 "tokens_per_s": result.tokens_per_s, "tokens_per_s_per_worker": result.tokens_per_s / num_workers,
                 "steady_tokens_per_s": result.steady_tokens_per_s, "steady_s": result.steady_s,
                 "makespan_s": result.makespan_s, "latency_p50_s": percentile(result.latency_s, 0.5),
-                "latency_p99_s": percentile(result.latency_s, 0.99), "ttft_p99_s": percentile(result.ttft_s, 0.99),
+                "latency_mean_s": sum(result.latency_s) / len(result.latency_s),
+                "latency_p99_s": percentile(result.latency_s, 0.99), "ttft_p50_s": percentile(result.ttft_s, 0.5),
+                "ttft_p99_s": percentile(result.ttft_s, 0.99),
                 "migrations": result.num_migrations, "rebalances": result.num_rebalances,
                 "preemptions": result.num_preemptions,
                 "mispredictions": result.num_mispredictions, "refused_then_retried": result.num_refused,
@@ -244,14 +284,21 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
                 "placement_decision_us": 1e6 * result.placement_wall_s / max(1, result.num_placement_decisions),
                 "all_outputs_exact_length": result.outputs_exact, "simulation_wall_s": result.simulation_wall_s,
             })
-    ratios = _ratios(runs, config, "tokens_per_s")
-    ratios["steady"] = _ratios(runs, config, "steady_tokens_per_s")
-    headers = ["workers", "policy", "tok/s", "tok/s/worker", "steady_tok/s", "lat_p50_s", "lat_p99_s", "migrations",
-               "rebal", "preempt", "place/s", "us/decision", "sim_wall_s"]
-    print(format_table(headers, [[r["num_workers"], r["policy"], r["tokens_per_s"], r["tokens_per_s_per_worker"],
-                                  r["steady_tokens_per_s"], r["latency_p50_s"], r["latency_p99_s"],
-                                  r["migrations"], r["rebalances"], r["preemptions"], r["placements_per_s"],
+    first_routing = [r for r in runs if r["routing"] == config.routings[0]]  # the policies' ratios: one routing
+    ratios = _ratios(first_routing, config, "tokens_per_s")
+    ratios["steady"] = _ratios(first_routing, config, "steady_tokens_per_s")
+    ratios["routing"] = routing_ratios(runs)
+    headers = ["workers", "policy", "routing", "tok/s", "tok/s/worker", "steady_tok/s", "lat_mean_s", "lat_p50_s",
+               "lat_p99_s", "ttft_p50_s", "migrations", "rebal", "preempt", "place/s", "us/decision", "sim_wall_s"]
+    print(format_table(headers, [[r["num_workers"], r["policy"], r["routing"], r["tokens_per_s"],
+                                  r["tokens_per_s_per_worker"], r["steady_tokens_per_s"], r["latency_mean_s"],
+                                  r["latency_p50_s"], r["latency_p99_s"], r["ttft_p50_s"], r["migrations"],
+                                  r["rebalances"], r["preemptions"], r["placements_per_s"],
                                   r["placement_decision_us"], r["simulation_wall_s"]] for r in runs]))
+    if ratios["routing"]:
+        print(format_table(["workers", "policy", "routing vs room", "tok/s", "lat_mean", "lat_p99", "ttft_p50"],
+                           [[k.split("/")[0], k.split("/")[1], k.split("/")[2], *v.values()]
+                            for k, v in ratios["routing"].items()]))
     print(format_table(["ratio", "whole run (tok/s)", "steady (steady_tok/s)"],
                        [[k, v, ratios["steady"].get(k, "n/a")] for k, v in ratios.items()
                         if not isinstance(v, dict)]))
@@ -260,6 +307,8 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
         "kind": config.kind, "model_shape": config.model_shape if config.kind != CPU_KIND else f"{model_name} (calibrated here)",
         "step_model": step_model.describe(), "kv_budget": budget,
         "workload": config.workload, "workload_description": workload,
+        "arrivals": ("all at t=0" if config.arrival_rate_per_worker is None else
+                     f"Poisson, {config.arrival_rate_per_worker:g} requests/s per worker (seed {config.seed})"),
         "trace": str(config.trace_path if config.workload == "trace" else config.answers_path),
         "predictor": (f"noisy oracle, log-normal sigma {config.sigma}: s3 plans by its 90% quantile, s3_peak by "
                       "its point (SchedulingPolicy.prediction_from); sglang_ratio and the other baselines read none"),

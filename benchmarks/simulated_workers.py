@@ -32,6 +32,7 @@ class SimulatedWorker:
     is_alive: bool = True
     is_hung: bool = False
     prefix_hashes: tuple[int, ...] = ()  # what it reports as cached (set by tests)
+    remaining: dict[str, int] = field(default_factory=dict)  # request id -> output tokens still to come
 
     def stats(self) -> WorkerStats:
         reserved = sum(self.held.values())
@@ -43,7 +44,9 @@ class SimulatedWorker:
             num_generated_tokens=self.num_generated_tokens, num_overruns=self.num_overruns, num_preemptions=0,
             num_migrated_in=0, num_migrated_out=0, overruns=tuple(self.overruns),
             request_ids=tuple(self.held) + tuple(r.request_id for r in self.overruns),
-            prefix_hashes=self.prefix_hashes, rebounded=tuple(self.rebounded.values()))
+            prefix_hashes=self.prefix_hashes, rebounded=tuple(self.rebounded.values()),
+            remaining_tokens=tuple(self.remaining.get(r, 0) for r in (*self.held, *(o.request_id
+                                                                                      for o in self.overruns))))
 
 
 class SimulatedWorkerBackend(WorkerBackend):
@@ -119,6 +122,7 @@ class SimulatedWorkerBackend(WorkerBackend):
         if not worker.is_alive:
             raise ConnectionError(f"simulated worker {worker_id} is dead")
         worker.held[request_id] = num_blocks
+        worker.remaining[request_id] = num_output_tokens  # it knows the truth; a real worker its expectation
         self.location[request_id] = worker_id
         try:
             if self.step_s:
@@ -130,6 +134,8 @@ class SimulatedWorkerBackend(WorkerBackend):
             worker = self.workers[self.location.pop(request_id, worker_id)]
             worker.held.pop(request_id, None)
             worker.rebounded.pop(request_id, None)
+            for each in self.workers.values():
+                each.remaining.pop(request_id, None)
 
     def report_overrun(self, worker_id: str, request_id: str, num_prompt_tokens: int, num_output_tokens: int,
                        predicted_output_tokens: int, num_blocks_needed: int) -> None:

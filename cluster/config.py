@@ -12,10 +12,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.control.rebalance import check_min_gap
+from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS, check_routing
 from predictor_service.probe_files import check_probe_folder
 from workers.device import check_device
+from workers.engine_config import DEFAULT_SWAP_SPACE_BYTES
 from workers.models import DEFAULT_MODEL
-from workers.policies import SERVING_POLICY_NAMES
+from workers.policies import DEFAULT_POLICY, SERVING_POLICY_NAMES
+from workers.preemption import PREEMPTION_MODES
 
 REDIS_URL_ENV = "S3_REDIS_URL"
 RAY_NAMESPACE = "s3serve"
@@ -46,7 +49,9 @@ class ServiceConfig(BaseModel):
     num_workers: int = Field(1, ge=1, description="worker actors started with the service (one engine each)")
     min_workers: int | None = Field(None, ge=1, description="autoscaling floor (default: num_workers)")
     max_workers: int | None = Field(None, ge=1, description="autoscaling ceiling (default: num_workers)")
-    policy: str = Field("s3", description=f"scheduling policy: {', '.join(SERVING_POLICY_NAMES)}")
+    policy: str = Field(DEFAULT_POLICY, description=f"scheduling policy: {', '.join(SERVING_POLICY_NAMES)} (s3_peak: "
+                                                    "the fastest and lowest-latency with the shipped predictor; s3: "
+                                                    "the paper's, for reproduction)")
     kv_cache_bytes: int = Field(256 * 1024**2, gt=0, description="KV-cache budget of each worker, in bytes")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     max_model_len: int = Field(2048, ge=2, description="longest sequence (prompt + output) in tokens")
@@ -55,6 +60,13 @@ class ServiceConfig(BaseModel):
     max_overtaken_steps: int = Field(
         1024, ge=0, description="under s3 and s3_peak, steps a waiting request that does not fit may keep being "
                                 "passed by later ones that do before nobody passes it any more (starvation guard)")
+    preemption_mode: str = Field(
+        "auto", description="how a preempted sequence gives up its KV, under every policy alike: auto (swap it to "
+                            "host memory or recompute it later, whichever is estimated cheaper), swap, or "
+                            "recompute (vLLM V1's and SGLang's only mechanism)")
+    swap_space_bytes: int = Field(
+        DEFAULT_SWAP_SPACE_BYTES, ge=0, description="host memory each worker (each rank) may hold for swapped-out "
+                                                    "KV, in bytes; a swap beyond it recomputes instead")
     dtype: str = Field(
         "auto", description="weights and KV dtype of the workers: auto (bf16 on CPUs with AVX512-BF16 or AMX and on "
                             "GPUs, else float32), float32, bfloat16 or float16")
@@ -64,6 +76,11 @@ class ServiceConfig(BaseModel):
     prefix_aware_placement: bool = Field(
         True, description="place a request on the worker that caches the longest prefix of its prompt, unless that "
                           "worker's KV is more than 25 points fuller than the emptiest's (needs prefix_caching)")
+    routing: str = Field(
+        DEFAULT_ROUTING, description="which worker with room takes a request when nobody waits: predicted_work "
+                                      "(where it is predicted to finish soonest: the expected remaining tokens of "
+                                      "each worker's live requests, from their length predictions), room (the most "
+                                      f"free KV blocks) or least_requests; one of {', '.join(ROUTINGS)}")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request does not set it")
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(
@@ -135,6 +152,10 @@ class ServiceConfig(BaseModel):
         if self.policy not in SERVING_POLICY_NAMES:
             raise ValueError(f"policy must be one of {', '.join(SERVING_POLICY_NAMES)}, got {self.policy!r}")
         check_min_gap(self.rebalance_min_gap)
+        check_routing(self.routing)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
         if self.predictor_mode not in ("router", "deployment"):
             raise ValueError(f"predictor_mode must be router or deployment, got {self.predictor_mode!r}")
         check_device(self.device)

@@ -32,6 +32,20 @@ def add_overcommit_arg(parser: argparse.ArgumentParser) -> None:
                              "within the pool)")
 
 
+def add_preemption_args(parser: argparse.ArgumentParser, whose: str) -> None:
+    """`--preemption-mode` and `--swap-space-bytes`, `EngineConfig`'s settings of the same names, for `whose` engines."""
+    from workers.engine_config import DEFAULT_SWAP_SPACE_BYTES
+    from workers.preemption import PREEMPTION_MODES
+
+    parser.add_argument("--preemption-mode", default=None, choices=PREEMPTION_MODES,
+                        help=f"how {whose} preempted sequences give up their KV, under every policy alike: auto "
+                             "(default: swap to host memory or recompute later, whichever is estimated cheaper for "
+                             "the sequence's length), swap, or recompute (vLLM V1's and SGLang's only mechanism)")
+    parser.add_argument("--swap-space-bytes", type=int, default=None, metavar="BYTES",
+                        help=f"host memory {whose} swapped-out KV may hold at once; a swap beyond it recomputes "
+                             f"instead (default {DEFAULT_SWAP_SPACE_BYTES}, 1 GiB)")
+
+
 def add_label_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--labels", type=Path, nargs="+", required=True, metavar="FILE",
                         help="labels JSONL files written by `s3serve label`")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from workers.models import DEFAULT_MODEL
-from s3serve_cli.args import add_model_args, add_overcommit_arg
+from s3serve_cli.args import add_model_args, add_overcommit_arg, add_preemption_args
 from s3serve_cli.bench_cluster import add_cluster_parser
 from s3serve_cli.bench_predictor import add_predictor_parser
 from s3serve_cli.bench_simulate import add_simulate_parser
@@ -53,6 +53,9 @@ def _bench_policies(args: argparse.Namespace) -> int:
         "sweep_sigmas": tuple(args.sweep_sigma or ()),
         "overcommit_step": args.overcommit_step,
     }
+    for name in ("preemption_mode", "swap_space_bytes"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
     if args.num_requests is not None:
         overrides["num_requests"] = args.num_requests
     if args.max_len is not None:
@@ -217,6 +220,7 @@ def add_bench_parser(commands) -> None:
     policies.add_argument("--sweep-sigma", type=float, nargs="+", default=None, metavar="SIGMA",
                           help="also run s3 and s3_peak with noisy-oracle predictors of these sigmas; reports tok/s and preemptions")
     add_overcommit_arg(policies)
+    add_preemption_args(policies, "every policy's")
     policies.add_argument("--no-prefix-caching", action="store_true",
                           help="run every engine with its prefix cache off (on by default, as in the service)")
     policies.add_argument("--tokens-per-hash-id", type=int, default=None, metavar="N",

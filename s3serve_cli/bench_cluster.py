@@ -4,6 +4,7 @@ import argparse
 from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
 from s3serve_cli.args import add_model_args, add_rebalance_arg
 
 
@@ -26,6 +27,8 @@ def _bench_cluster(args: argparse.Namespace) -> int:
             overrides[field] = value
     if args.policy is not None:
         overrides["policies"] = tuple(args.policy)
+    if args.routing is not None:
+        overrides["routings"] = tuple(args.routing)
     cluster_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json)
     return 0
 
@@ -50,6 +53,10 @@ def add_cluster_parser(benches) -> None:
                          help="policies to run, in order: s3 s3_peak sglang_ratio max_reserve paged_greedy, and "
                               "with --workload natural also s3+probe s3_peak+probe (the workers' hidden-state "
                               "probe on, see --probe) (default: s3 max_reserve)")
+    cluster.add_argument("--routing", nargs="+", default=None, choices=ROUTINGS, metavar="ROUTING",
+                         help="the services' routing; with several, every policy runs once with each (reported as "
+                              "POLICY@ROUTING): predicted_work, room or least_requests "
+                              f"(default: {DEFAULT_ROUTING})")
     cluster.add_argument("--workload", choices=("trace", "natural"), default="trace",
                          help="trace: replay --trace with its output lengths forced; natural: held-out pool prompts "
                               "as chat messages, greedy to the model's own stop, arrivals from --trace (or t=0), "

@@ -7,6 +7,7 @@ from pathlib import Path
 from benchmarks.step_time import GPU_KINDS
 from s3serve_cli.args import add_model_args, add_overcommit_arg, add_rebalance_arg
 from workers.model_shapes import MODEL_SHAPES
+from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
 from workers.policies import POLICY_NAMES
 
 
@@ -17,7 +18,8 @@ def _bench_simulate(args: argparse.Namespace) -> int:
     overrides = {"trace_path": args.trace, "answers_path": args.answers, "kind": args.kind,
                  "model_shape": args.model_shape, "calibrate": not args.no_calibration}
     for name in ("worker_counts", "requests_per_worker", "max_len", "max_prompt_tokens", "sigma", "policies",
-                 "calibration_requests", "rebalance_min_gap", "overcommit_step"):
+                 "calibration_requests", "rebalance_min_gap", "overcommit_step", "routings",
+                 "arrival_rate_per_worker"):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = tuple(value) if isinstance(value, list) else value
@@ -35,9 +37,10 @@ def add_simulate_parser(benches) -> None:
                     "roofline says for the model shape on the GPU kind (datasheet bandwidth and FLOPs with assumed "
                     "efficiencies). First, unless --no-calibration, the real engine runs a small workload on this "
                     "CPU and the simulator, calibrated on one policy's steps, is compared with it on the others: "
-                    "that error is printed. Every request arrives at t=0 (capacity, not latency under a given load): "
-                    "tok/s is over the whole run, steady_tok/s until 90% of the requests have finished (without the "
-                    "drain, when the longest answers decode nearly alone whatever the policy).",
+                    "that error is printed. By default every request arrives at t=0 (capacity, not latency under a "
+                    "given load): tok/s is over the whole run, steady_tok/s until 90% of the requests have finished "
+                    "(without the drain, when the longest answers decode nearly alone whatever the policy); with "
+                    "--arrival-rate they arrive online, and --routing compares how the controller spreads them.",
     )
     add_model_args(simulate)
     simulate.add_argument("--workload", choices=("trace", "paper"), default="trace",
@@ -72,6 +75,14 @@ def add_simulate_parser(benches) -> None:
                                "--quick)")
     simulate.add_argument("--no-calibration", action="store_true",
                           help="skip the real-engine comparison on this CPU (not allowed with --kind cpu)")
+    simulate.add_argument("--routing", dest="routings", nargs="+", default=None, choices=ROUTINGS,
+                          metavar="ROUTING",
+                          help="the controller's routing, several to compare each with every policy: predicted_work "
+                               "(where a request is predicted to finish soonest), room (most free KV) or "
+                               f"least_requests (default: {DEFAULT_ROUTING})")
+    simulate.add_argument("--arrival-rate", dest="arrival_rate_per_worker", type=float, default=None, metavar="R",
+                          help="requests arrive online, R per second per worker (Poisson, seeded) instead of all at "
+                               "t=0: latency under load rather than capacity")
     add_rebalance_arg(simulate, "the controller's")
     add_overcommit_arg(simulate)
     simulate.add_argument("--quick", action="store_true", help="fewer workers and requests (a few minutes)")

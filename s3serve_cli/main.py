@@ -8,10 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-from s3serve_cli.args import add_label_args, add_model_args
-from workers.policies import SERVING_POLICY_NAMES
+from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
+from s3serve_cli.args import add_label_args, add_model_args, add_preemption_args
 from s3serve_cli.bench import add_bench_parser
 from s3serve_cli.probe import add_probe_parser
+from workers.policies import DEFAULT_POLICY, SERVING_POLICY_NAMES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -106,7 +107,8 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device, "kv_cache_fraction": args.kv_cache_fraction,
         "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
         "api_keys": tuple(args.api_key) if args.api_key else None, "length_probe": args.length_probe,
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size, "preemption_mode": args.preemption_mode,
+        "swap_space_bytes": args.swap_space_bytes, "routing": args.routing,
     }
     overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
     try:
@@ -130,7 +132,14 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--min-workers", type=int, default=None, help="autoscaling floor (default: --num-workers)")
     serve.add_argument("--max-workers", type=int, default=None, help="autoscaling ceiling (default: --num-workers)")
     serve.add_argument("--policy", default=None, choices=SERVING_POLICY_NAMES,
-                       help="KV reservation policy of placement and workers (default s3)")
+                       help=f"KV reservation policy of placement and workers (default {DEFAULT_POLICY}: blocks on "
+                            "demand, admission by the predicted future peak of KV use, shortest expected remaining "
+                            "first while KV is scarce; it measured fastest with the shipped predictor, see the "
+                            "README; s3 is the paper's policy, for reproduction)")
+    serve.add_argument("--routing", default=None, choices=ROUTINGS,
+                       help=f"which worker with room takes a request when nobody waits (default {DEFAULT_ROUTING}: "
+                            "where it is predicted to finish soonest, from the predicted remaining work of each "
+                            "worker's requests; room: the most free KV; least_requests: the fewest live requests)")
     serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights and KV dtype of the workers (default auto: bfloat16 where the CPU has "
                             "AVX512-BF16 or AMX, float32 elsewhere)")
@@ -144,6 +153,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "share its KV blocks, kept after they finish until the blocks are needed)")
     serve.add_argument("--kv-cache-bytes", type=int, default=None,
                        help="KV-cache budget of each worker in bytes (default 268435456)")
+    add_preemption_args(serve, "each worker's")
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output in tokens (default 2048)")
     serve.add_argument("--predictor-artifact", type=Path, default=None, metavar="DIR",

@@ -8,6 +8,7 @@ tokens are all cached, and finishes sequences at their forced length.
 import random
 
 from workers.kv_cache_manager import BlockAllocator
+from workers.preemption import PreemptionRule
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.sequence import Sequence, SequenceStatus
@@ -33,10 +34,12 @@ def make_requests(num: int, seed: int = 0, prediction_error: float | None = 0.0)
     return seqs
 
 
-def simulate(policy, seqs: list[Sequence], num_blocks: int, max_num_seqs: int = 64, max_steps: int = 20_000):
-    """Run to completion; returns (scheduler, allocator, per-step running counts, swapped-out sequence ids)."""
+def simulate(policy, seqs: list[Sequence], num_blocks: int, max_num_seqs: int = 64, max_steps: int = 20_000,
+             preemption: PreemptionRule | None = None):
+    """Run to completion; returns (scheduler, allocator, per-step running counts, swapped-out sequence ids).
+    Preempted sequences recompute unless `preemption` says otherwise."""
     allocator = BlockAllocator(num_blocks, BLOCK_SIZE)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs, 64), allocator, policy)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs, 64), allocator, policy, preemption)
     for seq in seqs:
         scheduler.add(seq)
     running_counts, swapped = [], set()

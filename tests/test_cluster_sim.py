@@ -84,7 +84,8 @@ def test_a_worker_schedules_exactly_as_the_real_engine():
         result = simulate_worker(requests, config, make_policy(policy, max_model_len=MAX_LEN), CONSTANT)
         assert [shape for shape, _ in result.step_samples] == real, policy
         assert result.num_preemptions == engine.scheduler.stats.num_preemptions
-        assert result.outputs_exact and result.makespan_s == pytest.approx(0.01 * len(real))
+        # 10 ms a step, plus the swap copies of preempted sequences (kilobytes at 5 GB/s: microseconds)
+        assert result.outputs_exact and result.makespan_s == pytest.approx(0.01 * len(real), rel=1e-3)
         num_preempted += result.num_preemptions
     assert num_preempted > 0  # the budget is tight enough that preemption paths ran too
 

@@ -260,3 +260,23 @@ def test_a_bound_the_workers_probe_lowers_frees_room_for_a_waiting_request(run):
         await plane.tick()
         assert plane.ledger.get("big0").num_reserved_blocks == BLOCKS  # 20 + 190 tokens, clamped to the cache
     run(check)
+
+
+@pytest.mark.parametrize("routing, expected", [("predicted_work", "light"), ("room", "roomy"),
+                                               ("least_requests", "roomy")])
+def test_a_request_goes_where_it_is_predicted_to_finish_soonest_or_by_the_routing_chosen(run, routing, expected):
+    async def check(plane, sim):
+        # One worker holds 1 request with 500 tokens still to come (1 block); the other 3 finishing within
+        # 10 tokens (3 blocks): by room and by count the first is lighter, by predicted work the second.
+        first = await plane.place("long", 10, 1000, 6)
+        heavy = sim.workers[first.worker_id]
+        light = sim.workers[next(w for w in sim.workers if w != first.worker_id)]
+        heavy.held["long"], heavy.remaining["long"] = 1, 500
+        await plane.finish("long", outcome())  # the ledger forgets it; the worker's stats still report it
+        for i in range(3):
+            light.held[f"short{i}"], light.remaining[f"short{i}"] = 1, 10 - 3 * i
+        await plane.tick()  # the stats poll
+        placed = await plane.place("new", 20, 200, 20)  # s3: 20 + 20 tokens, 3 blocks; fits either
+        names = {heavy.worker_id: "heavy", light.worker_id: "light"}
+        assert names[placed.worker_id] == {"light": "light", "roomy": "heavy"}[expected]
+    run(check, routing=routing)

@@ -190,15 +190,12 @@ def test_mispredicted_sequences_preempted_by_swap_or_recompute_keep_exact_greedy
     tiny_model, hf_greedy, mode, policy_name
 ):
     from workers.policies import make_policy
-    from workers.scheduling_policy import PreemptionCostModel
 
-    cost = (PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18, swap_overhead_s=0.0)
-            if mode == "swap" else PreemptionCostModel(prefill_s_per_token=0.0, swap_bytes_per_s=1.0))
     engine = Engine(
         copy.deepcopy(tiny_model),
         EngineConfig(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
-                     max_num_batched_tokens=16),
-        policy=make_policy(policy_name, bucket_tokens=4, cost_model=cost),
+                     max_num_batched_tokens=16, preemption_mode=mode),
+        policy=make_policy(policy_name, bucket_tokens=4),
     )
     prompts = {f"r{i}": make_prompt(3 + 2 * i, seed=90 + i) for i in range(6)}
     lengths = {f"r{i}": 10 + 3 * i for i in range(6)}
@@ -218,15 +215,41 @@ def test_mispredicted_sequences_preempted_by_swap_or_recompute_keep_exact_greedy
     assert_pool_empty(engine)
 
 
+@pytest.mark.parametrize("policy_name", ["paged_greedy", "s3_peak"])
+def test_swapped_kv_stays_within_swap_space_and_the_rest_recomputes_with_exact_greedy_tokens(
+    tiny_model, hf_greedy, policy_name
+):
+    from workers.policies import make_policy
+
+    swap_space_blocks = 3
+    engine = Engine(
+        copy.deepcopy(tiny_model),
+        EngineConfig(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
+                     max_num_batched_tokens=16, preemption_mode="swap",
+                     swap_space_bytes=swap_space_blocks * BYTES_PER_BLOCK),
+        policy=make_policy(policy_name, bucket_tokens=4) if policy_name == "s3_peak" else make_policy(policy_name),
+    )
+    prompts = {f"r{i}": make_prompt(3 + 2 * i, seed=90 + i) for i in range(6)}
+    lengths = {f"r{i}": 10 + 3 * i for i in range(6)}
+    for seq_id, prompt in prompts.items():
+        engine.add_request(prompt, SamplingParams(max_tokens=40, forced_output_tokens=lengths[seq_id]),
+                           seq_id=seq_id, predicted_output_tokens=2)
+    finished = {out.seq_id: out for out in drain(engine) if out.is_finished}
+    stats = engine.scheduler.stats
+    assert stats.num_swaps > 0 and stats.num_swaps_over_budget > 0 and stats.num_recomputed_tokens > 0
+    assert 0 < engine.swap_space_peak_bytes <= swap_space_blocks * BYTES_PER_BLOCK
+    for seq_id, prompt in prompts.items():
+        assert list(finished[seq_id].output_token_ids) == hf_greedy(prompt, lengths[seq_id]), seq_id
+    assert_pool_empty(engine)
+
+
 def test_a_swap_out_that_fails_is_recomputed_instead_and_answers_are_unchanged(tiny_model, hf_greedy):
     from workers.policies import make_policy
-    from workers.scheduling_policy import PreemptionCostModel
 
-    always_swap = PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18, swap_overhead_s=0.0)
     engine = Engine(copy.deepcopy(tiny_model),
                     EngineConfig(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
-                                 max_num_batched_tokens=16),
-                    policy=make_policy("s3", bucket_tokens=4, cost_model=always_swap))
+                                 max_num_batched_tokens=16, preemption_mode="swap"),
+                    policy=make_policy("s3", bucket_tokens=4))
     copy_to_host, failed = engine.runner.swap_out, []
 
     def swap_out_failing_once(seq_id, block_ids):
@@ -248,3 +271,45 @@ def test_a_swap_out_that_fails_is_recomputed_instead_and_answers_are_unchanged(t
     for seq_id, prompt in prompts.items():
         assert list(finished[seq_id].output_token_ids) == hf_greedy(prompt, lengths[seq_id]), seq_id
     assert_pool_empty(engine)
+
+
+def _large_request_wait_steps(tiny_model, max_overtaken_steps: int, max_steps: int = 600) -> tuple[int | None, bool]:
+    """An engine (tiny model, s3_peak, 30 blocks of 4 tokens) running a 60-token answer, a 100-token one waiting,
+    and a 60-token one queued behind it whenever fewer than two wait: (the step the large one starts, if it does;
+    whether it then finished while the short ones kept arriving)."""
+    from workers.policies import make_policy
+
+    engine = Engine(copy.deepcopy(tiny_model),
+                    EngineConfig(kv_cache_bytes=30 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=16,
+                                 max_num_batched_tokens=64, max_overtaken_steps=max_overtaken_steps),
+                    policy=make_policy("s3_peak", bucket_tokens=16, overcommit_step=0.0))
+
+    def add(seq_id: str, num_output_tokens: int, seed: int) -> None:
+        engine.add_request(make_prompt(10, seed=seed), SamplingParams(max_tokens=110,
+                                                                      forced_output_tokens=num_output_tokens),
+                           seq_id=seq_id, predicted_output_tokens=num_output_tokens)
+
+    add("first", 60, seed=1)
+    engine.step()
+    add("large", 100, seed=2)
+    admitted_at, finished = None, False
+    for index in range(max_steps):
+        if engine.num_waiting < 2:
+            add(f"next{index}", 60, seed=10 + index)
+        for out in engine.step():
+            finished |= out.seq_id == "large" and out.is_finished
+        large = engine.sequence("large")
+        if admitted_at is None and (large is None or large.status.value != "waiting"):
+            admitted_at = index
+        if finished:
+            break
+    return admitted_at, finished
+
+
+def test_a_large_request_starts_within_the_starvation_bound_while_shorter_ones_keep_arriving(tiny_model):
+    # Without the bound the 60-token requests keep passing it (each fits beside the one running; it never does).
+    assert _large_request_wait_steps(tiny_model, max_overtaken_steps=10**9, max_steps=400) == (None, False)
+    admitted_at, finished = _large_request_wait_steps(tiny_model, max_overtaken_steps=100)
+    # First passed within 60 steps; 100 steps later nobody passes it, and those running end within 60 more.
+    assert admitted_at is not None and 100 <= admitted_at <= 60 + 100 + 60
+    assert finished

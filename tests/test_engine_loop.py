@@ -299,13 +299,11 @@ def test_close_aborts_open_streams(tiny_model):
 
 def test_stats_report_preempted_sequences_as_overruns(tiny_model):
     from workers.policies import make_policy
-    from workers.scheduling_policy import PreemptionCostModel
 
-    recompute = PreemptionCostModel(prefill_s_per_token=0.0, swap_bytes_per_s=1.0)
     engine = Engine(copy.deepcopy(tiny_model),
                     EngineConfig(kv_cache_bytes=6 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=4,
-                                 max_num_batched_tokens=16),
-                    policy=make_policy("s3", bucket_tokens=4, cost_model=recompute))
+                                 max_num_batched_tokens=16, preemption_mode="recompute"),
+                    policy=make_policy("s3", bucket_tokens=4))
     requests = [make_request(f"r{i}", 6, 12, seed=70 + i, predicted_output_tokens=2) for i in range(2)]
 
     async def main():

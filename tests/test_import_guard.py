@@ -18,6 +18,7 @@ import pytest
 PURE_MODULES = [
     "workers.policies",
     "workers.scheduling_policy",
+    "workers.preemption",
     "workers.scheduler",
     "workers.kv_cache_manager",
     "workers.length_probe",

@@ -15,7 +15,6 @@ from workers.engine import Engine, EngineConfig
 from workers.kv_transfer import ExportedKV
 from workers.policies import make_policy
 from workers.sampling_params import SamplingParams
-from workers.scheduling_policy import PreemptionCostModel
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
@@ -29,9 +28,11 @@ def one_torch_thread():
     torch.set_num_threads(num_threads)
 
 
-def make_engine(model: torch.nn.Module, num_blocks: int = 64, policy=None, block_size: int = BLOCK_SIZE) -> Engine:
+def make_engine(model: torch.nn.Module, num_blocks: int = 64, policy=None, block_size: int = BLOCK_SIZE,
+                preemption_mode: str = "auto") -> Engine:
     config = EngineConfig(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK * block_size // BLOCK_SIZE,
-                          block_size=block_size, max_num_seqs=4, max_num_batched_tokens=16)
+                          block_size=block_size, max_num_seqs=4, max_num_batched_tokens=16,
+                          preemption_mode=preemption_mode)
     return Engine(copy.deepcopy(model), config, policy=policy)
 
 
@@ -96,8 +97,7 @@ def test_sequence_continued_on_another_engine_gives_the_same_greedy_tokens(tiny_
 
 def test_kv_of_a_swapped_out_sequence_is_its_host_copy(tiny_model):
     # The sequence outruns a 2-token prediction in a pool too small to grow: s3 swaps it out.
-    swap_always = PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18, swap_overhead_s=0.0)
-    source = make_engine(tiny_model, num_blocks=6, policy=make_policy("s3", bucket_tokens=4, cost_model=swap_always))
+    source = make_engine(tiny_model, num_blocks=6, policy=make_policy("s3", bucket_tokens=4), preemption_mode="swap")
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     prompts = {"a": make_prompt(6, seed=4), "b": make_prompt(6, seed=5)}
     for seq_id, prompt in prompts.items():

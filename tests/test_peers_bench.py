@@ -68,4 +68,20 @@ def test_our_side_prints_the_table_and_writes_the_json_keys(tmp_path, model_cach
         assert run["kv_gib"] == 0.05 and run["tokens_per_s"] > 0 and run["exact_lengths"]
         assert run["dtype"] == str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
         assert run["kv_tokens"] == int(0.05 * 1024**3) // 23_040  # bf16 KV tokens, whatever our dtype
-    assert data["ratios"] == {"ours_vs_vllm": {}}  # no vLLM run, no ratio
+    assert data["ratios"]["ours_vs_vllm"] == {} and data["ratios"]["by_policy"] == {}  # no vLLM run, no ratio
+    assert data["preemption_mode"] == "recompute"  # as vLLM V1 preempts
+
+
+def test_each_of_our_policies_is_compared_with_vllm_on_its_own_run_never_the_better_of_ours(tmp_path):
+    from benchmarks.peers_bench import _report
+
+    def row(system, policy, gib, tokens_per_s):
+        return {"system": system, "policy": policy, "kv_gib": gib, "kv_tokens": 100, "dtype": "bfloat16",
+                "tokens_per_s": tokens_per_s, "preemptions": 0, "recomputed_tokens": 0, "latency_p50_s": 1.0,
+                "latency_p99_s": 2.0, "exact_lengths": True}
+
+    runs = [row("vllm", "vllm", 1.0, 100.0), row("ours", "paged_greedy", 1.0, 130.0), row("ours", "s3_peak", 1.0, 110.0)]
+    result = _report(PeersBenchConfig(kv_gibs=(1.0,)), runs, 1000, tmp_path, None)
+    # the headline is the service's default policy, s3_peak, although paged_greedy ran faster
+    assert result["ratios"]["ours_vs_vllm"] == {"1.0": 1.1} and result["ratios"]["ours_vs_vllm_policy"] == "s3_peak"
+    assert result["ratios"]["by_policy"] == {"paged_greedy": {"1.0": 1.3}, "s3_peak": {"1.0": 1.1}}

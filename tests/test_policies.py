@@ -21,6 +21,7 @@ from workers.policies import (
 )
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
+from workers.preemption import PreemptionRule
 from workers.scheduling_policy import PreemptionCostModel, PreemptionMode
 from workers.sequence import Sequence, SequenceStatus
 
@@ -53,11 +54,9 @@ def test_s3_with_exact_predictions_never_preempts_and_packs_more_than_max_reserv
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_s3_under_predictions_preempt_requeue_and_finish_with_right_lengths(mode):
-    # Prefill 1 s/token and a free swap make swap cheaper; the reverse makes recompute cheaper.
-    cost = (PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18) if mode == "swap"
-            else PreemptionCostModel(prefill_s_per_token=0.0, swap_bytes_per_s=1.0))
     seqs = make_requests(40, seed=4, prediction_error=-0.6)
-    scheduler, allocator, _, swapped = simulate(S3Policy(bucket_tokens=25, cost_model=cost), seqs, num_blocks=60)
+    scheduler, allocator, _, swapped = simulate(S3Policy(bucket_tokens=25), seqs, num_blocks=60,
+                                                preemption=PreemptionRule(mode, swap_space_blocks=10**6))
     stats = scheduler.stats
     assert stats.num_preemptions > 0
     assert len(stats.mispredictions) > 0

@@ -9,7 +9,6 @@ import pytest
 from workers.engine import Engine, EngineConfig
 from workers.policies import make_policy
 from workers.sampling_params import SamplingParams
-from workers.scheduling_policy import PreemptionCostModel
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, fp32
@@ -19,9 +18,11 @@ PREFIX = [random.Random(7).randrange(256) for _ in range(24)]  # 6 full blocks, 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def engine(model, caching: bool, num_blocks: int = 64, policy=None, max_num_seqs: int = 4) -> Engine:
+def engine(model, caching: bool, num_blocks: int = 64, policy=None, max_num_seqs: int = 4,
+           preemption_mode: str = "auto") -> Engine:
     config = EngineConfig(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=64, enable_prefix_caching=caching)
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=64, enable_prefix_caching=caching,
+                          preemption_mode=preemption_mode)
     return Engine(copy.deepcopy(model), config, policy=policy)
 
 
@@ -85,15 +86,13 @@ def test_shared_blocks_survive_the_abort_of_the_request_that_computed_them(tiny_
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preempted_requests_sharing_a_prefix_keep_their_tokens(tiny_model, mode):
-    cost = (PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18, swap_overhead_s=0.0)
-            if mode == "swap" else PreemptionCostModel(prefill_s_per_token=0.0, swap_bytes_per_s=1.0))
     prompts = {f"r{i}": PREFIX + suffix(10 + i, 1 + 2 * i) for i in range(5)}
     lengths = {f"r{i}": 8 + 4 * i for i in range(5)}
     results = {}
     for caching in (False, True):
         # Room for the prefix plus a few blocks each: predictions of 2 tokens make everyone overrun.
         eng = engine(tiny_model, caching, num_blocks=22, max_num_seqs=5,
-                     policy=make_policy("s3", bucket_tokens=4, cost_model=cost))
+                     policy=make_policy("s3", bucket_tokens=4), preemption_mode=mode)
         for seq_id, prompt in prompts.items():
             eng.add_request(prompt, SamplingParams(max_tokens=40, forced_output_tokens=lengths[seq_id]),
                             seq_id=seq_id, predicted_output_tokens=2)

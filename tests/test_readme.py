@@ -29,3 +29,15 @@ def test_readme_links_the_architecture_document_inside_the_repository():
     for path in re.findall(r"`((?:cluster|workers|kv_kernels|benchmarks|predictor_service|s3serve_cli)/[\w/]+\.py)`",
                            README + (ROOT / "docs" / "architecture.md").read_text()):
         assert (ROOT / path).is_file(), f"a named module does not exist: {path}"
+
+
+def test_the_default_policy_and_routing_are_the_ones_the_readme_names():
+    from cluster.config import ServiceConfig
+    from workers.worker_actor import WorkerSettings
+
+    policy = re.search(r"The default policy is `(\w+)`", README)
+    routing = re.search(r"the default routing is `(\w+)`", README)
+    assert policy and routing, "the README no longer names the defaults"
+    config = ServiceConfig()
+    assert config.policy == WorkerSettings().policy == policy.group(1)
+    assert config.routing == routing.group(1)

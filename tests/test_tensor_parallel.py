@@ -13,7 +13,6 @@ from workers.models import make_tiny_model, tiny_llama_config
 from workers.policies import S3Policy
 from workers.ports import free_port
 from workers.sampling_params import SamplingParams
-from workers.scheduling_policy import PreemptionCostModel
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24  # six requests of up to 44 tokens: they must take turns, and preempted ones swap
@@ -22,14 +21,14 @@ PARAMS = SamplingParams(max_tokens=20, ignore_eos=True)
 
 
 def _policy() -> S3Policy:
-    # Bounds of 4 tokens undershoot every answer; copying is free, so every preemption swaps.
-    return S3Policy(bucket_tokens=4, cost_model=PreemptionCostModel(prefill_s_per_token=1.0, swap_bytes_per_s=1e18))
+    # Bounds of 4 tokens undershoot every answer (every preemption swaps: `_config`'s preemption_mode).
+    return S3Policy(bucket_tokens=4)
 
 
 def _config(tensor_parallel_size: int) -> EngineConfig:
     shape = pool_shape_for(tiny_llama_config(), 1, BLOCK_SIZE, torch.float32, tensor_parallel_size)
     return EngineConfig(kv_cache_bytes=NUM_BLOCKS * shape.bytes_per_block, block_size=BLOCK_SIZE,
-                        tensor_parallel_size=tensor_parallel_size, use_fast_path=False)
+                        tensor_parallel_size=tensor_parallel_size, use_fast_path=False, preemption_mode="swap")
 
 
 def _generate(engine: Engine) -> list[list[int]]:

@@ -19,10 +19,11 @@ from workers.kv_cache_manager import BlockAllocator
 from workers.kv_transfer import ExportedKV
 from workers.length_probe import LengthProbe, ProbeQuery, refined_bound, remaining_for
 from workers.model_runner import ModelRunner, pool_shape_for
+from workers.preemption import PreemptionRule
 from workers.sampling import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.scheduling_policy import SchedulingPolicy
+from workers.scheduling_policy import PreemptionCostModel, SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import RequestMetrics, StepOutput, StepShape, StepTimes, step_shape
 from workers.tensor_parallel import LeadRunner, check_ranks, send_config
@@ -78,9 +79,11 @@ class Engine:
             f"{getattr(model_config, '_name_or_path', '')}:{model_config.model_type}:{model.dtype}")
         self.allocator = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size,
                                                     config.enable_prefix_caching, cache_salt)
+        preemption = PreemptionRule(config.preemption_mode, config.swap_space_bytes // bytes_per_block,
+                                    PreemptionCostModel(kv_bytes_per_token=bytes_per_block // config.block_size))
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_overtaken_steps),
-            self.allocator, policy,
+            self.allocator, policy, preemption,
         )
         if tensor_parallel_size > 1:
             send_config(config, self.allocator.num_blocks)  # the followers build their runners alongside
@@ -103,7 +106,8 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0
-        self.swapped_bytes = 0
+        self.swapped_bytes = 0  # KV bytes copied to and from the host by swaps, all steps together
+        self.bytes_per_block = bytes_per_block
         self.last_num_scheduled = 0  # sequences in the latest step's forward
         self.last_used_blocks = 0  # blocks holding computed KV after the latest step
         self.last_reserved_blocks = 0  # blocks reserved after the latest step
@@ -238,6 +242,12 @@ class Engine:
         else:
             return ExportedKV((), 0, block_size)
         return ExportedKV(tuple(layers), seq.num_computed_tokens, block_size)
+
+    @property
+    def swap_space_peak_bytes(self) -> int:
+        """The most host memory swapped-out (and moved-in) KV held at once (`EngineConfig.swap_space_bytes` bounds
+        what swaps add to it)."""
+        return self.scheduler.swap_space.peak_blocks * self.bytes_per_block
 
     def used_blocks(self) -> int:
         """Blocks holding computed KV of running sequences (a block shared through the prefix cache counts once)."""

@@ -2,6 +2,10 @@
 
 from dataclasses import dataclass
 
+from workers.preemption import PREEMPTION_MODES
+
+DEFAULT_SWAP_SPACE_BYTES = 1024**3
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -27,6 +31,11 @@ class EngineConfig:
             the model (the service passes `prefix_cache_salt(model, dtype)`, which routers share).
         max_overtaken_steps: steps after a waiting sequence is first passed by later ones (under s3
             and s3_peak) before nobody passes it any more (`SchedulerConfig.max_overtaken_steps`).
+        preemption_mode: how a preempted sequence gives up its KV under every policy alike: "auto" (swap or
+            recompute, whichever is estimated cheaper for its length), "swap" or "recompute"
+            (`workers.preemption.PreemptionRule`).
+        swap_space_bytes: host memory for the KV of swapped-out sequences (and of moved ones waiting here), in
+            bytes; a swap that would exceed it recomputes instead (counted). With tensor parallelism, per rank.
     """
 
     kv_cache_bytes: int = 512 * 1024**2
@@ -39,6 +48,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cache_salt: str | None = None
     max_overtaken_steps: int = 1024
+    preemption_mode: str = "auto"
+    swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes <= 0:
@@ -51,3 +62,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_overtaken_steps < 0:
             raise ValueError(f"max_overtaken_steps must be >= 0, got {self.max_overtaken_steps}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"got {self.preemption_mode!r}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")

@@ -14,19 +14,23 @@ Same engine, same budget:
 | max_reserve    | prompt + max_tokens           | never happens                            |
 | paged_greedy   | the tokens known so far       | grow one block; if none, preempt newest  |
 | s3             | prompt + predicted upper bound| grow to the next bound from free blocks, |
-|                | (queue by size, first fit)    | else preempt it (swap or recompute) and  |
-|                |                               | requeue it with the next bound           |
+|                | (queue by size, first fit)    | else preempt it and requeue it with the  |
+|                |                               | next bound                               |
 | oracle         | prompt + true output length   | never happens (benchmarks only)          |
-| sglang_ratio   | the tokens known so far; admit| retract the fewest-decoded sequence and  |
-|                | if prompt + max_tokens of the | recompute it; reset the ratio from what  |
-|                | new one + remaining x ratio of| the running ones decoded                 |
+| sglang_ratio   | the tokens known so far; admit| retract the fewest-decoded sequence;     |
+|                | if prompt + max_tokens of the | reset the ratio from what the running    |
+|                | new one + remaining x ratio of| ones decoded                             |
 |                | the running ones fit          |                                          |
+
+A policy chooses whom to preempt, never how: every victim gives up its KV by the scheduler's
+`workers.preemption.PreemptionRule` (swap within a host budget, or recompute), the same for all.
 """
 
 import math
 
 from workers.kv_peak import peak_fits
-from workers.scheduling_policy import PreemptionCostModel, PreemptionMode, SchedulingPolicy
+from workers.length_distribution import LengthDistribution
+from workers.scheduling_policy import SchedulingPolicy
 from workers.sequence import Sequence
 
 
@@ -90,18 +94,16 @@ class S3Policy(SchedulingPolicy):
     Args:
         bucket_tokens: width of the predictor's length buckets (max_len / 10 in the paper);
             overruns move the bound to the next bucket edge at least.
-        cost_model: picks swap or recompute for a preempted sequence.
     """
 
     name = "s3"
     reads_prediction = True
     is_first_fit = True
 
-    def __init__(self, bucket_tokens: int = 102, cost_model: PreemptionCostModel | None = None) -> None:
+    def __init__(self, bucket_tokens: int = 102) -> None:
         if bucket_tokens < 1:
             raise ValueError(f"bucket_tokens must be >= 1, got {bucket_tokens}")
         self.bucket_tokens = bucket_tokens
-        self.cost_model = cost_model or PreemptionCostModel()
 
     def _bound(self, seq: Sequence) -> int:
         return self._clamped(seq.predicted_output_tokens, seq.params.max_tokens)
@@ -135,9 +137,6 @@ class S3Policy(SchedulingPolicy):
         # The sequence that was mispredicted pays, not its neighbours.
         return seq
 
-    def preemption_mode(self, seq: Sequence) -> PreemptionMode:
-        return self.cost_model.cheaper_mode(seq.num_computed_tokens)
-
 
 class S3PeakPolicy(S3Policy):
     r"""Our extension of s3: plan the *future peak* of KV use instead of holding whole reservations.
@@ -168,14 +167,21 @@ class S3PeakPolicy(S3Policy):
     while anything runs) waiting requests are admitted shortest predicted
     remaining first, aged by arrival (`wait_s_per_token`), so blocks go to
     those that give them back soonest; otherwise in queue order (arrival, the
-    preempted first), as paging admits. With room for all, the order only
+    preempted first), as paging admits. "Remaining" is not the point minus what
+    was decoded but the expected remaining output of the request's length
+    distribution given that it is still going (`workers.length_distribution`:
+    a log-normal around its point, cut at max_tokens), so a sequence that outran
+    its prediction, likely one that loops to the limit, stops looking nearly
+    done. With room for all, the order only
     decides which prompts are prefilled first, and shortest first then makes
     the batch swing from short answers with many prefills to long answers
     decoding nearly alone, which costs tokens/s (simulated Azure conv,
     LLaMA-7B on A100s, 64 workers: 0.98x paged_greedy shortest first always,
-    1.00x so). When a sequence cannot grow, the running one predicted to hold
-    its blocks longest is preempted (swapped or recomputed by the cost model),
-    so those about to finish and free theirs keep going.
+    1.00x so). When a sequence cannot grow, the running one expected to hold
+    its blocks longest is preempted, so those about to finish and free theirs
+    keep going; and, as TRAIL limits preemption as a request grows, a sequence
+    that has decoded at least `protect_fraction` of its expected length is
+    preempted only when every candidate has.
 
     The future peak needs every running sequence's progress, which only the
     worker sees, so the controller charges a request only its prompt
@@ -207,16 +213,24 @@ class S3PeakPolicy(S3Policy):
         overcommit_step: share of the pool the checked budget grows by per refusing
             step without a preemption (0: the peak always within the pool).
         max_overcommit: the most the checked budget exceeds the pool by, as a share of it.
+        length_sigma: spread of each request's log output length around its point estimate (the
+            distribution that ranks remaining work).
+        protect_fraction: share of its expected length a sequence must have decoded to be preempted last
+            (1 or more: never protected).
     """
 
     name = "s3_peak"
     holds_plan = False
     admits_at_worker = True
 
-    def __init__(self, bucket_tokens: int = 102, cost_model: PreemptionCostModel | None = None,
-                 wait_s_per_token: float = 0.05, pressure_window_steps: int = 64, overcommit_step: float = 0.01,
-                 max_overcommit: float = 1.0) -> None:
-        super().__init__(bucket_tokens, cost_model)
+    def __init__(self, bucket_tokens: int = 102, wait_s_per_token: float = 0.05, pressure_window_steps: int = 64,
+                 overcommit_step: float = 0.01, max_overcommit: float = 1.0, length_sigma: float = 1.0,
+                 protect_fraction: float = 0.5) -> None:
+        super().__init__(bucket_tokens)
+        if protect_fraction <= 0:
+            raise ValueError(f"protect_fraction must be > 0, got {protect_fraction}")
+        self.lengths = LengthDistribution(default_sigma=length_sigma)
+        self.protect_fraction = protect_fraction
         if wait_s_per_token < 0 or pressure_window_steps < 1:
             raise ValueError(f"need wait_s_per_token >= 0 and pressure_window_steps >= 1, got {wait_s_per_token} "
                              f"and {pressure_window_steps}")
@@ -254,9 +268,15 @@ class S3PeakPolicy(S3Policy):
         self._refused = True  # a sequence could not grow: as scarce as a refusal
         self._preempted = True
 
-    def remaining_tokens(self, seq: Sequence) -> int:
-        """Output tokens `seq` is still planned to generate (by its refined prediction, or the next bound)."""
-        return self.planned_tokens_of(seq) - seq.num_tokens
+    def remaining_tokens(self, seq: Sequence) -> float:
+        """Output tokens `seq` is expected to generate still, given that it is still going (its length distribution
+        around its point, refined by the worker's probe where one runs); max_tokens - decoded without a prediction."""
+        return self.lengths.remaining_of(seq.predicted_output_tokens, seq.num_output_tokens, seq.params.max_tokens)
+
+    def is_protected(self, seq: Sequence) -> bool:
+        """It has decoded `protect_fraction` of its expected length: preempted only if every candidate is."""
+        decoded = seq.num_output_tokens
+        return decoded > 0 and decoded >= self.protect_fraction * (decoded + self.remaining_tokens(seq))
 
     def admission_order(self, waiting: list[Sequence]) -> list[Sequence]:
         if not self.kv_scarce:
@@ -267,9 +287,11 @@ class S3PeakPolicy(S3Policy):
         return sorted(waiting, key=lambda s: s.arrival_s + self.wait_s_per_token * self.remaining_tokens(s))
 
     def choose_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence:
-        # The one predicted to hold its blocks longest, among those preempted least often (so the same long
-        # request is not pushed out again each time it comes back); then the one with least KV to redo or copy.
-        return max(running, key=lambda s: (-s.num_preemptions, self.remaining_tokens(s), -s.num_computed_tokens))
+        # Unprotected first (TRAIL); then the one expected to hold its blocks longest, among those preempted least
+        # often (so the same long request is not pushed out again each time it comes back); then the one with least
+        # KV to redo or copy.
+        return max(running, key=lambda s: (not self.is_protected(s), -s.num_preemptions, self.remaining_tokens(s),
+                                           -s.num_computed_tokens))
 
     def growth_tokens(self, seq: Sequence) -> int:
         return seq.num_tokens
@@ -303,7 +325,8 @@ class SGLangRatioPolicy(SchedulingPolicy):
 
     Differences from SGLang, which retracts in one go until every running request has
     `retract_steps` tokens of room: here one victim is taken at a time, until the growing sequence
-    fits (as every policy of this scheduler does).
+    fits (as every policy of this scheduler does); and the victim gives up its KV by the scheduler's
+    preemption rule, as every policy's does (SGLang only recomputes: `preemption_mode: recompute`).
 
     The ratio is state of one worker's scheduler and the test needs every running request's
     progress, so the controller charges a request only what it holds on admission
@@ -363,6 +386,9 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {
 }
 POLICY_NAMES = tuple(POLICIES)
 SERVING_POLICY_NAMES = tuple(name for name, cls in POLICIES.items() if cls.is_serving)
+#: What the service runs unless told otherwise: the policy that measured best with the shipped predictor on
+#: throughput and latency together (README, "Scheduling policies"); s3 stays for reproducing the paper.
+DEFAULT_POLICY = "s3_peak"
 
 
 def overcommit_options(name: str, overcommit_step: float | None) -> dict:

@@ -14,13 +14,17 @@ less urgent classes until it does.
 With prefix caching, a waiting sequence whose first block a running sequence is computing
 right now waits (others may go ahead): a step later that block is cached and it shares the
 prefix instead of computing it a second time.
+
+How a victim gives up its KV (swap or recompute) is the scheduler's `PreemptionRule`, the same
+under every policy, with swapped copies held in a bounded `SwapSpace` (`workers.preemption`).
 """
 
 from dataclasses import dataclass, field
 
 from workers.kv_cache_manager import BlockAllocator
 from workers.policies import PagedGreedyPolicy
-from workers.scheduling_policy import PreemptionMode, SchedulingPolicy
+from workers.preemption import PreemptionRule, SwapSpace
+from workers.scheduling_policy import SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 
 
@@ -61,6 +65,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_swaps: int = 0
     num_swapped_blocks: int = 0
+    num_swaps_over_budget: int = 0  # victims the rule would have swapped, recomputed for want of swap space
     num_recomputed_tokens: int = 0
     num_prompt_tokens_admitted: int = 0  # prompts at their first admission
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed again)
@@ -104,12 +109,16 @@ class Scheduler:
         config: step limits.
         allocator: the worker's block allocator.
         policy: decisions; on-demand paging (vLLM-style) when None.
+        preemption: how victims give up their KV, whatever the policy; recompute only when None.
     """
 
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, policy: SchedulingPolicy | None = None):
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, policy: SchedulingPolicy | None = None,
+                 preemption: PreemptionRule | None = None):
         self.config = config
         self.allocator = allocator
         self.policy = policy or PagedGreedyPolicy()
+        self.preemption = preemption or PreemptionRule(mode="recompute")
+        self.swap_space = SwapSpace(self.preemption.swap_space_blocks)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -123,6 +132,9 @@ class Scheduler:
         return self.stats.num_preemptions
 
     def add(self, seq: Sequence) -> None:
+        """Queue `seq`; one that brings its KV (a moved request, `is_swapped`) holds that copy in swap space."""
+        if seq.is_swapped:
+            self.swap_space.hold(seq.seq_id, self.allocator.blocks_for(seq.num_computed_tokens))
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -171,6 +183,7 @@ class Scheduler:
         its KV again."""
         if seq.is_swapped:
             seq.is_swapped = False
+            self.swap_space.release(seq.seq_id)
             self.stats.num_swaps -= 1
             self.stats.num_swapped_blocks -= num_blocks
             self.stats.num_recomputed_tokens += seq.num_computed_tokens
@@ -179,6 +192,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Free a finished or aborted sequence's blocks."""
         self.allocator.release(seq.seq_id)
+        self.swap_space.release(seq.seq_id)
         self._first_block.pop(seq.seq_id, None)
         self._prefix_hashes.pop(seq.seq_id, None)
         if seq in self.running:
@@ -224,6 +238,7 @@ class Scheduler:
                 seq.num_computed_tokens = num_cached
             if seq.is_swapped:
                 out.swap_in.append((seq, blocks[: self.allocator.blocks_for(seq.num_computed_tokens)]))
+                self.swap_space.release(seq.seq_id)
                 seq.is_swapped = False
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if num_tokens > 0:
@@ -357,8 +372,13 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         assert all(chunk.seq is not seq for chunk in out.chunks), f"{seq.seq_id} already runs this step"
         num_cached_blocks = self.allocator.blocks_for(seq.num_computed_tokens)
-        if self.policy.preemption_mode(seq) is PreemptionMode.SWAP and num_cached_blocks > 0:
+        swap = self.preemption.wants_swap(seq.num_computed_tokens)
+        if swap and not self.swap_space.fits(num_cached_blocks):
+            swap = False
+            self.stats.num_swaps_over_budget += 1
+        if swap:
             out.swap_out.append((seq, self.allocator.block_table(seq.seq_id)[:num_cached_blocks]))
+            self.swap_space.hold(seq.seq_id, num_cached_blocks)
             seq.is_swapped = True
             self.stats.num_swaps += 1
             self.stats.num_swapped_blocks += num_cached_blocks

@@ -1,7 +1,8 @@
 """The scheduling policy's interface: the decisions a worker's scheduler asks for, and how to preempt.
 
 `SchedulingPolicy` is what every policy in `workers.policies` implements; `PreemptionCostModel`
-chooses between swapping a preempted sequence's KV to host memory and recomputing it. Pure
+estimates whether swapping a preempted sequence's KV to host memory or recomputing it is cheaper
+(the scheduler's `workers.preemption.PreemptionRule` applies it to every policy alike). Pure
 decisions: no torch, no Ray, no Redis.
 """
 
@@ -123,9 +124,6 @@ class SchedulingPolicy(abc.ABC):
     def choose_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence:
         """Whom to preempt when `seq` cannot grow; the newest running sequence by default."""
         return running[-1]
-
-    def preemption_mode(self, seq: Sequence) -> PreemptionMode:
-        return PreemptionMode.RECOMPUTE
 
     def on_overrun(self, seq: Sequence) -> None:
         """`seq` needs more than its reservation; policies that predict may update their bound."""

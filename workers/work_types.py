@@ -167,6 +167,9 @@ class WorkerStats:
         num_prefix_hit_tokens: of those, tokens found in the prefix cache.
         rebounded: sequences the length probe re-bounded, so the controller re-plans their reservations.
         num_probe_reads: reads of the length probe so far (one per sequence at each due point), 0 without a probe.
+        remaining_tokens: per request of `request_ids`, the output tokens (decode steps) it is expected to take
+            still, given that it is still going (`workers.length_distribution`), for routing by predicted work
+            (`cluster.control.routing`).
     """
 
     worker_id: str
@@ -191,3 +194,4 @@ class WorkerStats:
     num_prefix_hit_tokens: int = 0
     rebounded: tuple[BoundReport, ...] = ()
     num_probe_reads: int = 0
+    remaining_tokens: tuple[int, ...] = ()

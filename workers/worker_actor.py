@@ -22,10 +22,10 @@ from pathlib import Path
 import ray
 
 from workers.device import check_device, free_device_bytes, kv_budget_bytes, probe_cuda, resolve_device
-from workers.engine_config import EngineConfig
+from workers.engine_config import DEFAULT_SWAP_SPACE_BYTES, EngineConfig
 from workers.length_probe import LengthProbe
 from workers.models import DEFAULT_MODEL
-from workers.policies import POLICIES, S3Policy, make_policy
+from workers.policies import DEFAULT_POLICY, POLICIES, S3Policy, make_policy
 from workers.prefix_cache import prefix_cache_salt
 from workers.runtime import DTYPE_CHOICES, resolve_dtype, tune_cpu_runtime
 from workers.scheduling_policy import SchedulingPolicy
@@ -69,12 +69,14 @@ class WorkerSettings:
             ones that fit before it goes first (`EngineConfig.max_overtaken_steps`).
         rank_stall_s: with tensor_parallel_size above 1, seconds rank 0 may wait inside one call the ranks
             share (a step's forward, a KV copy) before the worker counts as hung and its stats poll fails.
+        preemption_mode, swap_space_bytes: how a preempted sequence gives up its KV, under every policy alike
+            (`EngineConfig`).
     """
 
     model: str = DEFAULT_MODEL
     model_cache_dir: str | None = None
     tiny_model_seed: int | None = None
-    policy: str = "s3"
+    policy: str = DEFAULT_POLICY
     kv_cache_bytes: int = 256 * 1024**2
     block_size: int = 16
     max_num_seqs: int = 32
@@ -92,6 +94,8 @@ class WorkerSettings:
     tensor_parallel_size: int = 1
     rank_stall_s: float = 300.0
     max_overtaken_steps: int = 1024
+    preemption_mode: str = "auto"
+    swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -128,6 +132,8 @@ class WorkerSettings:
             enable_prefix_caching=self.enable_prefix_caching,
             cache_salt=prefix_cache_salt(self.model, self.dtype),
             max_overtaken_steps=self.max_overtaken_steps,
+            preemption_mode=self.preemption_mode,
+            swap_space_bytes=self.swap_space_bytes,
         )
 
     def make_policy(self) -> SchedulingPolicy:

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from workers.engine import Engine
+from workers.length_distribution import LengthDistribution
 from workers.work_types import MAX_REPORTED_PREFIX_HASHES, BoundReport, OverrunReport, WorkerStats
 
 
@@ -15,8 +16,12 @@ class LoopCounters:
     num_migrated_out: int
 
 
+REMAINING = LengthDistribution()  # how the controller's routing reads each live request's prediction (immutable)
+
+
 def snapshot(engine: Engine, worker_id: str, counters: LoopCounters) -> WorkerStats:
-    """The engine's blocks, load, preempted sequences (overruns) and probe-re-bounded sequences now."""
+    """The engine's blocks, load, preempted sequences (overruns), probe-re-bounded sequences and each live
+    request's expected remaining work now."""
     scheduler, allocator = engine.scheduler, engine.allocator
     running, waiting = list(scheduler.running), list(scheduler.waiting)
     overruns = tuple(
@@ -54,6 +59,9 @@ def snapshot(engine: Engine, worker_id: str, counters: LoopCounters) -> WorkerSt
         num_migrated_out=counters.num_migrated_out,
         overruns=overruns,
         request_ids=tuple(seq.seq_id for seq in running + waiting),
+        remaining_tokens=tuple(
+            round(REMAINING.remaining_of(seq.predicted_output_tokens, seq.num_output_tokens, seq.params.max_tokens))
+            for seq in running + waiting),
         prefix_hashes=tuple(allocator.cache.recent_hashes(MAX_REPORTED_PREFIX_HASHES)),
         num_prompt_tokens=scheduler.stats.num_prompt_tokens_admitted,
         num_prefix_hit_tokens=scheduler.stats.num_prefix_hit_tokens,

@@ -38,7 +38,8 @@ def worker_settings(config: ServiceConfig) -> WorkerSettings:
         num_torch_threads=threads, dtype=config.dtype, enable_prefix_caching=config.prefix_caching,
         device=config.device, kv_cache_fraction=config.kv_cache_fraction, length_probe=config.length_probe,
         tensor_parallel_size=config.tensor_parallel_size, rank_stall_s=config.rank_stall_s,
-        max_overtaken_steps=config.max_overtaken_steps)
+        max_overtaken_steps=config.max_overtaken_steps, preemption_mode=config.preemption_mode,
+        swap_space_bytes=config.swap_space_bytes)
 
 
 class Controller:

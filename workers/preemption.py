@@ -1,0 +1,82 @@
+"""How a preempted sequence gives up its KV: the same mechanism for every policy, within a stated host budget.
+
+The policy decides *whom* to preempt; this decides *how*, identically for all of them, so a
+comparison of policies measures their decisions and not their mechanisms:
+
+    victim --(mode "recompute")--------------------------------> drop the KV, prefill it again later
+           --(mode "swap", or "auto" and the cost model says
+              copying is cheaper)--> host copy fits swap_space? --yes--> copy out now, back in on re-admission
+                                                                --no---> recompute (counted)
+
+The host copies live in `SwapSpace`, a ledger of the blocks each swapped-out sequence holds on the
+host. KV that arrives with a moved request waits there too (counted, never refused: the
+alternative would be to recompute it), so swap-outs are refused while moved KV fills the budget.
+Pure: no torch.
+"""
+
+from dataclasses import dataclass, field
+
+from workers.scheduling_policy import PreemptionCostModel, PreemptionMode
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionRule:
+    """The preemption mechanism of one worker's scheduler.
+
+    Attributes:
+        mode: "auto" (swap or recompute, whichever `cost_model` estimates cheaper), "swap" (whenever the host
+            budget has room) or "recompute" (never copy: vLLM V1's and SGLang's only mechanism).
+        swap_space_blocks: KV blocks the host may hold for swapped-out sequences at once; beyond it, recompute.
+        cost_model: the estimate "auto" decides by.
+    """
+
+    mode: str = "auto"
+    swap_space_blocks: int = 0
+    cost_model: PreemptionCostModel = field(default_factory=PreemptionCostModel)
+
+    def __post_init__(self) -> None:
+        if self.mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption mode must be one of {', '.join(PREEMPTION_MODES)}, got {self.mode!r}")
+        if self.swap_space_blocks < 0:
+            raise ValueError(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
+
+    def wants_swap(self, num_computed_tokens: int) -> bool:
+        """Before the budget: would this rule copy a victim holding this much computed KV?"""
+        if self.mode == "recompute" or num_computed_tokens == 0:
+            return False
+        return self.mode == "swap" or self.cost_model.cheaper_mode(num_computed_tokens) is PreemptionMode.SWAP
+
+
+class SwapSpace:
+    """Host blocks held by swapped-out (or moved-in) sequences, against a budget.
+
+    Args:
+        budget_blocks: blocks `fits` allows at once.
+    """
+
+    def __init__(self, budget_blocks: int) -> None:
+        self.budget_blocks = budget_blocks
+        self._held: dict[str, int] = {}  # sequence -> host blocks of its copy
+        self.num_blocks = 0
+        self.peak_blocks = 0
+
+    def fits(self, num_blocks: int) -> bool:
+        return self.num_blocks + num_blocks <= self.budget_blocks
+
+    def hold(self, seq_id: str, num_blocks: int) -> None:
+        """`seq_id`'s copy now takes `num_blocks` on the host (replacing any it held)."""
+        self.release(seq_id)
+        self._held[seq_id] = num_blocks
+        self.num_blocks += num_blocks
+        self.peak_blocks = max(self.peak_blocks, self.num_blocks)
+
+    def release(self, seq_id: str) -> int:
+        """Its copy was swapped back in, dropped or given up; returns the blocks freed (0 if it held none)."""
+        freed = self._held.pop(seq_id, 0)
+        self.num_blocks -= freed
+        return freed
+
+    def holds(self, seq_id: str) -> bool:
+        return seq_id in self._held
