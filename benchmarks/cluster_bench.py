@@ -251,6 +251,20 @@ def ratios_of(summaries: dict[str, dict]) -> dict[str, float | None]:
     return ratios
 
 
+def routing_ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float | None]]:
+    """Each "policy@routing" run against the same policy's "policy@room" run: tokens/s, mean and p99 latency and
+    TTFT p50 as ratios (latency below 1 is better); empty when no room run is there to compare with."""
+    ratios = {}
+    for name, summary in summaries.items():
+        policy, mark, routing = name.partition(ROUTING_MARK)
+        room = summaries.get(f"{policy}{ROUTING_MARK}room")
+        if not mark or routing == "room" or room is None:
+            continue
+        ratios[name] = {key: summary[key] / room[key] if summary[key] is not None and room[key] else None
+                        for key in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")}
+    return ratios
+
+
 def _cell(value):
     return "n/a" if value is None else value
 
@@ -350,7 +364,10 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
     answered = set.intersection(*(set(d) for d in digests.values())) if digests else set()
     # a failed request is in the table's failed column, not counted as a differing answer
     outputs = compare_outputs({name: {rid: d[rid] for rid in answered} for name, d in digests.items()})
-    ratios = ratios_of(summaries)
+    first_routing = f"{ROUTING_MARK}{config.routings[0]}"  # the policies' ratios: one routing's runs
+    ratios = ratios_of({name.removesuffix(first_routing): s for name, s in summaries.items()
+                        if ROUTING_MARK not in name or name.endswith(first_routing)})
+    routing = routing_ratios(summaries)
     headers = ["policy", "done", "failed", "tok/s", "req/s", "ttft_p50", "ttft_p99", "lat_mean", "lat_p50", "lat_p99",
                "balance", "migr", "rebal", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms", "prefix_hit",
                "probe_reads"]
@@ -359,6 +376,9 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
     print(format_table(headers, table_rows))
     if ratios:
         print(format_table(["ratio", "value"], [[k, _cell(v)] for k, v in ratios.items()]))
+    if routing:
+        print(format_table(["run", "vs room: tok/s", "lat_mean", "lat_p99", "ttft_p50"],
+                           [[name, *(_cell(v) for v in values.values())] for name, values in routing.items()]))
     by_class = [[name, cls, c["completed"], _cell(c["ttft_p50_s"]), _cell(c["latency_p50_s"]),
                  _cell(c["latency_p99_s"])] for name, s in summaries.items() for cls, c in s["by_priority"].items()]
     if by_class:
@@ -394,7 +414,7 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
         ("natural" if config.is_natural else "capping"): workload,
         "outputs": outputs,
         "policies": summaries,
-        "ratios": ratios,
+        "ratios": {**ratios, "routing": routing},
         "prefix_placement": ratios_extra,
         "environment": environment(),
     }

@@ -200,7 +200,8 @@ class ClusterSimulation:
         return route(self.config.routing, num_blocks, own, self.rooms.free(), live)
 
     def _live_work(self, worker_id: str) -> LiveWork:
-        """A worker's `LiveWork`, rebuilt once per change of its sequences (a step ended, a request came or went)."""
+        """A worker's `LiveWork` as of its latest step, rebuilt when a step starts (`num_steps`) or a request
+        comes, goes or moves (`_assign`, `_release` and `_move` drop it)."""
         worker = self.workers[worker_id]
         key = (worker.scheduler.num_steps, len(worker.scheduler.running), len(worker.scheduler.waiting))
         cached = self._work.get(worker_id)
@@ -242,6 +243,7 @@ class ClusterSimulation:
         return max(self.reserved[worker_id], self.workers[worker_id].allocator.num_reserved_blocks)
 
     def _assign(self, request_id: str, worker_id: str, num_blocks: int, seq: Sequence, now_s: float) -> None:
+        self._work.pop(worker_id, None)  # its live work changed
         self.result.num_placements += 1
         self.ledger[request_id] = (worker_id, num_blocks)
         self.reserved[worker_id] += num_blocks
@@ -255,6 +257,7 @@ class ClusterSimulation:
 
     def _release(self, request_id: str, now_s: float) -> None:
         worker_id, num_blocks = self.ledger.pop(request_id)
+        self._work.pop(worker_id, None)
         self.rebalanced.discard(request_id)
         self.reserved[worker_id] -= num_blocks
         self._refresh_room(worker_id)
@@ -283,15 +286,21 @@ class ClusterSimulation:
         in flight; applied now if its source is between steps, else when its step ends."""
         if self.config.rebalance_min_gap < 1 or self.pending_move is not None:
             return
+        by_work = self.config.routing == "predicted_work"
         live = {w: len(worker.scheduler.running) + len(worker.scheduler.waiting) for w, worker in self.workers.items()}
-        if max(live.values()) - min(live.values()) < max(2, self.config.rebalance_min_gap):
+        if not by_work and max(live.values()) - min(live.values()) < max(2, self.config.rebalance_min_gap):
             return  # nothing to choose: skip building every worker's request list
         free = self.rooms.free()
         started_s = time.perf_counter()
-        loads = [WorkerLoad(w, tuple(s.seq_id for s in (*worker.scheduler.running, *worker.scheduler.waiting)),
-                            len(worker.scheduler.running), free.get(w, 0)) for w, worker in self.workers.items()]
+        loads = []
+        for worker_id, worker in self.workers.items():
+            sequences = (*worker.scheduler.running, *worker.scheduler.waiting)
+            remaining = tuple(LENGTHS.remaining_of(s.predicted_output_tokens, s.num_output_tokens, s.params.max_tokens)
+                              for s in sequences) if by_work else ()
+            loads.append(WorkerLoad(worker_id, tuple(s.seq_id for s in sequences), len(worker.scheduler.running),
+                                    free.get(worker_id, 0), remaining))
         move = choose_rebalance(loads, lambda request_id: self.ledger[request_id][1] if request_id in self.ledger
-                                else None, self.config.rebalance_min_gap, self.rebalanced)
+                                else None, self.config.rebalance_min_gap, self.rebalanced, by_work)
         self._decided(started_s)
         if move is not None:
             self.pending_move = move
@@ -314,6 +323,8 @@ class ClusterSimulation:
 
         The target holds it at once, so the move is settled (`ControlPlane._settle_moves`) and the
         request may move again if it overruns there too."""
+        self._work.pop(source.worker_id, None)
+        self._work.pop(target_id, None)
         source.scheduler.finish(seq)
         _, old_blocks = self.ledger[seq.seq_id]
         self.reserved[source.worker_id] -= old_blocks

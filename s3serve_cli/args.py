@@ -33,7 +33,7 @@ def add_overcommit_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def add_preemption_args(parser: argparse.ArgumentParser, whose: str) -> None:
-    """`--preemption-mode` and `--swap-space-bytes`, `EngineConfig`'s settings of the same names, for `whose` engines."""
+    """`--preemption-mode` and `--swap-space-bytes` (`EngineConfig`'s settings of those names) for `whose` engines."""
     from workers.engine_config import DEFAULT_SWAP_SPACE_BYTES
     from workers.preemption import PREEMPTION_MODES
 

@@ -14,8 +14,10 @@ BLOCK_SIZE = 16
 
 
 def config(**fields) -> ServiceConfig:
+    # Room routing and count rebalancing, which these tests were written against; routing by predicted work has
+    # its own tests (they set routing="predicted_work").
     base = dict(num_workers=2, block_size=BLOCK_SIZE, policy="s3", max_model_len=1024, placement_timeout_s=5.0,
-                max_pending_placements=4, stats_interval_s=0.05, retrain=False)
+                max_pending_placements=4, stats_interval_s=0.05, retrain=False, routing="room")
     base.update(fields)
     return ServiceConfig(**base)
 

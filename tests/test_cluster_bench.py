@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from benchmarks import cluster_bench, http_load
-from benchmarks.cluster_bench import ClusterBenchConfig, ratios_of, summarize_cluster, summarize_results
+from benchmarks.cluster_bench import (ClusterBenchConfig, ratios_of, routing_ratios, summarize_cluster,
+                                      summarize_results)
 from benchmarks.cluster_plan import build_load_requests
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_plan, write_plan
 from benchmarks.report import percentile
@@ -99,6 +100,17 @@ def test_ratios_compare_s3_with_each_baseline_that_ran():
     assert probed == {"s3_peak+probe_vs_sglang_ratio_tokens_per_s": 1.2}
 
 
+def test_routing_runs_are_compared_with_the_same_policys_room_run():
+    def run(tokens_per_s, mean, p99, ttft):
+        return {"tokens_per_s": tokens_per_s, "latency_mean_s": mean, "latency_p99_s": p99, "ttft_p50_s": ttft}
+
+    summaries = {"s3_peak@room": run(100.0, 10.0, 20.0, 0.5), "s3_peak@predicted_work": run(110.0, 9.0, 16.0, 0.25),
+                 "paged_greedy@predicted_work": run(90.0, 9.0, 18.0, 0.5)}  # no room run to compare with
+    assert routing_ratios(summaries) == {"s3_peak@predicted_work": {"tokens_per_s": 1.1, "latency_mean_s": 0.9,
+                                                                     "latency_p99_s": 0.8, "ttft_p50_s": 0.5}}
+    assert routing_ratios({"s3_peak": run(1.0, 1.0, 1.0, 1.0)}) == {}
+
+
 def test_load_requests_are_real_text_whose_length_the_router_will_count(shared_data, smollm2_tokenizer):
     rows = read_trace(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv", 12)
     requests, _ = build_requests(rows, smollm2_tokenizer, load_prompt_texts(shared_data / "prompts" / "pool.jsonl"),
@@ -137,6 +149,7 @@ def test_plan_file_round_trips_and_a_bad_one_is_a_clear_error(tmp_path):
     ({"workload": "replay"}, "--workload 'replay'"),
     ({"rebalance_min_gap": 1}, "--rebalance-min-gap must be 0 .off. or at least 2"),
     ({"dtype": "int8"}, "--dtype 'int8'"),
+    ({"routings": ("room", "random")}, "routing must be one of predicted_work, room, least_requests"),
 ])
 def test_config_check_names_the_bad_option(overrides, message, shared_data):
     config = ClusterBenchConfig(trace_path=shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv",

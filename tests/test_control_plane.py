@@ -262,21 +262,18 @@ def test_a_bound_the_workers_probe_lowers_frees_room_for_a_waiting_request(run):
     run(check)
 
 
-@pytest.mark.parametrize("routing, expected", [("predicted_work", "light"), ("room", "roomy"),
-                                               ("least_requests", "roomy")])
+@pytest.mark.parametrize("routing, expected", [("predicted_work", "w2"), ("room", "w1"), ("least_requests", "w1")])
 def test_a_request_goes_where_it_is_predicted_to_finish_soonest_or_by_the_routing_chosen(run, routing, expected):
+    from cluster.control.messages import RequestRecord
+
     async def check(plane, sim):
-        # One worker holds 1 request with 500 tokens still to come (1 block); the other 3 finishing within
-        # 10 tokens (3 blocks): by room and by count the first is lighter, by predicted work the second.
-        first = await plane.place("long", 10, 1000, 6)
-        heavy = sim.workers[first.worker_id]
-        light = sim.workers[next(w for w in sim.workers if w != first.worker_id)]
-        heavy.held["long"], heavy.remaining["long"] = 1, 500
-        await plane.finish("long", outcome())  # the ledger forgets it; the worker's stats still report it
-        for i in range(3):
-            light.held[f"short{i}"], light.remaining[f"short{i}"] = 1, 10 - 3 * i
+        # w1 holds 1 request with 500 tokens still to come (1 block); w2 holds 3 finishing within 10 tokens
+        # (3 blocks): by room and by count w1 is the lighter, by predicted work w2.
+        placed = {"long": ("w1", 500)} | {f"short{i}": ("w2", 10 - 3 * i) for i in range(3)}
+        for request_id, (worker_id, remaining) in placed.items():
+            await plane.ledger.put(RequestRecord(request_id, worker_id, 10, 1000, 600, 1, "placed", 1, 0.0))
+            sim.workers[worker_id].held[request_id] = 1
+            sim.workers[worker_id].remaining[request_id] = remaining
         await plane.tick()  # the stats poll
-        placed = await plane.place("new", 20, 200, 20)  # s3: 20 + 20 tokens, 3 blocks; fits either
-        names = {heavy.worker_id: "heavy", light.worker_id: "light"}
-        assert names[placed.worker_id] == {"light": "light", "roomy": "heavy"}[expected]
+        assert (await plane.place("new", 20, 200, 20)).worker_id == expected  # s3: 40 tokens, 3 blocks
     run(check, routing=routing)

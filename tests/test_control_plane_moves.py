@@ -127,3 +127,19 @@ def test_rebalancing_off_moves_nothing(run):
         await plane.tick()
         assert not sim.moves and "rebalances" not in plane.counters
     run(check, rebalance_min_gap=0)
+
+
+def test_with_predicted_work_routing_the_worker_with_more_work_ahead_gives_a_request_away(run):
+    async def check(plane, sim):
+        by_worker = await hold_placed(plane, sim, [f"r{i}" for i in range(6)])  # 3 on each worker
+        heavy, light = sim.workers["w1"], sim.workers["w2"]
+        for index, request_id in enumerate(by_worker["w1"]):
+            heavy.remaining[request_id] = 400 - 100 * index  # 400, 300, 200 tokens to go
+        for request_id in by_worker["w2"]:
+            light.remaining[request_id] = 5
+        await plane.tick()  # the stats poll brings the work, and the controller rebalances by it
+        await plane.tick()
+        # equal counts, so counting would move nothing; by work w1's newest (200 < the gap of 885) goes to w2
+        assert sim.moves[:1] == [(by_worker["w1"][-1], "w1", "w2", True)]
+        assert plane.counters["rebalances"] >= 1
+    run(check, routing="predicted_work")

@@ -74,3 +74,33 @@ def test_applied_one_by_one_moves_settle_and_never_swing_back():
         busiest, idlest = max(len(ids) for ids in workers.values()), min(len(ids) for ids in workers.values())
         assert busiest - idlest <= 1 or idlest > MAX_TARGET_SHARE * busiest
         assert len(moved) == len(set(moved))  # no request went back and forth
+
+
+def work_load(worker_id: str, remaining: dict[str, float], num_running: int | None = None,
+              free: int = 100) -> WorkerLoad:
+    ids = tuple(remaining)
+    return WorkerLoad(worker_id, ids, len(ids) if num_running is None else num_running, free,
+                      tuple(remaining.values()))
+
+
+def test_by_work_two_long_requests_outweigh_four_that_end_soon():
+    long_pair = work_load("w1", {"a": 500.0, "b": 480.0})
+    short_four = work_load("w2", {"c": 10.0, "d": 8.0, "e": 5.0, "f": 2.0})
+    idle = work_load("w3", {})
+    # by counts w2 is the busiest; by work w1 is, and its newest request goes to the idlest
+    assert choose_rebalance([long_pair, short_four, idle], blocks, 2).source == "w2"
+    assert choose_rebalance([long_pair, short_four, idle], blocks, 2, by_work=True) == Rebalance("b", "w1", "w3", 2)
+
+
+def test_by_work_a_move_only_narrows_the_gap_and_never_swings_it():
+    source = work_load("w1", {"a": 100.0, "b": 300.0})
+    target = work_load("w2", {"c": 150.0})
+    # the gap is 250: "b" (300) would swing it the other way; "a" (100) narrows it to 50
+    assert choose_rebalance([source, target], blocks, 2, by_work=True) == Rebalance("a", "w1", "w2", 2)
+    settled = [work_load("w1", {"b": 300.0}), work_load("w2", {"c": 150.0, "a": 100.0})]
+    assert choose_rebalance(settled, blocks, 2, by_work=True) is None  # one request left: nothing to even out
+    busy = [work_load("w1", {"a": 100.0, "b": 300.0}), work_load("w2", {"c": 210.0})]
+    assert choose_rebalance(busy, blocks, 2, by_work=True) is None  # the idlest holds over half the work
+    assert choose_rebalance([source, target], blocks, 0, by_work=True) is None  # off
+    unknown = [work_load("w1", {}), WorkerLoad("w2", ("x", "y"), 2, 100)]  # workers that report no work
+    assert choose_rebalance(unknown, blocks, 2, by_work=True) is None

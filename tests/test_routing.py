@@ -42,8 +42,11 @@ def test_live_work_cost_is_completion_cost(own):
 
 def test_requests_placed_but_not_yet_reported_count_with_their_whole_expected_length():
     work = live_work(("r1", "r2"), (40, 3), [("r1", 90.0), ("r3", 120.0)])
-    # r1 is reported (its remaining counts, not its length); r3 is not yet (its whole length counts)
-    assert len(work) == 3 and work.cost(1000.0) == completion_cost(1000.0, [40, 3, 120.0])
+    # r1 is reported (its remaining counts, not its length); r3 is not yet (its whole length counts); r2 is no
+    # longer placed there (it finished or moved since the stats were taken): it does not count
+    assert len(work) == 2 and work.cost(1000.0) == completion_cost(1000.0, [40, 120.0])
+    # stats without one value per request: the ledger's lengths
+    assert live_work(("r1", "r2"), (), [("r1", 90.0)]).cost(1000.0) == completion_cost(1000.0, [90.0])
 
 
 def _record(request_id: str, worker_id: str | None, predicted: int, max_tokens: int = 512) -> RequestRecord:

@@ -284,7 +284,8 @@ class ControlPlane:
         self.mover.settle()
         await asyncio.sleep(0)
         await self.mover.move_overruns(self.policy, self.config.block_size, self.config.migrate_kv_min_tokens)
-        await self.mover.rebalance(self.config.rebalance_min_gap, self.rooms.free())
+        await self.mover.rebalance(self.config.rebalance_min_gap, self.rooms.free(),
+                                   by_work=self.config.routing == "predicted_work")
         await self._follow_rebounds()
         if time.monotonic() - self._last_reconcile_s >= RECONCILE_INTERVAL_S:
             await self._reconcile()

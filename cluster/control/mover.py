@@ -85,17 +85,19 @@ class Mover:
                 await self._move(replace(record, num_reserved_blocks=num_blocks, predicted_output_tokens=bound or 0),
                                  record, target, with_kv)
 
-    async def rebalance(self, min_gap: int, free_blocks: dict[str, int]) -> None:
+    async def rebalance(self, min_gap: int, free_blocks: dict[str, int], by_work: bool = False) -> None:
         """One live request from the busiest worker to the idlest; only on settled stats (no move in flight),
         so that no request is counted on both sides.
 
         Args:
             min_gap: the service's `rebalance_min_gap` (below 1: off).
             free_blocks: ready worker -> blocks the controller may still plan on it.
+            by_work: by the workers' predicted remaining work rather than their request counts.
         """
         if min_gap < 1 or self.moving:
             return
-        loads = [WorkerLoad(worker_id, stats.request_ids, stats.num_running, free_blocks[worker_id])
+        loads = [WorkerLoad(worker_id, stats.request_ids, stats.num_running, free_blocks[worker_id],
+                            stats.remaining_tokens)
                  for worker_id, stats in self.pool.latest.items() if worker_id in free_blocks]
 
         def blocks_of(request_id: str) -> int | None:
@@ -104,7 +106,7 @@ class Mover:
 
         # Preempted overruns are move_overruns' to place, by the bound they now need.
         keep = self._rebalanced.union(r.request_id for stats in self.pool.latest.values() for r in stats.overruns)
-        move = choose_rebalance(loads, blocks_of, min_gap, keep)
+        move = choose_rebalance(loads, blocks_of, min_gap, keep, by_work)
         record = None if move is None else self.ledger.get(move.request_id)
         if record is None or record.worker_id != move.source:
             return

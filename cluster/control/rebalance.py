@@ -16,6 +16,13 @@ computed KV, and it would wait there while the idle worker has room), else its n
 running one (the least KV to copy). Requests already moving, already moved once by
 rebalancing, or unknown to the ledger stay; the request must fit the target's free blocks.
 
+By predicted work (`by_work`, with the service's `predicted_work` routing) the busiest and
+idlest are the workers with the most and the least expected remaining tokens of their live
+requests (`WorkerLoad.remaining_tokens`): two requests with 500 tokens to go outweigh four
+that end within 10. It moves when the idlest's work is at most `MAX_TARGET_SHARE` of the
+busiest's and the busiest has at least `min_gap` live requests, and only a request whose
+remaining work is less than the gap, so the move narrows it and never swings it back.
+
 Pure: no Ray, no Redis (`ControlPlane._rebalance` applies the answer).
 """
 
@@ -34,12 +41,18 @@ class WorkerLoad:
         request_ids: its live requests, running first, then waiting (`WorkerStats.request_ids`).
         num_running: how many of `request_ids` are running.
         num_free_blocks: blocks the controller may still plan on it.
+        remaining_tokens: per request of `request_ids`, its expected remaining output tokens (empty: unknown).
     """
 
     worker_id: str
     request_ids: tuple[str, ...]
     num_running: int
     num_free_blocks: int
+    remaining_tokens: tuple[float, ...] = ()
+
+    @property
+    def predicted_work(self) -> float:
+        return float(sum(self.remaining_tokens))
 
     @property
     def num_live(self) -> int:
@@ -65,7 +78,7 @@ def check_min_gap(min_gap: int, name: str = "rebalance_min_gap") -> None:
 
 
 def choose_rebalance(loads: Sequence[WorkerLoad], blocks_of: Callable[[str], int | None], min_gap: int,
-                     keep: Set[str] = frozenset()) -> Rebalance | None:
+                     keep: Set[str] = frozenset(), by_work: bool = False) -> Rebalance | None:
     """The one move to make now, or None.
 
     Args:
@@ -74,12 +87,15 @@ def choose_rebalance(loads: Sequence[WorkerLoad], blocks_of: Callable[[str], int
         min_gap: move only when the busiest worker has at least this many more live requests than the
             idlest (and the idlest at most `MAX_TARGET_SHARE` of the busiest's); below 1, never.
         keep: requests that must not move (moving now, or moved by rebalancing before).
+        by_work: compare expected remaining tokens instead of request counts (see the module docstring).
 
     The busiest worker: most live requests (ties: lowest id); the idlest: fewest (ties: most free
     blocks, then lowest id).
     """
     if min_gap < 1 or len(loads) < 2:
         return None
+    if by_work:
+        return _rebalance_work(loads, blocks_of, min_gap, keep)
     source = min(loads, key=lambda w: (-w.num_live, w.worker_id))
     target = min(loads, key=lambda w: (w.num_live, -w.num_free_blocks, w.worker_id))
     if source.num_live - target.num_live < max(min_gap, 2):  # a gap of 1 would only swap which is busier
@@ -91,6 +107,28 @@ def choose_rebalance(loads: Sequence[WorkerLoad], blocks_of: Callable[[str], int
     for request_id in (*reversed(waiting), *reversed(running)):
         if request_id in keep:
             continue
+        num_blocks = blocks_of(request_id)
+        if num_blocks is not None and num_blocks <= target.num_free_blocks:
+            return Rebalance(request_id, source.worker_id, target.worker_id, num_blocks)
+    return None
+
+
+def _rebalance_work(loads: Sequence[WorkerLoad], blocks_of: Callable[[str], int | None], min_gap: int,
+                    keep: Set[str]) -> Rebalance | None:
+    """`choose_rebalance` by predicted work."""
+    source = min(loads, key=lambda w: (-w.predicted_work, w.worker_id))
+    target = min(loads, key=lambda w: (w.predicted_work, -w.num_free_blocks, w.worker_id))
+    gap = source.predicted_work - target.predicted_work
+    if source.num_live < max(min_gap, 2) or gap <= 0:
+        return None
+    if target.predicted_work > MAX_TARGET_SHARE * source.predicted_work:  # both busy: not worth a KV copy
+        return None
+    remaining = dict(zip(source.request_ids, source.remaining_tokens))
+    waiting = source.request_ids[source.num_running:]
+    running = source.request_ids[:source.num_running]
+    for request_id in (*reversed(waiting), *reversed(running)):
+        if request_id in keep or not 0 < remaining.get(request_id, 0) < gap:
+            continue  # moving it would not narrow the gap (or swing it the other way)
         num_blocks = blocks_of(request_id)
         if num_blocks is not None and num_blocks <= target.num_free_blocks:
             return Rebalance(request_id, source.worker_id, target.worker_id, num_blocks)

@@ -18,6 +18,7 @@ Pure: no Ray, Redis or torch (`ControlPlane.place` and the cluster simulator ask
 """
 
 import bisect
+import functools
 import itertools
 from collections.abc import Iterable, Mapping
 
@@ -33,7 +34,13 @@ LENGTHS = LengthDistribution()  # a request's expected length from its predictio
 
 def expected_tokens(record: RequestRecord) -> float:
     """A placed request's expected output tokens, from the bound it is planned with (0: none, then max_tokens)."""
-    return LENGTHS.remaining_of(record.predicted_output_tokens or None, 0, record.max_tokens)
+    return _expected_length(record.predicted_output_tokens or None, record.max_tokens)
+
+
+@functools.lru_cache(maxsize=65536)
+def _expected_length(predicted_tokens: int | None, max_tokens: int) -> float:
+    # Pure in two small integers, asked of every live request at every placement: computed once per pair.
+    return LENGTHS.remaining_of(predicted_tokens, 0, max_tokens)
 
 
 def completion_cost(own_tokens: float, others_remaining: Iterable[float]) -> float:
@@ -90,13 +97,14 @@ def least_requests_fit(num_blocks: int, free_blocks: Mapping[str, int], num_live
 
 def live_work(reported_ids: Iterable[str], reported_remaining: Iterable[float],
               placed: Iterable[tuple[str, float]]) -> LiveWork:
-    """A worker's live requests' expected remaining tokens: what its latest stats reported, plus the whole
-    expected length of each request placed there (`placed`: request id, tokens) that the stats do not list yet."""
-    reported = list(reported_ids)
-    known = set(reported)
-    work = list(reported_remaining)[: len(reported)]
-    work += [tokens for request_id, tokens in placed if request_id not in known]
-    return LiveWork(work)
+    """A worker's live requests' expected remaining tokens: for each request the ledger places there (`placed`:
+    request id, its whole expected length), what the worker's latest stats reported for it, or its whole expected
+    length while the stats do not list it yet. A request the stats list but the ledger no longer places there
+    (finished, or moved since) does not count; stats without one value per request (a worker of an older
+    version) count as not listing any."""
+    ids, remaining = list(reported_ids), list(reported_remaining)
+    reported = dict(zip(ids, remaining)) if len(ids) == len(remaining) else {}
+    return LiveWork(reported.get(request_id, tokens) for request_id, tokens in placed)
 
 
 def live_work_by_worker(worker_ids: Iterable[str], records: Iterable[RequestRecord],
