@@ -8,6 +8,7 @@ from workers.models import DEFAULT_MODEL
 from s3serve_cli.args import add_model_args, add_overcommit_arg, add_preemption_args
 from s3serve_cli.bench_cluster import add_cluster_parser
 from s3serve_cli.bench_predictor import add_predictor_parser
+from s3serve_cli.bench_remaining import add_remaining_parser
 from s3serve_cli.bench_simulate import add_simulate_parser
 
 
@@ -323,3 +324,4 @@ def add_bench_parser(commands) -> None:
     chaos.set_defaults(handler=_bench_chaos)
 
     add_simulate_parser(benches)
+    add_remaining_parser(benches)

@@ -20,6 +20,7 @@ from workers.kv_transfer import ExportedKV
 from workers.length_probe import LengthProbe, ProbeQuery, refined_bound, remaining_for
 from workers.model_runner import ModelRunner, pool_shape_for
 from workers.preemption import PreemptionRule
+from workers.repetition import LOOP_CHECK_EVERY, repeats_itself
 from workers.sampling import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
@@ -359,6 +360,9 @@ class Engine:
             seq.first_token_s = now_s
         reason = self._finish_reason(seq, token_id)
         if reason is None:
+            if (not seq.is_looping and seq.num_output_tokens % LOOP_CHECK_EVERY == 0
+                    and seq.params.forced_output_tokens is None):  # a forced length is known: nothing to reveal
+                seq.is_looping = repeats_itself(seq.output_token_ids)
             return StepOutput(seq.seq_id, token_id, None)
         seq.finish_s = now_s
         seq.status = SequenceStatus.FINISHED

@@ -67,9 +67,11 @@ class LengthDistribution:
             return self.default_sigma
         return math.log(upper_tokens / point_tokens) / normal_quantile(self.quantile)
 
-    def remaining_of(self, predicted_tokens: int | None, num_decoded: int, max_tokens: int) -> float:
-        """`expected_remaining_tokens` of a request's current prediction; all it may still write without one."""
-        if predicted_tokens is None:
+    def remaining_of(self, predicted_tokens: int | None, num_decoded: int, max_tokens: int,
+                     is_looping: bool = False) -> float:
+        """`expected_remaining_tokens` of a request's current prediction; all it may still write without one, or
+        once its answer repeats itself (`workers.repetition`)."""
+        if predicted_tokens is None or is_looping:
             return float(max(0, max_tokens - num_decoded))
         return self.expected_remaining_tokens(predicted_tokens, num_decoded, max_tokens)
 

@@ -34,6 +34,7 @@ class Sequence:
     predicted_output_tokens: int | None = None  # the length predictor's upper bound, if any
     num_probe_reads: int = 0  # times the worker's length probe re-bounded it from its hidden state
     is_swapped: bool = False  # its computed KV waits in host memory
+    is_looping: bool = False  # its answer repeats itself (`workers.repetition`): likely to run to max_tokens
     priority: int = 0  # class: lower is more urgent; admitted first, preempted last
     first_passed_step: int | None = None  # scheduler step a later one was first admitted past it, waiting
     first_token_s: float | None = None
