@@ -208,7 +208,7 @@ class ClusterSimulation:
         if cached is None or cached[0] != key:
             sequences = (*worker.scheduler.running, *worker.scheduler.waiting)
             cached = self._work[worker_id] = (key, LiveWork(
-                LENGTHS.remaining_of(s.predicted_output_tokens, s.num_output_tokens, s.params.max_tokens)
+                LENGTHS.remaining_of(s.length_center_tokens, s.num_output_tokens, s.params.max_tokens)
                 for s in sequences))
         return cached[1]
 
@@ -295,7 +295,7 @@ class ClusterSimulation:
         loads = []
         for worker_id, worker in self.workers.items():
             sequences = (*worker.scheduler.running, *worker.scheduler.waiting)
-            remaining = tuple(LENGTHS.remaining_of(s.predicted_output_tokens, s.num_output_tokens, s.params.max_tokens)
+            remaining = tuple(LENGTHS.remaining_of(s.length_center_tokens, s.num_output_tokens, s.params.max_tokens)
                               for s in sequences) if by_work else ()
             loads.append(WorkerLoad(worker_id, tuple(s.seq_id for s in sequences), len(worker.scheduler.running),
                                     free.get(worker_id, 0), remaining))
@@ -332,7 +332,8 @@ class ClusterSimulation:
         self.reserved[target_id] += num_blocks
         moved = Sequence(seq.seq_id, seq.prompt_token_ids, seq.params, arrival_s=seq.arrival_s,
                          output_token_ids=list(seq.output_token_ids),
-                         predicted_output_tokens=seq.predicted_output_tokens)
+                         predicted_output_tokens=seq.predicted_output_tokens,
+                         predicted_center_tokens=seq.predicted_center_tokens)
         if seq.num_computed_tokens > 0 or seq.is_swapped:  # as Engine.add_request with kv
             moved.num_computed_tokens = min(seq.num_computed_tokens, moved.num_tokens - 1)
             moved.is_swapped = moved.num_computed_tokens > 0

@@ -146,7 +146,8 @@ def new_sequence(request: SimRequest) -> Sequence:
     return Sequence(request.request_id, _Tokens(request.num_prompt_tokens),
                     SamplingParams(max_tokens=request.max_tokens, ignore_eos=True,
                                    forced_output_tokens=request.num_output_tokens),
-                    arrival_s=request.arrival_s, predicted_output_tokens=request.predicted_output_tokens)
+                    arrival_s=request.arrival_s, predicted_output_tokens=request.predicted_output_tokens,
+                    predicted_center_tokens=request.predicted_output_tokens)
 
 
 class SimWorker:

@@ -95,7 +95,7 @@ def test_by_work_two_long_requests_outweigh_four_that_end_soon():
 def test_by_work_a_move_only_narrows_the_gap_and_never_swings_it():
     source = work_load("w1", {"a": 100.0, "b": 300.0})
     target = work_load("w2", {"c": 150.0})
-    # the gap is 250: "b" (300) would swing it the other way; "a" (100) narrows it to 50
+    # the gap is 250: "b" (300) would swing it the other way; "a" (100, at most half the gap) narrows it to 50
     assert choose_rebalance([source, target], blocks, 2, by_work=True) == Rebalance("a", "w1", "w2", 2)
     settled = [work_load("w1", {"b": 300.0}), work_load("w2", {"c": 150.0, "a": 100.0})]
     assert choose_rebalance(settled, blocks, 2, by_work=True) is None  # one request left: nothing to even out
@@ -104,3 +104,13 @@ def test_by_work_a_move_only_narrows_the_gap_and_never_swings_it():
     assert choose_rebalance([source, target], blocks, 0, by_work=True) is None  # off
     unknown = [work_load("w1", {}), WorkerLoad("w2", ("x", "y"), 2, 100)]  # workers that report no work
     assert choose_rebalance(unknown, blocks, 2, by_work=True) is None
+
+
+def test_by_work_a_request_about_to_end_or_over_half_the_gap_stays():
+    from cluster.control.rebalance import MIN_MOVE_TOKENS
+
+    nearly_done = [work_load("w1", {"a": 500.0, "b": MIN_MOVE_TOKENS - 1}), work_load("w2", {})]
+    assert choose_rebalance(nearly_done, blocks, 2, by_work=True) is None  # "b" ends too soon, "a" is over half
+    # over half the gap: the target would end up busier than the source (100 against 20 here)
+    assert choose_rebalance([work_load("w1", {"a": 10.0, "b": 80.0, "c": 10.0}), work_load("w2", {"d": 10.0})],
+                            blocks, 2, by_work=True) is None

@@ -56,3 +56,20 @@ def test_the_engine_flags_an_answer_that_repeats_itself_and_not_a_forced_one(ini
     assert looping == any(repeats_itself(tokens[:n]) for n in range(LOOP_CHECK_EVERY, checked + 1, LOOP_CHECK_EVERY))
     assert looping is loops
     assert flags["forced"][0] is False  # a forced length is known: never flagged, whatever its tokens
+
+
+def test_a_resumed_answer_that_already_repeats_itself_is_flagged_on_arrival(tiny_model):
+    import copy
+
+    from engine_driver import BLOCK_SIZE, BYTES_PER_BLOCK, make_prompt
+    from workers.engine import Engine, EngineConfig
+    from workers.sampling_params import SamplingParams
+
+    engine = Engine(copy.deepcopy(tiny_model), EngineConfig(kv_cache_bytes=64 * BYTES_PER_BLOCK,
+                                                            block_size=BLOCK_SIZE))
+    loop = list(range(20, 40))
+    engine.add_request(make_prompt(8, seed=1), SamplingParams(max_tokens=100), seq_id="moved",
+                       resumed_output_token_ids=loop + loop)
+    engine.add_request(make_prompt(8, seed=1), SamplingParams(max_tokens=100), seq_id="fresh",
+                       resumed_output_token_ids=list(range(40)))
+    assert engine.sequence("moved").is_looping and not engine.sequence("fresh").is_looping

@@ -209,3 +209,15 @@ def test_s3_peak_counts_the_prefill_steps_of_a_chunked_prompt():
     # short peaks at 16 tokens (4 blocks) after 12 steps, long_prompt has 11 blocks until it ends.
     assert policy.can_admit(short, [long_prompt], num_blocks=14, block_size=4, step_token_budget=64)
     assert not policy.can_admit(short, [long_prompt], num_blocks=14, block_size=4, step_token_budget=4)
+
+
+def test_s3_peak_ranks_an_overrun_around_its_prediction_not_around_the_bound_the_overrun_raised():
+    policy = S3PeakPolicy(bucket_tokens=100)
+    seq = waiting_seq("over", 0.0, predicted=50, decoded=60)
+    seq.predicted_center_tokens = 50  # as the engine sets it from the prediction
+    before = policy.remaining_tokens(seq)
+    policy.on_overrun(seq)  # 60 decoded past a bound of 50: the plan moves to the next bucket
+    assert seq.predicted_output_tokens == 100
+    assert policy.remaining_tokens(seq) == before == policy.lengths.remaining_of(50, 60, 500)
+    seq.is_looping = True  # once it repeats itself it is expected to run to its limit
+    assert policy.remaining_tokens(seq) == 500 - 60

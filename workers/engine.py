@@ -197,6 +197,7 @@ class Engine:
             params=params,
             arrival_s=time.monotonic() if arrival_s is None else arrival_s,
             predicted_output_tokens=predicted_output_tokens,
+            predicted_center_tokens=predicted_output_tokens,
             output_token_ids=resumed,
         )
         # The policy's own needs (e.g. oracle wants the true length): fail here,
@@ -210,6 +211,9 @@ class Engine:
                 self.runner.import_swapped(seq_id, list(kv.layers))
                 seq.num_computed_tokens = kv.num_computed_tokens
                 seq.is_swapped = True
+        # A resumed answer (moved, or re-placed after a failure) may already repeat itself: say so now, not at
+        # its next check.
+        seq.is_looping = params.forced_output_tokens is None and repeats_itself(resumed)
         self._sequences[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -349,6 +353,7 @@ class Engine:
                 continue
             seqs[i].predicted_output_tokens = refined_bound(query, remaining_for(estimate, holds_plan),
                                                             seqs[i].predicted_output_tokens)
+            seqs[i].predicted_center_tokens = seqs[i].predicted_output_tokens
             seqs[i].num_probe_reads += 1
             self.scheduler.trim(seqs[i])  # s3 gives back what the new bound does not need
         self.num_probe_reads += len(due)

@@ -271,7 +271,7 @@ class S3PeakPolicy(S3Policy):
     def remaining_tokens(self, seq: Sequence) -> float:
         """Output tokens `seq` is expected to generate still, given that it is still going (its length distribution
         around its point, refined by the worker's probe where one runs); max_tokens - decoded without a prediction."""
-        return self.lengths.remaining_of(seq.predicted_output_tokens, seq.num_output_tokens, seq.params.max_tokens,
+        return self.lengths.remaining_of(seq.length_center_tokens, seq.num_output_tokens, seq.params.max_tokens,
                                          seq.is_looping)
 
     def is_protected(self, seq: Sequence) -> bool:

@@ -32,6 +32,9 @@ class Sequence:
     output_text: str | None = None
     num_preemptions: int = 0
     predicted_output_tokens: int | None = None  # the length predictor's upper bound, if any
+    # The latest *prediction* of its length (the router's, then the probe's), which the bound raised after an
+    # overrun does not change: the centre of its length distribution (`workers.length_distribution`).
+    predicted_center_tokens: int | None = None
     num_probe_reads: int = 0  # times the worker's length probe re-bounded it from its hidden state
     is_swapped: bool = False  # its computed KV waits in host memory
     is_looping: bool = False  # its answer repeats itself (`workers.repetition`): likely to run to max_tokens
@@ -39,6 +42,12 @@ class Sequence:
     first_passed_step: int | None = None  # scheduler step a later one was first admitted past it, waiting
     first_token_s: float | None = None
     finish_s: float | None = None
+
+    @property
+    def length_center_tokens(self) -> int | None:
+        """What its length distribution is centred on: the latest prediction, else its current bound."""
+        center = self.predicted_center_tokens
+        return center if center is not None else self.predicted_output_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

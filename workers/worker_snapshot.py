@@ -60,7 +60,7 @@ def snapshot(engine: Engine, worker_id: str, counters: LoopCounters) -> WorkerSt
         overruns=overruns,
         request_ids=tuple(seq.seq_id for seq in running + waiting),
         remaining_tokens=tuple(
-            round(REMAINING.remaining_of(seq.predicted_output_tokens, seq.num_output_tokens, seq.params.max_tokens,
+            round(REMAINING.remaining_of(seq.length_center_tokens, seq.num_output_tokens, seq.params.max_tokens,
                                          seq.is_looping))
             for seq in running + waiting),
         prefix_hashes=tuple(allocator.cache.recent_hashes(MAX_REPORTED_PREFIX_HASHES)),

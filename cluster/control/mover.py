@@ -23,6 +23,7 @@ from cluster.control.placement import blocks_for, migration_target
 from cluster.control.rebalance import WorkerLoad, choose_rebalance
 from cluster.control.worker_pool import WorkerPool
 from workers.scheduling_policy import SchedulingPolicy
+from workers.work_types import WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,19 @@ class Mover:
                 await self._move(replace(record, num_reserved_blocks=num_blocks, predicted_output_tokens=bound or 0),
                                  record, target, with_kv)
 
+    def _load(self, worker_id: str, stats: WorkerStats, free_blocks: int, by_work: bool) -> WorkerLoad:
+        """A worker's load from its stats; by work, only the requests the ledger still places there (one that
+        finished, or moved and is listed by both ends until the source's next stats, counts once), and none from
+        stats without one value per request."""
+        if not by_work:
+            return WorkerLoad(worker_id, stats.request_ids, stats.num_running, free_blocks)
+        pairs = (list(zip(stats.request_ids, stats.remaining_tokens))
+                 if len(stats.request_ids) == len(stats.remaining_tokens) else [])
+        kept = [(index, request_id, remaining) for index, (request_id, remaining) in enumerate(pairs)
+                if (record := self.ledger.get(request_id)) is not None and record.worker_id == worker_id]
+        return WorkerLoad(worker_id, tuple(r for _, r, _ in kept), sum(i < stats.num_running for i, _, _ in kept),
+                          free_blocks, tuple(x for _, _, x in kept))
+
     async def rebalance(self, min_gap: int, free_blocks: dict[str, int], by_work: bool = False) -> None:
         """One live request from the busiest worker to the idlest; only on settled stats (no move in flight),
         so that no request is counted on both sides.
@@ -96,8 +110,7 @@ class Mover:
         """
         if min_gap < 1 or self.moving:
             return
-        loads = [WorkerLoad(worker_id, stats.request_ids, stats.num_running, free_blocks[worker_id],
-                            stats.remaining_tokens)
+        loads = [self._load(worker_id, stats, free_blocks[worker_id], by_work)
                  for worker_id, stats in self.pool.latest.items() if worker_id in free_blocks]
 
         def blocks_of(request_id: str) -> int | None:

@@ -21,7 +21,8 @@ idlest are the workers with the most and the least expected remaining tokens of 
 requests (`WorkerLoad.remaining_tokens`): two requests with 500 tokens to go outweigh four
 that end within 10. It moves when the idlest's work is at most `MAX_TARGET_SHARE` of the
 busiest's and the busiest has at least `min_gap` live requests, and only a request whose
-remaining work is less than the gap, so the move narrows it and never swings it back.
+remaining work is at most half the gap, so the move narrows it and never swings it the other
+way, and at least `MIN_MOVE_TOKENS`, so no KV is copied for an answer about to end.
 
 Pure: no Ray, no Redis (`ControlPlane._rebalance` applies the answer).
 """
@@ -30,6 +31,7 @@ from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 MAX_TARGET_SHARE = 0.5  # move only to a worker holding at most this share of the busiest's live requests
+MIN_MOVE_TOKENS = 32  # by predicted work: a request expected to end sooner is not worth a KV copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +129,8 @@ def _rebalance_work(loads: Sequence[WorkerLoad], blocks_of: Callable[[str], int 
     waiting = source.request_ids[source.num_running:]
     running = source.request_ids[:source.num_running]
     for request_id in (*reversed(waiting), *reversed(running)):
-        if request_id in keep or not 0 < remaining.get(request_id, 0) < gap:
-            continue  # moving it would not narrow the gap (or swing it the other way)
+        if request_id in keep or not MIN_MOVE_TOKENS <= remaining.get(request_id, 0) <= gap / 2:
+            continue  # about to end, or moving it would swing the imbalance the other way
         num_blocks = blocks_of(request_id)
         if num_blocks is not None and num_blocks <= target.num_free_blocks:
             return Rebalance(request_id, source.worker_id, target.worker_id, num_blocks)
