@@ -102,12 +102,13 @@ def test_under_predicted_overruns_move_to_a_worker_with_room():
 
 
 def test_a_drained_worker_takes_a_live_request_from_the_busy_one_between_its_steps():
-    # paged_greedy plans only the prompt: all four are placed at once, alternating w0, w1, w0, w1; w1's answers
-    # are short, so w0 would decode both long ones alone. A step costs 10 ms + 10 ms per sequence.
+    # paged_greedy plans only the prompt: all four are placed at once, alternating w0, w1, w0, w1 (by room); w1's
+    # answers are short, so w0 would decode both long ones alone. A step costs 10 ms + 10 ms per sequence. Every
+    # prediction says 8 tokens: by counts (room routing) the long ones are told apart by what is still live.
     per_seq = LinearStepModel(0.01, 0.01, 0.0, 0.0, kv_bytes_per_token=1000)
     requests = [SimRequest(f"r{i}", 0.0, 20, n, MAX_LEN - 20, 8) for i, n in enumerate((150, 5, 150, 5))]
-    simulation, balanced = _simulate("paged_greedy", requests, model=per_seq, tick_s=0.05)
-    _, alone = _simulate("paged_greedy", requests, model=per_seq, tick_s=0.05, rebalance_min_gap=0)
+    simulation, balanced = _simulate("paged_greedy", requests, model=per_seq, tick_s=0.05, routing="room")
+    _, alone = _simulate("paged_greedy", requests, model=per_seq, tick_s=0.05, rebalance_min_gap=0, routing="room")
     assert (balanced.num_rebalances, balanced.num_migrations) == (1, 1) and alone.num_migrations == 0
     assert balanced.outputs_exact and alone.outputs_exact
     assert balanced.output_tokens == alone.output_tokens == 310
@@ -219,3 +220,14 @@ def test_the_steady_rate_counts_tokens_until_nine_in_ten_requests_have_finished(
     assert result.steady_output_tokens == 20
     assert result.steady_tokens_per_s == pytest.approx(1000.0)
     assert result.tokens_per_s == pytest.approx(190.0)  # the drain: the long answer decoding alone
+
+
+def test_by_predicted_work_the_worker_with_the_long_answers_gives_one_away():
+    # As above, but predicted right (150 and 5 tokens) and routed by predicted work: the two long answers are
+    # placed apart at once (no move needed); placed together by room, rebalancing by work moves one.
+    per_seq = LinearStepModel(0.01, 0.01, 0.0, 0.0, kv_bytes_per_token=1000)
+    requests = [SimRequest(f"r{i}", 0.0, 20, n, MAX_LEN - 20, n) for i, n in enumerate((150, 5, 150, 5))]
+    _, routed = _simulate("paged_greedy", requests, model=per_seq, tick_s=0.05)  # predicted_work, the default
+    _, room = _simulate("paged_greedy", requests, model=per_seq, tick_s=0.05, routing="room", rebalance_min_gap=0)
+    assert routed.outputs_exact and routed.output_tokens == room.output_tokens == 310
+    assert routed.makespan_s < 0.8 * room.makespan_s
