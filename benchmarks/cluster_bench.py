@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.cluster_plan import load_plan, predictor_artifact
+from benchmarks.cluster_ratios import ROUTING_MARK, ratios_of, routing_ratios
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_results, write_plan
 from benchmarks.natural_workload import compare_outputs
 from benchmarks.policy_summary import PROBE_SUFFIX, PROBED
@@ -50,7 +51,6 @@ DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 # 256 blocks of 16 tokens of SmolLM2-135M (720 KiB each): 4 worst-case 1024-token sequences, as in bench policies.
 DEFAULT_KV_CACHE_BYTES = 188_743_680
 STATS_SETTLE_S = 1.5  # the controller polls worker stats every 0.5 s; let the last poll land
-ROUTING_MARK = "@"  # "s3_peak@room": a policy run with a routing other than the only one compared
 TABLE_KEYS = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "latency_mean_s", "latency_p50_s",
               "latency_p99_s",
               "worker_balance_min_max", "migrations", "rebalances", "requeues", "preemptions", "overruns",
@@ -238,31 +238,6 @@ def summarize_cluster(generated_tokens_by_worker: dict[str, int], counters: dict
         **{name: int(counters.get(name, 0))
            for name in ("migrations", "rebalances", "requeues", "preemptions", "overruns")},
     }
-
-
-def ratios_of(summaries: dict[str, dict]) -> dict[str, float | None]:
-    """Each length-aware policy's tokens/s (s3, s3_peak and their probe runs) over each baseline that ran."""
-    ratios = {}
-    for ours in ("s3", "s3_peak", *(f"{name}{PROBE_SUFFIX}" for name in PROBED)):
-        for other in ("max_reserve", "paged_greedy", "sglang_ratio"):
-            if ours in summaries and other in summaries:
-                mine, theirs = summaries[ours]["tokens_per_s"], summaries[other]["tokens_per_s"]
-                ratios[f"{ours}_vs_{other}_tokens_per_s"] = mine / theirs if mine is not None and theirs else None
-    return ratios
-
-
-def routing_ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float | None]]:
-    """Each "policy@routing" run against the same policy's "policy@room" run: tokens/s, mean and p99 latency and
-    TTFT p50 as ratios (latency below 1 is better); empty when no room run is there to compare with."""
-    ratios = {}
-    for name, summary in summaries.items():
-        policy, mark, routing = name.partition(ROUTING_MARK)
-        room = summaries.get(f"{policy}{ROUTING_MARK}room")
-        if not mark or routing == "room" or room is None:
-            continue
-        ratios[name] = {key: summary[key] / room[key] if summary[key] is not None and room[key] else None
-                        for key in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")}
-    return ratios
 
 
 def _cell(value):

@@ -146,7 +146,7 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
     run.num_preemptions = stats.num_preemptions
     run.num_recomputed_tokens = stats.num_recomputed_tokens
     run.swapped_bytes = engine.swapped_bytes
-    run.swap_space_peak_bytes = engine.swap_space_peak_bytes
+    run.swap_space_peak_bytes = engine.scheduler.swap_space.peak_blocks * engine.runner.pool_shape.bytes_per_block
     run.num_swaps_over_budget = stats.num_swaps_over_budget
     run.num_mispredictions = len(stats.mispredictions)
     run.num_probe_reads = engine.num_probe_reads

@@ -16,8 +16,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from benchmarks import cluster_bench, http_load
-from benchmarks.cluster_bench import (ClusterBenchConfig, ratios_of, routing_ratios, summarize_cluster,
-                                      summarize_results)
+from benchmarks.cluster_bench import ClusterBenchConfig, summarize_cluster, summarize_results
+from benchmarks.cluster_ratios import ratios_of, routing_ratios
 from benchmarks.cluster_plan import build_load_requests
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_plan, write_plan
 from benchmarks.report import percentile

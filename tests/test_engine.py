@@ -237,7 +237,7 @@ def test_swapped_kv_stays_within_swap_space_and_the_rest_recomputes_with_exact_g
     finished = {out.seq_id: out for out in drain(engine) if out.is_finished}
     stats = engine.scheduler.stats
     assert stats.num_swaps > 0 and stats.num_swaps_over_budget > 0 and stats.num_recomputed_tokens > 0
-    assert 0 < engine.swap_space_peak_bytes <= swap_space_blocks * BYTES_PER_BLOCK
+    assert 0 < engine.scheduler.swap_space.peak_blocks <= swap_space_blocks
     for seq_id, prompt in prompts.items():
         assert list(finished[seq_id].output_token_ids) == hf_greedy(prompt, lengths[seq_id]), seq_id
     assert_pool_empty(engine)

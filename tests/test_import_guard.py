@@ -17,6 +17,7 @@ import pytest
 # Decisions (pure: no Ray, Redis or torch), and the messages the router and controller read.
 PURE_MODULES = [
     "workers.policies",
+    "workers.sglang_ratio",
     "workers.scheduling_policy",
     "workers.preemption",
     "workers.length_distribution",

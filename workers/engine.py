@@ -17,14 +17,15 @@ from kv_kernels import KVKernelBackend, backend_for_device
 from workers.engine_config import EngineConfig
 from workers.kv_cache_manager import BlockAllocator
 from workers.kv_transfer import ExportedKV
-from workers.length_probe import LengthProbe, ProbeQuery, refined_bound, remaining_for
+from workers.length_probe import LengthProbe
 from workers.model_runner import ModelRunner, pool_shape_for
 from workers.preemption import PreemptionRule
-from workers.repetition import LOOP_CHECK_EVERY, repeats_itself
+from workers.repetition import LOOP_CHECK_EVERY, flag_loop
+from workers.reprobe import reprobe
 from workers.sampling import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.scheduling_policy import PreemptionCostModel, SchedulingPolicy
+from workers.scheduling_policy import SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import RequestMetrics, StepOutput, StepShape, StepTimes, step_shape
 from workers.tensor_parallel import LeadRunner, check_ranks, send_config
@@ -80,8 +81,8 @@ class Engine:
             f"{getattr(model_config, '_name_or_path', '')}:{model_config.model_type}:{model.dtype}")
         self.allocator = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size,
                                                     config.enable_prefix_caching, cache_salt)
-        preemption = PreemptionRule(config.preemption_mode, config.swap_space_bytes // bytes_per_block,
-                                    PreemptionCostModel(kv_bytes_per_token=bytes_per_block // config.block_size))
+        preemption = PreemptionRule.for_budget(config.preemption_mode, config.swap_space_bytes, bytes_per_block,
+                                               config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_overtaken_steps),
             self.allocator, policy, preemption,
@@ -108,7 +109,6 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.swapped_bytes = 0  # KV bytes copied to and from the host by swaps, all steps together
-        self.bytes_per_block = bytes_per_block
         self.last_num_scheduled = 0  # sequences in the latest step's forward
         self.last_used_blocks = 0  # blocks holding computed KV after the latest step
         self.last_reserved_blocks = 0  # blocks reserved after the latest step
@@ -211,9 +211,7 @@ class Engine:
                 self.runner.import_swapped(seq_id, list(kv.layers))
                 seq.num_computed_tokens = kv.num_computed_tokens
                 seq.is_swapped = True
-        # A resumed answer (moved, or re-placed after a failure) may already repeat itself: say so now, not at
-        # its next check.
-        seq.is_looping = params.forced_output_tokens is None and repeats_itself(resumed)
+        flag_loop(seq)  # a resumed answer (moved, re-placed) may repeat itself already
         self._sequences[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -247,12 +245,6 @@ class Engine:
         else:
             return ExportedKV((), 0, block_size)
         return ExportedKV(tuple(layers), seq.num_computed_tokens, block_size)
-
-    @property
-    def swap_space_peak_bytes(self) -> int:
-        """The most host memory swapped-out (and moved-in) KV held at once (`EngineConfig.swap_space_bytes` bounds
-        what swaps add to it)."""
-        return self.scheduler.swap_space.peak_blocks * self.bytes_per_block
 
     def used_blocks(self) -> int:
         """Blocks holding computed KV of running sequences (a block shared through the prefix cache counts once)."""
@@ -312,7 +304,7 @@ class Engine:
         self.last_reserved_blocks = self.allocator.num_reserved_blocks
         self.num_steps += 1
         if want_hidden:
-            self._reprobe(seqs, hidden)
+            self.num_probe_reads += reprobe(self.probe, self.scheduler, seqs, hidden)
         outputs = [self._append_token(seq, token_id) for seq, token_id in zip(seqs, token_ids)]
         forward = self.runner.last_times
         self.last_times = StepTimes(
@@ -336,28 +328,6 @@ class Engine:
                     outputs[out.seq_id] = list(out.output_token_ids)
         return [outputs[seq_id] for seq_id in ids]
 
-    def _reprobe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        """Let the probe re-bound the sequences it is due to read (hidden: [len(seqs), hidden_size])."""
-        due = [i for i, seq in enumerate(seqs)
-               if seq.params.forced_output_tokens is None and self.probe.is_due(seq.num_output_tokens)
-               and seq.num_output_tokens < seq.params.max_tokens]
-        if not due:
-            return
-        queries = [ProbeQuery(seqs[i].seq_id, seqs[i].num_prompt_tokens, seqs[i].num_output_tokens,
-                              seqs[i].params.max_tokens) for i in due]
-        rows = hidden.index_select(0, torch.tensor(due, device=hidden.device)).float()  # [len(due), hidden_size]
-        holds_plan = self.scheduler.policy.holds_plan
-        estimates = self.probe.estimate_remaining(rows, queries)
-        for i, query, estimate in zip(due, queries, estimates, strict=True):
-            if estimate is None:  # no answer (a probe that only records): the bound stays
-                continue
-            seqs[i].predicted_output_tokens = refined_bound(query, remaining_for(estimate, holds_plan),
-                                                            seqs[i].predicted_output_tokens)
-            seqs[i].predicted_center_tokens = seqs[i].predicted_output_tokens
-            seqs[i].num_probe_reads += 1
-            self.scheduler.trim(seqs[i])  # s3 gives back what the new bound does not need
-        self.num_probe_reads += len(due)
-
     def _append_token(self, seq: Sequence, token_id: int) -> StepOutput:
         seq.output_token_ids.append(token_id)
         now_s = time.monotonic()
@@ -365,9 +335,8 @@ class Engine:
             seq.first_token_s = now_s
         reason = self._finish_reason(seq, token_id)
         if reason is None:
-            if (not seq.is_looping and seq.num_output_tokens % LOOP_CHECK_EVERY == 0
-                    and seq.params.forced_output_tokens is None):  # a forced length is known: nothing to reveal
-                seq.is_looping = repeats_itself(seq.output_token_ids)
+            if seq.num_output_tokens % LOOP_CHECK_EVERY == 0:
+                flag_loop(seq)
             return StepOutput(seq.seq_id, token_id, None)
         seq.finish_s = now_s
         seq.status = SequenceStatus.FINISHED

@@ -42,6 +42,13 @@ class PreemptionRule:
         if self.swap_space_blocks < 0:
             raise ValueError(f"swap_space_blocks must be >= 0, got {self.swap_space_blocks}")
 
+    @classmethod
+    def for_budget(cls, mode: str, swap_space_bytes: int, bytes_per_block: int, block_size: int) -> "PreemptionRule":
+        """The rule of an engine whose KV blocks take `bytes_per_block`: the budget in whole blocks, the cost model
+        with this model's KV bytes per token."""
+        return cls(mode, swap_space_bytes // bytes_per_block,
+                   PreemptionCostModel(kv_bytes_per_token=bytes_per_block // block_size))
+
     def wants_swap(self, num_computed_tokens: int) -> bool:
         """Before the budget: would this rule copy a victim holding this much computed KV?"""
         if self.mode == "recompute" or num_computed_tokens == 0:

@@ -9,13 +9,15 @@ is one byte search over the answer (C speed, no Python loop over tokens). Pure.
 """
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Sequence as TokenIds
+
+from workers.sequence import Sequence
 
 LOOP_NGRAM_TOKENS = 16
 LOOP_CHECK_EVERY = 16
 
 
-def repeats_itself(token_ids: Sequence[int], ngram_tokens: int = LOOP_NGRAM_TOKENS) -> bool:
+def repeats_itself(token_ids: TokenIds[int], ngram_tokens: int = LOOP_NGRAM_TOKENS) -> bool:
     """The last `ngram_tokens` tokens of `token_ids` occurred earlier in it (overlapping allowed)."""
     if ngram_tokens < 1:
         raise ValueError(f"ngram_tokens must be >= 1, got {ngram_tokens}")
@@ -31,3 +33,9 @@ def repeats_itself(token_ids: Sequence[int], ngram_tokens: int = LOOP_NGRAM_TOKE
             return True
         start = packed.find(tail, start + 1, end)
     return False
+
+
+def flag_loop(seq: Sequence) -> None:
+    """Mark `seq` as looping once its answer repeats itself; a forced length is known, so nothing to reveal."""
+    if not seq.is_looping and seq.params.forced_output_tokens is None:
+        seq.is_looping = repeats_itself(seq.output_token_ids)

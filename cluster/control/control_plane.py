@@ -32,7 +32,7 @@ from cluster.control.messages import (ClusterStatus, Placement, PlacementTimeout
 from cluster.control.placement import PendingRequest, RoomIndex, blocks_for, first_fit_decreasing, prefix_affinity
 from cluster.control.mover import Mover
 from cluster.control.rebound import rebounded_records
-from cluster.control.routing import expected_tokens, live_work_by_worker, route
+from cluster.control.routing import expected_tokens, route_among
 from cluster.control.scaling import ScalingPolicy
 from cluster.control.store import ControllerStore
 from cluster.control.store_resync import StoreResync
@@ -142,7 +142,8 @@ class ControlPlane:
         pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority)
         if not self.waiting:  # fast path: nobody queued ahead, one write if it fits now
             worker_id = (self._prefix_target(prefix_hashes, num_blocks, exclude_worker_id)
-                         or self._route(num_blocks, record, exclude_worker_id))
+                         or route_among(self.config.routing, num_blocks, expected_tokens(record), exclude_worker_id,
+                                        self.rooms, self.ledger.records, self.pool.latest))
             if worker_id is not None:
                 placed = replace(record, worker_id=worker_id, state="placed")
                 await self.ledger.put(placed)
@@ -160,15 +161,6 @@ class ControlPlane:
                 await self.ledger.remove(request_id)
             raise PlacementTimeoutError(
                 f"no worker had {num_blocks} free KV blocks within {self.config.placement_timeout_s:.0f} s") from None
-
-    def _route(self, num_blocks: int, record: RequestRecord, exclude: str | None) -> str | None:
-        """The worker the configured routing picks among those with room (`cluster.control.routing`); room alone
-        is O(log workers)."""
-        if self.config.routing == "room":
-            return self.rooms.roomiest(num_blocks, exclude=exclude)
-        free = {w: f for w, f in self.rooms.free().items() if w != exclude}
-        return route(self.config.routing, num_blocks, expected_tokens(record), free,
-                     live_work_by_worker(free, self.ledger.records(), self.pool.latest))
 
     def _prefix_target(self, prefix_hashes: tuple[int, ...], num_blocks: int, exclude: str | None) -> str | None:
         """Prefix-aware choice among ready workers (O(workers): only for requests that carry hashes)."""

@@ -20,10 +20,10 @@ Pure: no Ray, Redis or torch (`ControlPlane.place` and the cluster simulator ask
 import bisect
 import functools
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from cluster.control.messages import RequestRecord
-from cluster.control.placement import roomiest_fit
+from cluster.control.placement import RoomIndex, roomiest_fit
 from workers.length_distribution import LengthDistribution
 from workers.work_types import WorkerStats
 
@@ -139,6 +139,16 @@ def route(routing: str, num_blocks: int, own_tokens: float, free_blocks: Mapping
     if routing == "least_requests":
         return least_requests_fit(num_blocks, free_blocks, {w: len(work) for w, work in live.items()})
     return roomiest_fit(num_blocks, free_blocks)
+
+
+def route_among(routing: str, num_blocks: int, own_tokens: float, exclude: str | None, rooms: RoomIndex,
+                records: Callable[[], Iterable[RequestRecord]], latest: Mapping[str, WorkerStats]) -> str | None:
+    """`route` over the controller's view: ready workers' room (`rooms`, without `exclude`), the ledger's records
+    and the workers' latest stats. Room alone asks the index, O(log workers), and reads no records."""
+    if routing == "room":
+        return rooms.roomiest(num_blocks, exclude=exclude)
+    free = {w: f for w, f in rooms.free().items() if w != exclude}
+    return route(routing, num_blocks, own_tokens, free, live_work_by_worker(free, records(), latest))
 
 
 def check_routing(routing: str) -> None:

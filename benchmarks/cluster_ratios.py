@@ -1,0 +1,30 @@
+"""What `bench cluster` compares between its runs: length-aware policies against baselines, routings against room."""
+
+from benchmarks.policy_summary import PROBE_SUFFIX, PROBED
+
+ROUTING_MARK = "@"  # "s3_peak@room": a policy run with a routing other than the only one compared
+
+
+def ratios_of(summaries: dict[str, dict]) -> dict[str, float | None]:
+    """Each length-aware policy's tokens/s (s3, s3_peak and their probe runs) over each baseline that ran."""
+    ratios = {}
+    for ours in ("s3", "s3_peak", *(f"{name}{PROBE_SUFFIX}" for name in PROBED)):
+        for other in ("max_reserve", "paged_greedy", "sglang_ratio"):
+            if ours in summaries and other in summaries:
+                mine, theirs = summaries[ours]["tokens_per_s"], summaries[other]["tokens_per_s"]
+                ratios[f"{ours}_vs_{other}_tokens_per_s"] = mine / theirs if mine is not None and theirs else None
+    return ratios
+
+
+def routing_ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float | None]]:
+    """Each "policy@routing" run against the same policy's "policy@room" run: tokens/s, mean and p99 latency and
+    TTFT p50 as ratios (latency below 1 is better); empty when no room run is there to compare with."""
+    ratios = {}
+    for name, summary in summaries.items():
+        policy, mark, routing = name.partition(ROUTING_MARK)
+        room = summaries.get(f"{policy}{ROUTING_MARK}room")
+        if not mark or routing == "room" or room is None:
+            continue
+        ratios[name] = {key: summary[key] / room[key] if summary[key] is not None and room[key] else None
+                        for key in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")}
+    return ratios
