@@ -69,6 +69,8 @@ class SimulateBenchConfig:
         sigma: log-normal error of the noisy-oracle predictor (upper bound at the 90% quantile).
         gpu_memory_fraction: of device memory for weights plus KV (the KV budget is the rest).
         calibrate: run the real CPU engine first and print the simulator's error against it.
+        calibration_device: where that real engine runs: "cpu" (SmolLM2-135M's weights) or a CUDA device (a
+            random bf16 model of `model_shape`, whose steps also check the roofline of `kind`).
         rebalance_min_gap: the controller's `rebalance_min_gap` (0: no load rebalancing between workers).
         overcommit_step: s3_peak's budget stretch per refusing step (None: its default; 0: none).
         routings: the controller's routings to compare (`ServiceConfig.routing`), each with every policy.
@@ -95,6 +97,7 @@ class SimulateBenchConfig:
     calibrate: bool = True
     calibration_requests: int = 24
     calibration_max_len: int = 512
+    calibration_device: str = "cpu"
     rebalance_min_gap: int = 2
     overcommit_step: float | None = None
     routings: tuple[str, ...] = (DEFAULT_ROUTING,)
@@ -171,20 +174,34 @@ def _passes(rows: list, rng: random.Random) -> Iterator:
         yield from order
 
 
+def _calibration_model(config: SimulateBenchConfig, model_dir: Path, vocab_size: int):
+    """The model the calibration's real engine runs: SmolLM2's weights on the CPU, a random bf16 shape on a GPU."""
+    import torch
+
+    from workers.model_shapes import make_shaped_model
+    from workers.models import load_model
+
+    if config.calibration_device == "cpu":
+        return load_model(model_dir)
+    return make_shaped_model(config.model_shape, vocab_size=vocab_size, dtype=torch.bfloat16,
+                             device=config.calibration_device,
+                             max_position_embeddings=max(config.calibration_max_len, 512))
+
+
 def _run_calibration(config: SimulateBenchConfig, rows, model_name: str, model_cache_dir: Path | None):
-    """The real engine on this CPU against the simulator (`benchmarks.sim_calibration.Calibration`)."""
+    """The real engine on this machine against the simulator (`benchmarks.sim_calibration.Calibration`)."""
     from benchmarks.prompt_pool import DEFAULT_PROMPTS
     from benchmarks.sim_calibration import calibrate
     from benchmarks.traces import build_requests, load_prompt_texts
     from workers.model_runner import pool_shape_for
-    from workers.models import load_model, load_tokenizer, resolve_model_dir
+    from workers.models import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
     max_len = config.calibration_max_len
     replay, _ = build_requests(rows[:config.calibration_requests], tokenizer, load_prompt_texts(DEFAULT_PROMPTS),
                                max_len=max_len, max_prompt_tokens=128, mode="offline", time_scale=1.0)
-    model = load_model(model_dir)
+    model = _calibration_model(config, model_dir, len(tokenizer))
     pool = pool_shape_for(model.config, 1, config.block_size, model.dtype)
     kv_bytes_per_token = pool.bytes_per_block // pool.block_size
     kv_cache_bytes = 4 * max_len * kv_bytes_per_token  # max_reserve fits 4 sequences, as in bench policies
@@ -197,9 +214,13 @@ def _run_calibration(config: SimulateBenchConfig, rows, model_name: str, model_c
                            max_len - len(r.prompt_token_ids), b.upper_bound_tokens) for r, b in zip(replay, bounds)]
     prompts = {r.request_id: list(r.prompt_token_ids) for r in replay}
     policies = ("paged_greedy", "max_reserve", "s3")
+    on_gpu = config.calibration_device != "cpu"
+    roofline = RooflineStepModel(gpu_kind(config.kind), shape_cost(config.model_shape)) if on_gpu else None
+    measured_on = (f"the {config.calibration_device} engine ({config.model_shape}, bf16)" if on_gpu
+                   else "the CPU engine")
     with tqdm(total=len(requests) * len(policies), desc="calibration: real engine", unit="req") as progress:
         return calibrate(model, requests, prompts, policies, max_len, kv_cache_bytes, num_blocks,
-                         config.block_size, 128, 512, kv_bytes_per_token, progress)
+                         config.block_size, 128, 512, kv_bytes_per_token, progress, roofline, measured_on)
 
 
 def _cluster_model(config: SimulateBenchConfig, calibration):
@@ -240,6 +261,11 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
         shape_cost(config.model_shape)  # fail on a bad name before the calibration run
     elif not config.calibrate:
         raise ValueError("kind 'cpu' simulates with the CPU-calibrated step model: leave calibration on")
+    elif config.calibration_device != "cpu":
+        raise ValueError("kind 'cpu' simulates with the step model calibrated on this CPU: drop --calibration-device "
+                         "or name the GPU kind it runs on")
+    if config.calibration_device != "cpu" and not config.calibration_device.startswith("cuda"):
+        raise ValueError(f"--calibration-device must be cpu or cuda[:N], got {config.calibration_device!r}")
     print(STATEMENT)
     rows, workload = _workload_rows(config, model_name, model_cache_dir)
     print(f"workload: {workload}")
@@ -250,6 +276,12 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
               f"{calibration.fit.mean_abs_pct:.1f}% per step, {calibration.fit.total_pct:+.1f}% in total time")
         print(format_table(["policy", "real tok/s", "simulated tok/s", "error %"],
                            [list(row) for row in calibration.agreement]))
+        if calibration.roofline_fit is not None:
+            print(f"roofline {config.kind} {config.model_shape} against every measured step: mean |error| "
+                  f"{calibration.roofline_fit.mean_abs_pct:.1f}% per step, {calibration.roofline_fit.total_pct:+.1f}% "
+                  f"in total time over {calibration.roofline_fit.num_steps} steps")
+            print(format_table(["policy", "real tok/s", "roofline tok/s", "error %"],
+                               [list(row) for row in calibration.roofline_agreement]))
     step_model, num_blocks, budget = _cluster_model(config, calibration)
     print(f"cluster: {step_model.describe()}; {budget}")
     print(f"simplified: {SIMPLIFICATIONS}")
@@ -317,8 +349,14 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
             "model": calibration.model.describe(), "calibrated_on": calibration.calibrated_on,
             "fit_steps": calibration.fit.num_steps, "fit_mean_abs_pct": calibration.fit.mean_abs_pct,
             "fit_total_pct": calibration.fit.total_pct,
+            "device": config.calibration_device,
             "agreement": [{"policy": p, "real_tokens_per_s": real, "simulated_tokens_per_s": sim, "error_pct": err}
-                          for p, real, sim, err in calibration.agreement]},
+                          for p, real, sim, err in calibration.agreement],
+            "roofline": None if calibration.roofline_fit is None else {
+                "kind": config.kind, "mean_abs_pct": calibration.roofline_fit.mean_abs_pct,
+                "total_pct": calibration.roofline_fit.total_pct, "num_steps": calibration.roofline_fit.num_steps,
+                "agreement": [{"policy": p, "real_tokens_per_s": real, "simulated_tokens_per_s": sim,
+                               "error_pct": err} for p, real, sim, err in calibration.roofline_agreement]}},
         "runs": runs, "ratios": ratios, "environment": environment(),
     }
     write_json(json_path, result)

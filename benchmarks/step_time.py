@@ -142,6 +142,7 @@ class LinearStepModel(StepModel):
     per_context_token_s: float
     kv_bytes_per_token: int = 0
     host_bytes_per_s: float = 5e9
+    measured_on: str = "the CPU engine"
 
     def step_s(self, shape: StepShape) -> float:
         return (self.overhead_s + self.per_seq_s * shape.num_seqs + self.per_token_s * shape.num_tokens
@@ -151,7 +152,7 @@ class LinearStepModel(StepModel):
         return num_bytes / self.host_bytes_per_s
 
     def describe(self) -> str:
-        return (f"calibrated on the CPU engine: {self.overhead_s * 1e3:.2f} ms/step + {self.per_seq_s * 1e3:.3f} "
+        return (f"calibrated on {self.measured_on}: {self.overhead_s * 1e3:.2f} ms/step + {self.per_seq_s * 1e3:.3f} "
                 f"ms/seq + {self.per_token_s * 1e3:.3f} ms/token + {self.per_context_token_s * 1e6:.3f} "
                 "us/context token")
 
@@ -160,7 +161,8 @@ def _features(shape: StepShape) -> list[float]:
     return [1.0, float(shape.num_seqs), float(shape.num_tokens), float(shape.num_context_tokens)]
 
 
-def fit_linear(samples: list[tuple[StepShape, float]], kv_bytes_per_token: int = 0) -> LinearStepModel:
+def fit_linear(samples: list[tuple[StepShape, float]], kv_bytes_per_token: int = 0,
+               measured_on: str = "the CPU engine") -> LinearStepModel:
     """Non-negative least squares over measured (step shape, seconds); needs at least 8 steps."""
     import numpy as np
     from scipy.optimize import nnls
@@ -173,7 +175,7 @@ def fit_linear(samples: list[tuple[StepShape, float]], kv_bytes_per_token: int =
     scale[scale == 0] = 1.0
     coefficients, _ = nnls(features / scale, seconds)
     overhead, per_seq, per_token, per_context = (coefficients / scale).tolist()
-    return LinearStepModel(overhead, per_seq, per_token, per_context, kv_bytes_per_token)
+    return LinearStepModel(overhead, per_seq, per_token, per_context, kv_bytes_per_token, measured_on=measured_on)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ def _bench_simulate(args: argparse.Namespace) -> int:
 
     base = simulate_bench.default_config(args.workload, args.quick)
     overrides = {"trace_path": args.trace, "answers_path": args.answers, "kind": args.kind,
-                 "model_shape": args.model_shape, "calibrate": not args.no_calibration}
+                 "model_shape": args.model_shape, "calibrate": not args.no_calibration,
+                 "calibration_device": args.calibration_device}
     for name in ("worker_counts", "requests_per_worker", "max_len", "max_prompt_tokens", "sigma", "policies",
                  "calibration_requests", "rebalance_min_gap", "overcommit_step", "routings",
                  "arrival_rate_per_worker"):
@@ -73,6 +74,10 @@ def add_simulate_parser(benches) -> None:
     simulate.add_argument("--calibration-requests", type=int, default=None, metavar="N",
                           help="trace rows the real engine runs per policy in the calibration (default 24; 16 with "
                                "--quick)")
+    simulate.add_argument("--calibration-device", default="cpu", metavar="DEVICE",
+                          help="where the calibration's real engine runs: cpu (SmolLM2-135M's weights) or cuda (a "
+                               "random bf16 model of --model-shape; its measured steps also check --kind's roofline, "
+                               "so name the GPU it runs on) (default: %(default)s)")
     simulate.add_argument("--no-calibration", action="store_true",
                           help="skip the real-engine comparison on this CPU (not allowed with --kind cpu)")
     simulate.add_argument("--routing", dest="routings", nargs="+", default=None, choices=ROUTINGS,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
+from s3serve_cli.start_error import ServiceStartError
 
 APP_NAME = "s3serve"
 
@@ -63,10 +64,6 @@ class RunningService:
     redis_url: str
     redis: "RedisSupervisor | None"  # the embedded Redis and its watchdog; None with a remote Redis
     health: dict
-
-
-class ServiceStartError(RuntimeError):
-    """Start-up gave up; the message says at which step and why, on one line."""
 
 
 # Serve checks that its HTTP proxy is up with a 5 s timeout, three times; on a machine whose cores

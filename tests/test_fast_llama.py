@@ -1,5 +1,6 @@
-"""The CPU fast path: fused ops against Hugging Face's own modules, FastLlama against HF's forward, and the
-engine on the fast path against the engine on the HF module stack (tiny random Llama)."""
+"""The fast path: its elementwise ops (the C++ CPU kernels and the torch ops CUDA runs) against Hugging Face's
+own modules, FastLlama against HF's forward, and the engine on the fast path against the engine on the HF module
+stack (tiny random Llama)."""
 
 import copy
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama import modeling_llama
 
-from kv_kernels import cpu_build, cpu_kernels
+from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
 from workers.engine import Engine, EngineConfig
 from workers.fast_llama import FastLlama, unsupported_reason
 from workers.models import make_tiny_model, tiny_llama_config
@@ -17,6 +18,7 @@ from workers.sampling_params import SamplingParams
 cpu_build.load()
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+OPS = pytest.mark.parametrize("ops", [cpu_kernels, torch_layer_ops], ids=["cpu_kernels", "torch_ops"])
 # One bf16 unit in the last place at magnitude ~1: sums of squares are added in another
 # order than torch's, which can move a rounding by one ulp.
 BF16_ULP = 2**-7
@@ -29,8 +31,9 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
         torch.testing.assert_close(got.float(), want.float(), atol=BF16_ULP, rtol=BF16_ULP)
 
 
+@OPS
 @DTYPES
-def test_rms_norm_and_fused_add_match_llama_rms_norm(dtype):
+def test_rms_norm_and_fused_add_match_llama_rms_norm(dtype, ops):
     gen = torch.Generator().manual_seed(0)
     norm = modeling_llama.LlamaRMSNorm(96, eps=1e-6)
     with torch.no_grad():
@@ -39,16 +42,19 @@ def test_rms_norm_and_fused_add_match_llama_rms_norm(dtype):
     x = torch.randn(7, 96, generator=gen).to(dtype)
     residual = torch.randn(7, 96, generator=gen).to(dtype)
     with torch.no_grad():
-        _close(cpu_kernels.rms_norm(x, norm.weight, 1e-6), norm(x), dtype)
+        _close(ops.rms_norm(x, norm.weight, 1e-6), norm(x), dtype)
         summed = residual + x
         fused_x, fused_residual = x.clone(), residual.clone()
-        cpu_kernels.fused_add_rms_norm(fused_x, fused_residual, norm.weight, 1e-6)
+        ops.fused_add_rms_norm(fused_x, fused_residual, norm.weight, 1e-6)
         assert torch.equal(fused_residual, summed)  # the add rounds exactly as HF's does
         _close(fused_x, norm(summed), dtype)
+        if ops is torch_layer_ops:  # HF's own ops in HF's order: the same bits
+            assert torch.equal(fused_x, norm(summed))
 
 
+@OPS
 @DTYPES
-def test_rotary_matches_apply_rotary_pos_emb_on_strided_qkv_slices(dtype):
+def test_rotary_matches_apply_rotary_pos_emb_on_strided_qkv_slices(dtype, ops):
     model = make_tiny_model(seed=1).to(dtype)
     fast = FastLlama(model, max_positions=64)
     head_dim, num_heads, num_kv_heads = fast.head_dim, fast.num_heads, fast.num_kv_heads
@@ -60,16 +66,43 @@ def test_rotary_matches_apply_rotary_pos_emb_on_strided_qkv_slices(dtype):
     want_q, want_k = modeling_llama.apply_rotary_pos_emb(
         q.reshape(1, 5, num_heads, head_dim).transpose(1, 2), k.reshape(1, 5, num_kv_heads, head_dim).transpose(1, 2),
         cos, sin)
-    cpu_kernels.rotary_embedding(positions, q, k, fast.cos_sin, head_dim)  # in place on the views
+    ops.rotary_embedding(positions, q, k, fast.cos_sin, head_dim)  # in place on the views
     _close(q.reshape(5, num_heads, head_dim), want_q[0].transpose(0, 1), dtype)
     _close(k.reshape(5, num_kv_heads, head_dim), want_k[0].transpose(0, 1), dtype)
 
 
+@OPS
 @DTYPES
-def test_silu_and_mul_matches_llama_mlp_activation(dtype):
+def test_silu_and_mul_matches_llama_mlp_activation(dtype, ops):
     gate_up = (torch.randn(6, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
     want = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
-    _close(cpu_kernels.silu_and_mul(gate_up), want, dtype)
+    _close(ops.silu_and_mul(gate_up), want, dtype)
+
+
+@DTYPES
+def test_fast_forward_with_the_torch_ops_matches_the_hf_forward(dtype):
+    """What CUDA runs (torch's ops, one GEMM for q|k|v and one for gate|up), checked here on the CPU."""
+    model = make_tiny_model(seed=3, init_std=0.2).to(dtype)
+    fast = FastLlama(model, max_positions=64, ops=torch_layer_ops)
+    assert fast.ops is torch_layer_ops
+    prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(3))
+    num_heads, num_kv_heads, head_dim = fast.num_heads, fast.num_kv_heads, fast.head_dim
+
+    def causal(index, q, k, v):  # q [T, H, D], k and v [T, KVH, D] -> [T, H, D]
+        group = num_heads // num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              is_causal=True, scale=fast.scale).transpose(0, 1).contiguous()
+
+    with torch.inference_mode():
+        want = model(prompt[None]).logits[0].float()  # [T, V]
+        got, _ = fast.forward(prompt, torch.arange(37), causal, torch.arange(37))
+    assert got.shape == (37, model.config.vocab_size) and head_dim * num_heads == model.config.hidden_size
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
+    else:
+        assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
+        assert (got.float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
 def _engine(model, use_fast_path: bool, **config) -> Engine:

@@ -63,6 +63,7 @@ def test_the_paper_workload_runs_instructions_with_their_answers_lengths(tmp_pat
     (("--workload", "paper", "--answers", "no/such/answers.jsonl"), "answers file no/such/answers.jsonl not found"),
     (("--kind", "cpu", "--no-calibration"), "kind 'cpu' simulates with the CPU-calibrated step model"),
     (("--workers", "0"), "worker counts must be >= 1"),
+    (("--calibration-device", "tpu"), "--calibration-device must be cpu or cuda[:N], got 'tpu'"),
     (("--rebalance-min-gap", "1"), "--rebalance-min-gap must be 0 (off) or at least 2"),
     (("--max-prompt-tokens", "4096"), "must be below max_len"),
     (("--kind", "l4", "--max-len", "100000", "--max-prompt-tokens", "10"), "not one 100000-token sequence"),
@@ -106,3 +107,28 @@ def test_reused_rows_come_back_in_a_fresh_order_each_pass():
     assert passes[1] != passes[0] and passes[2] != passes[1]
     again = build_sim_requests(rows, 60, max_len=256, max_prompt_tokens=128, sigma=0.3, seed=0)
     assert [r.num_output_tokens for r in again] == [r.num_output_tokens for r in requests]  # seeded
+
+
+def test_a_calibration_checks_the_roofline_on_the_same_measured_steps():
+    """What `--calibration-device cuda` prints, run here on the CPU with a tiny model: the fitted model says where
+    it was measured, and the roofline is scored on every policy's steps and tokens/s."""
+    from benchmarks.sim_calibration import calibrate
+    from benchmarks.sim_worker import SimRequest
+    from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
+    from workers.model_runner import pool_shape_for
+    from workers.models import make_tiny_model
+
+    model = make_tiny_model(seed=0)
+    pool = pool_shape_for(model.config, 1, 16, model.dtype)
+    kv_bytes_per_token = pool.bytes_per_block // 16
+    requests = [SimRequest(f"r{i}", 0.0, 8 + 3 * i, 10 + 5 * i, 120 - 3 * i, 40) for i in range(6)]
+    prompts = {r.request_id: list(range(3, 3 + r.num_prompt_tokens)) for r in requests}
+    roofline = RooflineStepModel(gpu_kind("h100-sxm"), shape_cost("tiny"))
+    calibration = calibrate(model, requests, prompts, ("paged_greedy", "max_reserve"), 128, 16 * 16 * kv_bytes_per_token,
+                            16, 16, 8, 64, kv_bytes_per_token, roofline=roofline, measured_on="the test engine")
+    assert calibration.model.describe().startswith("calibrated on the test engine:")
+    assert [row[0] for row in calibration.roofline_agreement] == ["paged_greedy", "max_reserve"]
+    assert calibration.roofline_fit.num_steps > calibration.fit.num_steps  # both policies' steps
+    for (policy, real, simulated, error), fitted_row in zip(calibration.roofline_agreement, calibration.agreement):
+        assert real == fitted_row[1] > 0 and simulated > 0
+        assert error == pytest.approx(100.0 * (simulated - real) / real)

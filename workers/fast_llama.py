@@ -1,4 +1,4 @@
-"""A Llama-family decoder run from its Hugging Face weights with fused CPU kernels: the engine's CPU fast path.
+"""A Llama-family decoder run from its Hugging Face weights with few ops per layer: the engine's fast path.
 
 Hugging Face's module stack spends more time dispatching small ops than
 multiplying on a 135M model (30 layers x ~45 ops; measured: 40 ms per bf16 step
@@ -20,6 +20,11 @@ track HF's bf16 forward (the test states the tolerance).
 Weights are shared with the HF model (fp32) or packed copies of them (bf16);
 the HF model stays usable as the reference.
 
+On CUDA the same forward runs with `kv_kernels.torch_layer_ops` (the same four
+elementwise ops written as HF's own torch ops) and one cuBLAS GEMM for each of
+[q | k | v] and [gate | up]: HF's module stack costs a 7B model on an H100 more
+host time per step than the GPU needs for its arithmetic.
+
 Why not `torch.compile` (measured here, SmolLM2 bf16, dense part only): inductor
 with freezing (which packs the weights) gives 21 ms at 1 token and 42 ms at 128,
 but compiles for ~70 s at every start (freezing bypasses the compile cache) and
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kv_kernels import cpu_build, cpu_kernels
+from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
 
 # Attention for one layer: (layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> [T, H, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,8 +50,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     config = model.config
     if getattr(config, "model_type", None) != "llama":
         return f"model_type {getattr(config, 'model_type', None)!r} is not llama"
-    if next(model.parameters()).device.type != "cpu":
-        return "the fast path runs on CPU"
+    if next(model.parameters()).device.type not in ("cpu", "cuda"):
+        return "the fast path runs on CPU and CUDA"
     if model.dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {model.dtype} (the fast path runs float32 and bfloat16)"
     if getattr(config, "hidden_act", "silu") != "silu":
@@ -63,7 +68,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 
 class _Linear:
-    """y = x @ W^T (+ b) for x [T, in]; oneDNN-packed weights in bf16, `F.linear` otherwise."""
+    """y = x @ W^T (+ b) for x [T, in]; oneDNN-packed weights in bf16 on CPU, `F.linear` otherwise."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
         self.bias = bias
@@ -81,7 +86,7 @@ class _Linear:
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
-    qkv: list[_Linear]  # one packed [q | k | v] linear, or q, k, v apart (fp32: HF's own calls)
+    qkv: list[_Linear]  # one [q | k | v] linear (CPU bf16, CUDA), or q, k, v apart (CPU fp32: HF's own calls)
     o_proj: _Linear
     gate_up: list[_Linear]  # one packed [gate | up] linear, or gate, up apart
     down: _Linear
@@ -91,30 +96,38 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
     if all(linear.bias is None for linear in linears):
         return None
     return torch.cat([linear.bias if linear.bias is not None else torch.zeros(linear.out_features,
-                      dtype=linear.weight.dtype) for linear in linears])
+                      dtype=linear.weight.dtype, device=linear.weight.device) for linear in linears])
 
 
 class FastLlama:
     """Forward of a `LlamaForCausalLM` over paged KV, one ragged batch per call.
 
     Args:
-        model: the HF model (eval mode, CPU, float32 or bfloat16); see `unsupported_reason`.
+        model: the HF model (eval mode, CPU or CUDA, float32 or bfloat16); see `unsupported_reason`.
         max_positions: positions the rotary table covers (the engine's max_model_len).
+        ops: the elementwise ops (`kv_kernels.cpu_kernels` or `kv_kernels.torch_layer_ops`); None: the C++
+            kernels on CPU, the torch ops elsewhere.
     """
 
-    def __init__(self, model: torch.nn.Module, max_positions: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_positions: int, ops=None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"FastLlama cannot run this model: {reason}")
-        cpu_build.load()  # the fused ops; builds once if `make setup` did not
         config = model.config
+        self.device = next(model.parameters()).device
+        self.ops = ops or (cpu_kernels if self.device.type == "cpu" else torch_layer_ops)
+        if self.ops is cpu_kernels:
+            cpu_build.load()  # the fused ops; builds once if `make setup` did not
         self.dtype = model.dtype
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = float(config.rms_norm_eps)
         inner = model.model
-        self.is_packed = self.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        # oneDNN-packed weights: CPU bf16 only; CUDA concatenates the q|k|v and gate|up weights unpacked
+        self.is_packed = (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                          and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        self.concatenates = self.is_packed or self.device.type == "cuda"
         self.embed_weight = inner.embed_tokens.weight  # [vocab, hidden]
         self.final_norm = inner.norm.weight
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.is_packed)
@@ -125,10 +138,10 @@ class FastLlama:
     def _layer(self, layer: torch.nn.Module) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         with torch.no_grad():
-            if self.is_packed:
+            if self.concatenates:
                 qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-                qkv = [_Linear(qkv_weight, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), True)]
-                gate_up = [_Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, True)]
+                qkv = [_Linear(qkv_weight, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), self.is_packed)]
+                gate_up = [_Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, self.is_packed)]
             else:
                 qkv = [_Linear(p.weight, p.bias, False) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
                 gate_up = [_Linear(mlp.gate_proj.weight, None, False), _Linear(mlp.up_proj.weight, None, False)]
@@ -143,8 +156,8 @@ class FastLlama:
 
     def _rotary_table(self, rotary_emb: torch.nn.Module, max_positions: int) -> torch.Tensor:
         # HF's own module computes cos/sin (rounded to the model's dtype), so the values are its values.
-        positions = torch.arange(max_positions)[None]  # [1, P]
-        probe = torch.empty((), dtype=self.dtype)
+        positions = torch.arange(max_positions, device=self.device)[None]  # [1, P]
+        probe = torch.empty((), dtype=self.dtype, device=self.device)
         with torch.no_grad():
             cos, sin = rotary_emb(probe, positions)  # each [1, P, head_dim], halves repeated
         half = self.head_dim // 2
@@ -155,21 +168,22 @@ class FastLlama:
                 sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions [T] int64; returns logits [N, vocab] and the final-norm hidden states [N, hidden]
         of the N = len(sample_rows) rows, both in the model's dtype (the hidden rows are the lm_head's input)."""
+        ops = self.ops
         num_tokens = input_ids.shape[0]
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         residual = F.embedding(input_ids, self.embed_weight)  # [T, hidden]
         hidden = None
         for index, layer in enumerate(self.layers):
             if hidden is None:
-                hidden = cpu_kernels.rms_norm(residual, layer.input_norm, self.eps)
+                hidden = ops.rms_norm(residual, layer.input_norm, self.eps)
             else:
-                cpu_kernels.fused_add_rms_norm(hidden, residual, layer.input_norm, self.eps)
+                ops.fused_add_rms_norm(hidden, residual, layer.input_norm, self.eps)
             if len(layer.qkv) == 1:
                 qkv = layer.qkv[0](hidden)  # [T, q_width + 2 kv_width]
                 q, k, v = qkv[:, :q_width], qkv[:, q_width:q_width + kv_width], qkv[:, q_width + kv_width:]
             else:
                 q, k, v = (linear(hidden) for linear in layer.qkv)
-            cpu_kernels.rotary_embedding(positions, q, k, self.cos_sin, self.head_dim)
+            ops.rotary_embedding(positions, q, k, self.cos_sin, self.head_dim)
             out = attention(
                 index,
                 q.view(num_tokens, self.num_heads, self.head_dim),
@@ -177,12 +191,12 @@ class FastLlama:
                 v.view(num_tokens, self.num_kv_heads, self.head_dim),
             )  # [T, H, D]
             hidden = layer.o_proj(out.view(num_tokens, q_width))
-            cpu_kernels.fused_add_rms_norm(hidden, residual, layer.post_norm, self.eps)
+            ops.fused_add_rms_norm(hidden, residual, layer.post_norm, self.eps)
             if len(layer.gate_up) == 1:
-                act = cpu_kernels.silu_and_mul(layer.gate_up[0](hidden))  # [T, intermediate]
+                act = ops.silu_and_mul(layer.gate_up[0](hidden))  # [T, intermediate]
             else:
                 act = F.silu(layer.gate_up[0](hidden)) * layer.gate_up[1](hidden)  # HF's own ops
             hidden = layer.down(act)
-        cpu_kernels.fused_add_rms_norm(hidden, residual, self.final_norm, self.eps)
+        ops.fused_add_rms_norm(hidden, residual, self.final_norm, self.eps)
         rows = hidden.index_select(0, sample_rows)  # [N, hidden]
         return self.lm_head(rows), rows  # [N, vocab], [N, hidden]

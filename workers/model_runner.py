@@ -1,4 +1,4 @@
-"""Runs one ragged forward over paged KV: the fast Llama path on CPU, a DeepSpeed-wrapped HF model otherwise.
+"""Runs one ragged forward over paged KV: the fast Llama path on CPU and CUDA, a DeepSpeed-wrapped HF model otherwise.
 
 Per step, `run()` builds the attention metadata once (validated once, on the
 host, before any tensor reaches the device), then runs one forward in which
@@ -6,10 +6,11 @@ each layer calls the backend's `attention()` with it: no per-layer checks, no
 per-layer `.tolist()`, no host syncs inside the forward.
 
 Which forward runs (`path`):
-- "fast": `FastLlama` (Llama-family model on CPU with the C++ kernels): fused
-  ops, oneDNN-packed bf16 weights. DeepSpeed is not involved: on the CPU
-  accelerator with tensor_parallel_size 1 and no kernel injection its wrapper
-  changes nothing but adds a call layer.
+- "fast": `FastLlama` (Llama-family model; on CPU with the C++ kernels: fused
+  ops, oneDNN-packed bf16 weights; on CUDA with torch's ops, the Triton
+  attention and concatenated projections). DeepSpeed is not involved: with
+  tensor_parallel_size 1 and no kernel injection its wrapper changes nothing but
+  adds a call layer.
 - "hf": the Hugging Face module stack wrapped by `deepspeed.init_inference`
   (tensor parallel on CUDA), our attention plugged in through `AttentionInterface`.
 """
@@ -129,7 +130,7 @@ class ModelRunner:
             self.fast_path_off_reason = "turned off"
         elif tensor_parallel_size > 1:
             self.fast_path_off_reason = "tensor parallel runs the Hugging Face stack under DeepSpeed AutoTP"
-        elif not isinstance(backend, CpuKVKernels):
+        elif self.device.type == "cpu" and not isinstance(backend, CpuKVKernels):
             self.fast_path_off_reason = f"the {backend.name} backend has no fused ops (needs the C++ CPU kernels)"
         else:
             self.fast_path_off_reason = unsupported_reason(model)
