@@ -149,15 +149,18 @@ def peer_environment(venv: Path) -> dict[str, str]:
 
 
 def run_vllm(config: PeersBenchConfig, model_dir: Path, requests: list[ReplayRequest], kv_cache_bytes: int,
-             log_path: Path) -> dict:
-    """One vLLM run in the peer venv; ValueError (with the log's path) when it fails."""
+             log_path: Path, max_model_len: int | None = None, online: dict | None = None) -> dict:
+    """One vLLM process in the peer venv (`benchmarks/vllm_peer.py`, whose docstring says what `online`
+    adds); ValueError (with the log's path) when it fails."""
     python = peer_python(config)
     spec = {
-        "model_dir": str(model_dir), "kv_cache_bytes": kv_cache_bytes, "max_model_len": config.max_model_len,
-        "seed": config.seed,
+        "model_dir": str(model_dir), "kv_cache_bytes": kv_cache_bytes,
+        "max_model_len": max_model_len or config.max_model_len, "seed": config.seed,
         "requests": [{"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids),
                       "output_tokens": r.output_tokens} for r in requests],
     }
+    if online is not None:
+        spec["online"] = online
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))

@@ -59,11 +59,16 @@ class PolicyRun:
     num_probe_reads: int = 0  # bounds the hidden-state probe set (after prefill and every N decoded tokens)
 
 
+def warm_up_prompts(vocab_size: int) -> list[list[int]]:
+    """The warm-up's prompts: token ids from the top of the vocabulary, in an order no text makes (no prefix
+    block in common with any workload); a peer engine gets the same ones."""
+    return [[vocab_size - 1 - (7 * index + 3 * j) % 97 for j in range(WARMUP_PROMPT_TOKENS)]
+            for index in range(WARMUP_REQUESTS)]
+
+
 def warm_up(engine: Engine, vocab_size: int) -> None:
     """Run `WARMUP_REQUESTS` short requests through `engine`, untimed, then zero what a replay counts."""
-    for index in range(WARMUP_REQUESTS):
-        # Token ids from the top of the vocabulary, in an order no text makes: no prefix block in common.
-        prompt = [vocab_size - 1 - (7 * index + 3 * j) % 97 for j in range(WARMUP_PROMPT_TOKENS)]
+    for index, prompt in enumerate(warm_up_prompts(vocab_size)):
         # Forced and predicted exactly, so that every policy (the oracle too) takes them.
         engine.add_request(prompt, SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True,
                                                   forced_output_tokens=WARMUP_OUTPUT_TOKENS),

