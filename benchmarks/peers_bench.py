@@ -194,8 +194,9 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
           f"{config.max_output_tokens}): {total_tokens} tokens")
     dtype = resolve_dtype(config.dtype, "cpu")
     model = load_model(model_dir, dtype=dtype) if "ours" in config.systems else None
-    bf16_token_bytes = pool_shape_for(_model_config(model_dir), 1, 1, torch.bfloat16).bytes_per_block
-    our_token_bytes = pool_shape_for(_model_config(model_dir), 1, 1, dtype).bytes_per_block
+    hf_config = model_config(model_dir)
+    bf16_token_bytes = pool_shape_for(hf_config, 1, 1, torch.bfloat16).bytes_per_block
+    our_token_bytes = pool_shape_for(hf_config, 1, 1, dtype).bytes_per_block
     true_lengths = {r.request_id: r.output_tokens for r in requests}
     oracle = NoisyOraclePredictor(true_lengths, sigma=config.predictor_sigma, max_len=config.max_model_len,
                                   seed=config.seed)
@@ -229,7 +230,8 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
     return _report(config, runs, total_tokens, log_dir, json_path)
 
 
-def _model_config(model_dir: Path):
+def model_config(model_dir: Path):
+    """The model folder's Hugging Face config (enough to size its KV), without loading weights."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)

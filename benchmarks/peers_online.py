@@ -20,14 +20,14 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload
-from benchmarks.peers_bench import PeersBenchConfig, peer_python, run_vllm
-from benchmarks.policy_bench import PolicyBenchConfig, parse_predictor
+from benchmarks.peers_bench import PeersBenchConfig, model_config, peer_python, run_vllm
+from benchmarks.policy_bench import DEFAULT_TRACE, PolicyBenchConfig, parse_predictor
 from benchmarks.policy_replay import WARMUP_OUTPUT_TOKENS, run_policy, warm_up_prompts
 from benchmarks.report import environment, format_table, percentile, write_json
-from benchmarks.policy_bench import DEFAULT_TRACE
 from predictor_service.length_predictor import LengthQuery
 from workers.model_runner import pool_shape_for
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
@@ -102,8 +102,9 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
     units = unit_arrivals(len(requests), config.peers.seed)
     dtype = resolve_dtype(config.peers.dtype, "cpu")
     model = load_model(model_dir, dtype=dtype) if "ours" in systems else None
-    bf16_bytes = pool_shape_for(_config(model_dir), 1, 1, _bf16()).bytes_per_block
-    our_bytes = pool_shape_for(_config(model_dir), 1, 1, dtype).bytes_per_block
+    hf_config = model_config(model_dir)
+    bf16_bytes = pool_shape_for(hf_config, 1, 1, torch.bfloat16).bytes_per_block
+    our_bytes = pool_shape_for(hf_config, 1, 1, dtype).bytes_per_block
     runs: list[dict] = []
     capacity_per_s = None
     if "vllm" in systems:
@@ -123,18 +124,6 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
                                       fraction, rate, str(dtype).removeprefix("torch.")))
                 progress.update(1)
     return _report(config, runs, info, capacity_per_s, json_path)
-
-
-def _bf16():
-    import torch
-
-    return torch.bfloat16
-
-
-def _config(model_dir: Path):
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
 
 
 def _estimates(config: NaturalPeersConfig, requests, texts: dict[str, str]) -> dict[str, tuple[int, int]]:

@@ -11,9 +11,15 @@ simulation prices steps with is checked against the same measured steps and runs
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from tqdm import tqdm
+
+from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.sim_worker import SimConfig, SimRequest, simulate_worker
-from benchmarks.step_time import CalibrationError, LinearStepModel, StepModel, calibration_error, fit_linear
+from benchmarks.step_time import (CalibrationError, LinearStepModel, RooflineStepModel, StepModel, calibration_error,
+                                  fit_linear, gpu_kind, shape_cost)
+from predictor_service.length_predictor import LengthQuery
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.policies import make_policy
@@ -110,3 +116,52 @@ def calibrate(model, requests: list[SimRequest], prompts: dict[str, list[int]], 
     every_step = [sample for run in runs for sample in run.samples]
     return Calibration(fitted, policies[0], calibration_error(fitted, runs[0].samples), agreement_of(fitted),
                        calibration_error(roofline, every_step), agreement_of(roofline))
+
+
+CALIBRATION_POLICIES = ("paged_greedy", "max_reserve", "s3")  # fitted on the first, tested on the others
+
+
+def calibration_model(device: str, model_shape: str, model_dir: Path, vocab_size: int, max_len: int):
+    """The model the calibration's real engine runs: SmolLM2's weights on the CPU, a random bf16 shape on a GPU."""
+    import torch
+
+    from workers.model_shapes import make_shaped_model
+    from workers.models import load_model
+
+    if device == "cpu":
+        return load_model(model_dir)
+    return make_shaped_model(model_shape, vocab_size=vocab_size, dtype=torch.bfloat16, device=device,
+                             max_position_embeddings=max(max_len, 512))
+
+
+def calibrate_on_trace(rows, model_name: str, model_cache_dir: Path | None, *, device: str, model_shape: str,
+                       kind: str, max_len: int, block_size: int, sigma: float, seed: int) -> Calibration:
+    """`calibrate` on trace rows, every request at t=0, with noisy-oracle bounds (`sigma`) and KV for 4 worst-case
+    sequences; on a GPU (`device` not "cpu") the roofline of `kind` and `model_shape` is checked too."""
+    from benchmarks.prompt_pool import DEFAULT_PROMPTS
+    from benchmarks.traces import build_requests, load_prompt_texts
+    from workers.model_runner import pool_shape_for
+    from workers.models import load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(model_name, model_cache_dir)
+    tokenizer = load_tokenizer(model_dir)
+    replay, _ = build_requests(rows, tokenizer, load_prompt_texts(DEFAULT_PROMPTS), max_len=max_len,
+                               max_prompt_tokens=128, mode="offline", time_scale=1.0)
+    model = calibration_model(device, model_shape, model_dir, len(tokenizer), max_len)
+    pool = pool_shape_for(model.config, 1, block_size, model.dtype)
+    kv_bytes_per_token = pool.bytes_per_block // pool.block_size
+    kv_cache_bytes = 4 * max_len * kv_bytes_per_token  # max_reserve fits 4 sequences, as in bench policies
+    num_blocks = kv_cache_bytes // pool.bytes_per_block
+    oracle = NoisyOraclePredictor({r.request_id: r.output_tokens for r in replay}, sigma=sigma, max_len=max_len,
+                                  seed=seed)
+    bounds = oracle.predict([LengthQuery(r.request_id, r.prompt_token_ids, max_len - len(r.prompt_token_ids))
+                             for r in replay])
+    requests = [SimRequest(r.request_id, 0.0, len(r.prompt_token_ids), r.output_tokens,
+                           max_len - len(r.prompt_token_ids), b.upper_bound_tokens) for r, b in zip(replay, bounds)]
+    prompts = {r.request_id: list(r.prompt_token_ids) for r in replay}
+    on_gpu = device != "cpu"
+    roofline = RooflineStepModel(gpu_kind(kind), shape_cost(model_shape)) if on_gpu else None
+    measured_on = f"the {device} engine ({model_shape}, bf16)" if on_gpu else "the CPU engine"
+    with tqdm(total=len(requests) * len(CALIBRATION_POLICIES), desc="calibration: real engine", unit="req") as progress:
+        return calibrate(model, requests, prompts, CALIBRATION_POLICIES, max_len, kv_cache_bytes, num_blocks,
+                         block_size, 128, 512, kv_bytes_per_token, progress, roofline, measured_on)

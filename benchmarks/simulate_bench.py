@@ -174,53 +174,14 @@ def _passes(rows: list, rng: random.Random) -> Iterator:
         yield from order
 
 
-def _calibration_model(config: SimulateBenchConfig, model_dir: Path, vocab_size: int):
-    """The model the calibration's real engine runs: SmolLM2's weights on the CPU, a random bf16 shape on a GPU."""
-    import torch
-
-    from workers.model_shapes import make_shaped_model
-    from workers.models import load_model
-
-    if config.calibration_device == "cpu":
-        return load_model(model_dir)
-    return make_shaped_model(config.model_shape, vocab_size=vocab_size, dtype=torch.bfloat16,
-                             device=config.calibration_device,
-                             max_position_embeddings=max(config.calibration_max_len, 512))
-
-
 def _run_calibration(config: SimulateBenchConfig, rows, model_name: str, model_cache_dir: Path | None):
     """The real engine on this machine against the simulator (`benchmarks.sim_calibration.Calibration`)."""
-    from benchmarks.prompt_pool import DEFAULT_PROMPTS
-    from benchmarks.sim_calibration import calibrate
-    from benchmarks.traces import build_requests, load_prompt_texts
-    from workers.model_runner import pool_shape_for
-    from workers.models import load_tokenizer, resolve_model_dir
+    from benchmarks.sim_calibration import calibrate_on_trace
 
-    model_dir = resolve_model_dir(model_name, model_cache_dir)
-    tokenizer = load_tokenizer(model_dir)
-    max_len = config.calibration_max_len
-    replay, _ = build_requests(rows[:config.calibration_requests], tokenizer, load_prompt_texts(DEFAULT_PROMPTS),
-                               max_len=max_len, max_prompt_tokens=128, mode="offline", time_scale=1.0)
-    model = _calibration_model(config, model_dir, len(tokenizer))
-    pool = pool_shape_for(model.config, 1, config.block_size, model.dtype)
-    kv_bytes_per_token = pool.bytes_per_block // pool.block_size
-    kv_cache_bytes = 4 * max_len * kv_bytes_per_token  # max_reserve fits 4 sequences, as in bench policies
-    num_blocks = kv_cache_bytes // pool.bytes_per_block
-    oracle = NoisyOraclePredictor({r.request_id: r.output_tokens for r in replay}, sigma=config.sigma,
-                                  max_len=max_len, seed=config.seed)
-    bounds = oracle.predict([LengthQuery(r.request_id, r.prompt_token_ids, max_len - len(r.prompt_token_ids))
-                             for r in replay])
-    requests = [SimRequest(r.request_id, 0.0, len(r.prompt_token_ids), r.output_tokens,
-                           max_len - len(r.prompt_token_ids), b.upper_bound_tokens) for r, b in zip(replay, bounds)]
-    prompts = {r.request_id: list(r.prompt_token_ids) for r in replay}
-    policies = ("paged_greedy", "max_reserve", "s3")
-    on_gpu = config.calibration_device != "cpu"
-    roofline = RooflineStepModel(gpu_kind(config.kind), shape_cost(config.model_shape)) if on_gpu else None
-    measured_on = (f"the {config.calibration_device} engine ({config.model_shape}, bf16)" if on_gpu
-                   else "the CPU engine")
-    with tqdm(total=len(requests) * len(policies), desc="calibration: real engine", unit="req") as progress:
-        return calibrate(model, requests, prompts, policies, max_len, kv_cache_bytes, num_blocks,
-                         config.block_size, 128, 512, kv_bytes_per_token, progress, roofline, measured_on)
+    return calibrate_on_trace(rows[:config.calibration_requests], model_name, model_cache_dir,
+                              device=config.calibration_device, model_shape=config.model_shape, kind=config.kind,
+                              max_len=config.calibration_max_len, block_size=config.block_size,
+                              sigma=config.sigma, seed=config.seed)
 
 
 def _cluster_model(config: SimulateBenchConfig, calibration):

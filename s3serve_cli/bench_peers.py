@@ -15,17 +15,19 @@ def _bench_peers(args: argparse.Namespace) -> int:
     overrides = {"prompts_path": args.prompts, "systems": tuple(args.systems), "dtype": args.dtype,
                  "peer_venv": args.peer_venv}
     natural = args.workload == "natural"
-    p8_only = {"--kv-gib": args.kv_gib} if natural else {
+    inapplicable = {"--kv-gib": args.kv_gib} if natural else {
         "--rates": args.rates, "--kv-tokens": args.kv_tokens, "--labels": args.labels, "--predictor": args.predictor}
-    given = [flag for flag, value in p8_only.items() if value is not None]
+    given = [flag for flag, value in inapplicable.items() if value is not None]
     if given:
         raise ValueError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to --workload "
                          f"{args.workload}")
-    for field, value in (("kv_gibs", args.kv_gib), ("num_requests", args.num_requests),
-                         ("max_num_seqs", args.max_num_seqs), ("max_num_batched_tokens", args.max_num_batched_tokens)):
-        if value is not None and not (natural and field == "num_requests"):
+    for field, value in (("kv_gibs", args.kv_gib), ("max_num_seqs", args.max_num_seqs),
+                         ("max_num_batched_tokens", args.max_num_batched_tokens)):
+        if value is not None:
             overrides[field] = tuple(value) if isinstance(value, list) else value
     if not natural:
+        if args.num_requests is not None:
+            overrides["num_requests"] = args.num_requests
         if args.policies is not None:
             overrides["policies"] = tuple(args.policies)
         peers_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.log_dir)
