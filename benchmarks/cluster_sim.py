@@ -188,8 +188,14 @@ class ClusterSimulation:
             self.result.num_refused += 1
             self.backlog.append((request, num_blocks, seq))
         else:
-            self.waiting[request.request_id] = (PendingRequest(request.request_id, num_blocks, now_s), request, seq)
+            self.waiting[request.request_id] = (self._pending(request, num_blocks, now_s), request, seq)
             self._place_waiting(now_s)
+
+    def _pending(self, request: SimRequest, num_blocks: int, now_s: float) -> PendingRequest:
+        """`ControlPlane.place`'s queue entry: ranked by predicted work under a policy whose worker admits."""
+        work = (LENGTHS.remaining_of(request.predicted_output_tokens, 0, request.max_tokens)
+                if self.policy.admits_at_worker else None)
+        return PendingRequest(request.request_id, num_blocks, now_s, work_tokens=work)
 
     def _route(self, num_blocks: int, request: SimRequest) -> str | None:
         """`ControlPlane._route`: the configured routing among workers with room (each seen as of its latest step)."""
@@ -216,7 +222,7 @@ class ClusterSimulation:
         """First-fit-decreasing over the queue, when some worker could take its smallest request."""
         while self.backlog and len(self.waiting) < self.config.max_pending:  # retried requests join the queue
             request, num_blocks, seq = self.backlog.popleft()
-            self.waiting[request.request_id] = (PendingRequest(request.request_id, num_blocks, now_s), request, seq)
+            self.waiting[request.request_id] = (self._pending(request, num_blocks, now_s), request, seq)
         if not self.waiting:
             return
         started_s = time.perf_counter()
@@ -224,7 +230,7 @@ class ClusterSimulation:
         if self.rooms.roomiest(smallest) is not None:
             # Workers too full for even the smallest request cannot take any; leaving them out saves work.
             chosen = first_fit_decreasing([p for p, _, _ in self.waiting.values()], self._budgets(smallest),
-                                          now_s=now_s)
+                                          now_s=now_s, max_wait_s=self.config.max_queue_wait_s)
         else:
             chosen = {}
         self._decided(started_s)

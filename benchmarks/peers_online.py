@@ -98,7 +98,8 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
     print(f"natural workload: {len(requests)} held-out prompts, mean prompt {info['mean_prompt_tokens']:.0f} tokens, "
           f"outputs forced to the model's own greedy lengths (mean {info['mean_output_tokens']:.0f}, "
           f"{info['hit_length_limit_fraction']:.0%} at max_tokens) on both systems; Poisson arrivals (seed "
-          f"{config.peers.seed}) at {', '.join(f'{f:g}x' for f in config.rate_fractions)} vLLM's offline capacity")
+          f"{config.peers.seed}) at {', '.join(f'{f:g}x' for f in config.rate_fractions)} "
+          f"{'vLLM' if 'vllm' in systems else 'our paged_greedy'}'s offline capacity")
     units = unit_arrivals(len(requests), config.peers.seed)
     dtype = resolve_dtype(config.peers.dtype, "cpu")
     model = load_model(model_dir, dtype=dtype) if "ours" in systems else None

@@ -11,6 +11,7 @@ the real engine; `benchmarks.cluster_sim` runs many under one controller.
 from dataclasses import dataclass, field
 
 from benchmarks.step_time import StepModel
+from cluster.control.placement import DEFAULT_MAX_WAIT_S
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, check_routing
 from workers.kv_cache_manager import BlockAllocator
@@ -81,6 +82,8 @@ class SimConfig:
             queue has space, in arrival order.
         rebalance_min_gap: the service's `rebalance_min_gap` (0: no load rebalancing).
         routing: the service's `routing`: which worker with room takes a request when nobody waits.
+        max_queue_wait_s: the service's `max_queue_wait_s`: seconds a request waits for room in the controller's
+            queue before it is placed ahead of every newer one.
         preemption_mode: how every policy's victims give up their KV (`EngineConfig.preemption_mode`); swapped
             copies may fill as much host memory as one worker's KV pool, beyond it they recompute.
     """
@@ -95,6 +98,7 @@ class SimConfig:
     rebalance_min_gap: int = 2
     routing: str = DEFAULT_ROUTING
     preemption_mode: str = "auto"
+    max_queue_wait_s: float = DEFAULT_MAX_WAIT_S
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",

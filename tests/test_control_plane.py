@@ -197,6 +197,27 @@ def test_s3_peak_is_charged_its_prompt_and_its_workers_peak_test_decides(run):
     run(check, policy="s3_peak")
 
 
+@pytest.mark.parametrize("policy, first", [("s3_peak", "short"), ("paged_greedy", "long")])
+def test_the_queue_places_shortest_predicted_work_first_where_the_worker_admits(run, policy, first):
+    async def check(plane, sim):
+        # w1 keeps 1 free block, w2 none; two 2-block requests queue, the one predicted to run long first.
+        for request_id, prompt_tokens in (("a", 128), ("b", 160), ("c", 16)):
+            await plane.place(request_id, prompt_tokens, 1000, 10)
+        long = asyncio.get_running_loop().create_task(plane.place("long", 20, 1000, 900))
+        await asyncio.sleep(0.02)
+        short = asyncio.get_running_loop().create_task(plane.place("short", 20, 1000, 10))
+        await asyncio.sleep(0.05)
+        assert not long.done() and not short.done()
+        await plane.finish("c", outcome())  # room for one of them
+        done, _ = await asyncio.wait({long, short}, timeout=2.0, return_when=asyncio.FIRST_COMPLETED)
+        placed = {task.get_name() for task in done}
+        for task in (long, short):
+            task.cancel()
+        return placed, {long.get_name(): "long", short.get_name(): "short"}
+    placed, names = run(check, policy=policy, max_queue_wait_s=30.0)
+    assert [names[name] for name in placed] == [first]
+
+
 @pytest.mark.parametrize("policy, grows", [("s3_peak", True), ("s3", False)])
 def test_requests_waiting_in_the_workers_grow_the_pool_where_the_policy_takes_blocks_on_demand(run, policy, grows):
     async def check(plane, sim):

@@ -1,5 +1,6 @@
 """Cluster placement policy: FFD packing, starvation guard, migration targets, pool scaling."""
 
+import dataclasses
 import random
 
 import pytest
@@ -106,6 +107,19 @@ def test_starved_request_goes_before_larger_newer_ones():
     assert first_fit_decreasing([old, new], make_workers(10), now_s=10.0, max_wait_s=5.0) == {"old": "w0"}
     # Below the wait limit, plain FFD order applies.
     assert first_fit_decreasing([old, new], make_workers(10), now_s=4.0, max_wait_s=5.0) == {"new": "w0"}
+
+
+def test_requests_ranked_by_predicted_work_go_shortest_first_until_one_starves():
+    # Three requests wait for one 6-block gap. With work_tokens (an s3_peak worker admits by its own test, so
+    # blocks say nothing of how long a request runs) the queue goes shortest predicted work first.
+    requests = [PendingRequest("long", 6, 0.0, work_tokens=480.0), PendingRequest("short", 2, 1.0, work_tokens=12.0),
+                PendingRequest("mid", 4, 2.0, work_tokens=90.0)]
+    assert first_fit_decreasing(requests, make_workers(6), now_s=3.0, max_wait_s=30.0) == {"short": "w0", "mid": "w0"}
+    # The long one has waited the bound: it goes first, and nobody newer passes it.
+    assert first_fit_decreasing(requests, make_workers(6), now_s=30.0, max_wait_s=30.0) == {"long": "w0"}
+    # Without work_tokens the same queue is largest reservation first.
+    plain = [dataclasses.replace(r, work_tokens=None) for r in requests]
+    assert first_fit_decreasing(plain, make_workers(6), now_s=3.0, max_wait_s=30.0) == {"long": "w0"}
 
 
 def test_starved_requests_among_themselves_go_oldest_first():

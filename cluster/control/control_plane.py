@@ -139,7 +139,10 @@ class ControlPlane:
         attempts = existing.num_attempts + 1 if existing is not None else 1
         record = RequestRecord(request_id, None, num_prompt_tokens, max_tokens, predicted_output_tokens or 0,
                                num_blocks, "pending", attempts, time.time())
-        pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority)
+        # A policy whose worker admits by its own test is charged only the prompt here: the queue ranks its
+        # requests by predicted work instead (shortest first), as the worker's own queue does.
+        work = expected_tokens(record) if self.policy.admits_at_worker else None
+        pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority, work)
         if not self.waiting:  # fast path: nobody queued ahead, one write if it fits now
             worker_id = (self._prefix_target(prefix_hashes, num_blocks, exclude_worker_id)
                          or route_among(self.config.routing, num_blocks, expected_tokens(record), exclude_worker_id,
@@ -191,7 +194,8 @@ class ControlPlane:
         if not self.waiting:
             return
         pending = [w.request for w in self.waiting.values() if not w.future.done()]
-        chosen = first_fit_decreasing(pending, self.pool.budgets(self.ledger.reserved_blocks), now_s=time.monotonic())
+        chosen = first_fit_decreasing(pending, self.pool.budgets(self.ledger.reserved_blocks), now_s=time.monotonic(),
+                                      max_wait_s=self.config.max_queue_wait_s)
         staged = []
         for request_id, worker_id in chosen.items():
             waiting = self.waiting.pop(request_id)

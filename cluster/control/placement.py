@@ -9,7 +9,7 @@ import heapq
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-DEFAULT_MAX_WAIT_S = 5.0
+DEFAULT_MAX_WAIT_S = 30.0  # the service's max_queue_wait_s: the starvation bound of the controller's queue
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -60,12 +60,16 @@ class PendingRequest:
             s3), in blocks.
         arrival_s: when it started waiting (any clock, as long as `now_s` uses the same one).
         priority: its class, lower is more urgent: placed before every less urgent request.
+        work_tokens: its predicted remaining output tokens, when the policy ranks by them (one whose
+            worker admits by its own test, so its reservation says nothing of how long it runs):
+            within a class it is then placed shortest predicted work first, not largest reservation first.
     """
 
     request_id: str
     num_blocks: int
     arrival_s: float
     priority: int = 0
+    work_tokens: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
@@ -77,8 +81,9 @@ def first_fit_decreasing(pending: Sequence[PendingRequest], workers: Sequence[Wo
     """Place pending requests on workers by first-fit-decreasing of their reservations.
 
     Order of requests: first those *starved* (waiting at least `max_wait_s` at `now_s`),
-    oldest first; then the rest, largest reservation first, ties by arrival, then id. Both
-    groups go class by class (`priority`, most urgent first).
+    oldest first; then the rest, largest reservation first (or, for requests that carry
+    `work_tokens`, shortest predicted work first), ties by arrival, then id. Both groups go
+    class by class (`priority`, most urgent first).
 
     Order of workers: ready workers only, sorted once per call by free blocks at the start of
     the call (most first), ties by worker id. The order is fixed during the call, so this is
@@ -247,7 +252,8 @@ def _placement_order(pending: Sequence[PendingRequest], now_s: float | None,
     starved = sorted((r for r in pending if _is_starved(r, now_s, max_wait_s)),
                      key=lambda r: (r.priority, r.arrival_s, r.request_id))
     fresh = sorted((r for r in pending if not _is_starved(r, now_s, max_wait_s)),
-                   key=lambda r: (r.priority, -r.num_blocks, r.arrival_s, r.request_id))
+                   key=lambda r: (r.priority, -r.num_blocks if r.work_tokens is None else r.work_tokens, r.arrival_s,
+                                  r.request_id))
     return starved + fresh
 
 
