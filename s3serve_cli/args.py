@@ -4,6 +4,11 @@ import argparse
 from pathlib import Path
 
 
+def given(pairs) -> dict:
+    """The (config field, option value) pairs whose option was given, lists as tuples: a bench's overrides."""
+    return {field: tuple(value) if isinstance(value, list) else value for field, value in pairs if value is not None}
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2-135m-instruct",

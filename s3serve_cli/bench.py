@@ -5,7 +5,7 @@ from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from workers.models import DEFAULT_MODEL
-from s3serve_cli.args import add_model_args, add_overcommit_arg, add_preemption_args
+from s3serve_cli.args import add_model_args, add_overcommit_arg, add_preemption_args, given
 from s3serve_cli.bench_cluster import add_cluster_parser
 from s3serve_cli.bench_peers import add_peers_parser
 from s3serve_cli.bench_predictor import add_predictor_parser
@@ -95,11 +95,9 @@ def _bench_control_plane(args: argparse.Namespace) -> int:
     from benchmarks import control_plane_bench
 
     config = control_plane_bench.ControlPlaneBenchConfig()
-    overrides = {"run_service": not args.no_service}
-    for field, value in (("worker_counts", args.workers), ("num_placements", args.placements),
-                         ("concurrency", args.concurrency), ("step_s", args.step_s), ("offered_per_s", args.offered)):
-        if value is not None:
-            overrides[field] = tuple(value) if isinstance(value, list) else value
+    overrides = {"run_service": not args.no_service,
+                 **given((("worker_counts", args.workers), ("num_placements", args.placements),
+                          ("concurrency", args.concurrency), ("step_s", args.step_s), ("offered_per_s", args.offered)))}
     if args.quick:
         overrides.setdefault("num_placements", 3000)
     control_plane_bench.run(replace(config, **overrides), args.model, args.model_cache_dir, args.json)
@@ -110,11 +108,8 @@ def _bench_chaos(args: argparse.Namespace) -> int:
     from benchmarks import chaos_bench
 
     base = chaos_bench.quick_config() if args.quick else chaos_bench.ChaosBenchConfig()
-    overrides = {}
-    for field, value in (("faults", args.faults), ("rate_per_s", args.rate), ("window_s", args.window_s),
-                         ("max_tokens", args.max_tokens), ("num_workers", args.workers)):
-        if value is not None:
-            overrides[field] = tuple(value) if isinstance(value, list) else value
+    overrides = given((("faults", args.faults), ("rate_per_s", args.rate), ("window_s", args.window_s),
+                       ("max_tokens", args.max_tokens), ("num_workers", args.workers)))
     from dataclasses import replace
 
     chaos_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json)

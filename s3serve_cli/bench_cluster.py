@@ -5,7 +5,7 @@ from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
-from s3serve_cli.args import add_model_args, add_rebalance_arg
+from s3serve_cli.args import add_model_args, add_rebalance_arg, given
 
 
 def _bench_cluster(args: argparse.Namespace) -> int:
@@ -18,17 +18,11 @@ def _bench_cluster(args: argparse.Namespace) -> int:
                  "concurrency": args.concurrency, "workload": args.workload, "probe": args.probe}
     if args.workload == "natural" and args.predictor is None:
         overrides["predictor"] = "default"  # the forced lengths a noisy oracle reads do not exist here
-    for field, value in (("num_workers", args.workers), ("num_requests", args.num_requests),
-                         ("time_scale", args.time_scale), ("kv_cache_bytes", args.kv_cache_bytes),
-                         ("max_prompt_tokens", args.max_prompt_tokens), ("predictor", args.predictor),
-                         ("urgent_share", args.urgent_share), ("rebalance_min_gap", args.rebalance_min_gap),
-                         ("dtype", args.dtype)):
-        if value is not None:
-            overrides[field] = value
-    if args.policy is not None:
-        overrides["policies"] = tuple(args.policy)
-    if args.routing is not None:
-        overrides["routings"] = tuple(args.routing)
+    overrides |= given((("num_workers", args.workers), ("num_requests", args.num_requests),
+                        ("time_scale", args.time_scale), ("kv_cache_bytes", args.kv_cache_bytes),
+                        ("max_prompt_tokens", args.max_prompt_tokens), ("predictor", args.predictor),
+                        ("urgent_share", args.urgent_share), ("rebalance_min_gap", args.rebalance_min_gap),
+                        ("dtype", args.dtype), ("policies", args.policy), ("routings", args.routing)))
     cluster_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json)
     return 0
 

@@ -5,7 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from s3serve_cli.args import add_model_args
+from s3serve_cli.args import add_model_args, given
 
 
 def _bench_peers(args: argparse.Namespace) -> int:
@@ -17,14 +17,12 @@ def _bench_peers(args: argparse.Namespace) -> int:
     natural = args.workload == "natural"
     inapplicable = {"--kv-gib": args.kv_gib} if natural else {
         "--rates": args.rates, "--kv-tokens": args.kv_tokens, "--labels": args.labels, "--predictor": args.predictor}
-    given = [flag for flag, value in inapplicable.items() if value is not None]
-    if given:
-        raise ValueError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to --workload "
+    misplaced = [flag for flag, value in inapplicable.items() if value is not None]
+    if misplaced:
+        raise ValueError(f"{', '.join(misplaced)} {'does' if len(misplaced) == 1 else 'do'} not apply to --workload "
                          f"{args.workload}")
-    for field, value in (("kv_gibs", args.kv_gib), ("max_num_seqs", args.max_num_seqs),
-                         ("max_num_batched_tokens", args.max_num_batched_tokens)):
-        if value is not None:
-            overrides[field] = tuple(value) if isinstance(value, list) else value
+    overrides |= given((("kv_gibs", args.kv_gib), ("max_num_seqs", args.max_num_seqs),
+                        ("max_num_batched_tokens", args.max_num_batched_tokens)))
     if not natural:
         if args.num_requests is not None:
             overrides["num_requests"] = args.num_requests
@@ -39,12 +37,10 @@ def _bench_natural(args: argparse.Namespace, peer_overrides: dict) -> int:
     from benchmarks import peers_online
 
     base = peers_online.quick_config() if args.quick else peers_online.NaturalPeersConfig()
-    overrides: dict = {"peers": replace(base.peers, **peer_overrides)}
-    for field, value in (("num_requests", args.num_requests), ("rate_fractions", args.rates),
-                         ("kv_tokens", args.kv_tokens), ("labels_path", args.labels), ("predictor", args.predictor),
-                         ("policies", args.policies)):
-        if value is not None:
-            overrides[field] = tuple(value) if isinstance(value, list) else value
+    overrides = {"peers": replace(base.peers, **peer_overrides),
+                 **given((("num_requests", args.num_requests), ("rate_fractions", args.rates),
+                          ("kv_tokens", args.kv_tokens), ("labels_path", args.labels), ("predictor", args.predictor),
+                          ("policies", args.policies)))}
 
     def labeler(records, labels_path, max_len):  # missing true lengths, as `s3serve label` makes them
         from s3serve_cli.label import LabelConfig, label_records

@@ -5,7 +5,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.step_time import GPU_KINDS
-from s3serve_cli.args import add_model_args, add_overcommit_arg, add_rebalance_arg
+from s3serve_cli.args import add_model_args, add_overcommit_arg, add_rebalance_arg, given
 from workers.model_shapes import MODEL_SHAPES
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
 from workers.policies import POLICY_NAMES
@@ -18,12 +18,9 @@ def _bench_simulate(args: argparse.Namespace) -> int:
     overrides = {"trace_path": args.trace, "answers_path": args.answers, "kind": args.kind,
                  "model_shape": args.model_shape, "calibrate": not args.no_calibration,
                  "calibration_device": args.calibration_device}
-    for name in ("worker_counts", "requests_per_worker", "max_len", "max_prompt_tokens", "sigma", "policies",
-                 "calibration_requests", "rebalance_min_gap", "overcommit_step", "routings",
-                 "arrival_rate_per_worker"):
-        value = getattr(args, name)
-        if value is not None:
-            overrides[name] = tuple(value) if isinstance(value, list) else value
+    overrides |= given((name, getattr(args, name)) for name in (
+        "worker_counts", "requests_per_worker", "max_len", "max_prompt_tokens", "sigma", "policies",
+        "calibration_requests", "rebalance_min_gap", "overcommit_step", "routings", "arrival_rate_per_worker"))
     simulate_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.plot)
     return 0
 

@@ -141,11 +141,12 @@ class ControlPlane:
                                num_blocks, "pending", attempts, time.time())
         # A policy whose worker admits by its own test is charged only the prompt here: the queue ranks its
         # requests by predicted work instead (shortest first), as the worker's own queue does.
-        work = expected_tokens(record) if self.policy.admits_at_worker else None
-        pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority, work)
+        expected = expected_tokens(record)
+        pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority,
+                                 expected if self.policy.admits_at_worker else None)
         if not self.waiting:  # fast path: nobody queued ahead, one write if it fits now
             worker_id = (self._prefix_target(prefix_hashes, num_blocks, exclude_worker_id)
-                         or route_among(self.config.routing, num_blocks, expected_tokens(record), exclude_worker_id,
+                         or route_among(self.config.routing, num_blocks, expected, exclude_worker_id,
                                         self.rooms, self.ledger.records, self.pool.latest))
             if worker_id is not None:
                 placed = replace(record, worker_id=worker_id, state="placed")
