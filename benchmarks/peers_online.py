@@ -28,13 +28,32 @@ from benchmarks.peers_bench import PeersBenchConfig, model_config, peer_python, 
 from benchmarks.policy_bench import DEFAULT_TRACE, PolicyBenchConfig, parse_predictor
 from benchmarks.policy_replay import WARMUP_OUTPUT_TOKENS, run_policy, warm_up_prompts
 from benchmarks.report import environment, format_table, percentile, write_json
+from cluster.control.worker_probe import load_length_probe
 from predictor_service.length_predictor import LengthQuery
+from workers.length_probe import LengthProbe
 from workers.model_runner import pool_shape_for
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.policies import DEFAULT_POLICY
 from workers.runtime import resolve_dtype
 
 ORACLE = "oracle"  # in `policies`: the default policy planning by the true lengths, the ceiling
+PROBED = "probe"  # in `policies`: the default policy with the hidden-state probe re-predicting inside the engine
+
+
+class _ForcedReader(LengthProbe):
+    """A probe that also reads forced sequences: here every forced length is the model's own greedy one."""
+
+    reads_forced = True
+
+    def __init__(self, probe: LengthProbe) -> None:
+        self.probe = probe
+        self.interval_tokens = probe.interval_tokens
+
+    def is_due(self, num_output_tokens: int) -> bool:
+        return self.probe.is_due(num_output_tokens)
+
+    def estimate_remaining(self, hidden, queries):
+        return self.probe.estimate_remaining(hidden, queries)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,7 +66,11 @@ class NaturalPeersConfig:
         rate_fractions: arrival rates as fractions of vLLM's offline capacity in requests/s.
         kv_tokens: KV tokens of every engine (vLLM's bytes are bf16's for them).
         policies: our policies; "oracle" runs the default policy (s3_peak) on the true lengths instead of the
-            predictor's (the ceiling of what better prediction could give it).
+            predictor's (the ceiling of what better prediction could give it); "probe" runs it with `probe`
+            re-predicting each answer's remaining length from the engine's hidden states (after prefill, then
+            every 64 decoded tokens), as `--length-probe` does in the service.
+        probe: the hidden-state probe of "probe" ("default": the shipped SmolLM2 one, left out for another model
+            unless "probe" was asked for; or a folder from `s3serve probe train`).
         predictor: what our length-aware policies predict with ("default": the shipped predictor).
         peers: the P8 bench's settings this shares (peer venv, timeouts, step limits, dtype, seed, systems).
     """
@@ -59,8 +82,9 @@ class NaturalPeersConfig:
     trace_path: Path = DEFAULT_TRACE
     rate_fractions: tuple[float, ...] = (0.6, 0.9, 1.2, 1.5)
     kv_tokens: int = 4096
-    policies: tuple[str, ...] = ("paged_greedy", DEFAULT_POLICY, ORACLE)
+    policies: tuple[str, ...] = ("paged_greedy", DEFAULT_POLICY, PROBED, ORACLE)
     predictor: str = "default"
+    probe: str = "default"
     peers: PeersBenchConfig = PeersBenchConfig(max_num_seqs=128, max_num_batched_tokens=512)
 
 
@@ -88,6 +112,11 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
     if config.kv_tokens < config.max_len:
         raise ValueError(f"--kv-tokens {config.kv_tokens} cannot hold one {config.max_len}-token sequence")
     parse_predictor(config.predictor, {}, config.max_len, config.peers.seed)  # a bad spec fails here
+    if PROBED in config.policies and config.probe == "default" and model_name != DEFAULT_MODEL \
+            and config.policies == NaturalPeersConfig.policies:
+        print(f"no s3_peak+probe runs: the shipped probe reads {DEFAULT_MODEL}'s hidden states; pass --probe DIR "
+              "(from `s3serve probe extract` and `train`) for this model")
+        config = dataclasses.replace(config, policies=tuple(p for p in config.policies if p != PROBED))
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
     workload = build_natural_workload(tokenizer, model_name, config.num_requests, config.max_len,
@@ -115,6 +144,8 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
         if capacity_per_s is None:  # no vLLM here: our paged_greedy's offline capacity sets the rates
             capacity_per_s = _offline_capacity(model, requests, config, config.kv_tokens * our_bytes)
         estimates = _estimates(config, requests, workload.texts)
+        probe = (_ForcedReader(load_length_probe(config.probe, model.config.hidden_size))
+                 if PROBED in config.policies else None)
         plan = [(policy, f) for f in config.rate_fractions for policy in config.policies]
         with tqdm(total=len(plan), desc="ours", unit="run") as progress:
             for policy, fraction in plan:
@@ -122,7 +153,7 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
                 rate = fraction * capacity_per_s
                 timed = [dataclasses.replace(r, arrival_s=u / rate) for r, u in zip(requests, units)]
                 runs.append(_run_ours(model, policy, timed, estimates, config, config.kv_tokens * our_bytes,
-                                      fraction, rate, str(dtype).removeprefix("torch.")))
+                                      fraction, rate, str(dtype).removeprefix("torch."), probe))
                 progress.update(1)
     return _report(config, runs, info, capacity_per_s, json_path)
 
@@ -153,17 +184,21 @@ def _offline_capacity(model, requests, config: NaturalPeersConfig, kv_cache_byte
 
 
 def _run_ours(model, policy: str, requests, estimates, config: NaturalPeersConfig, kv_cache_bytes: int,
-              fraction: float, rate: float, dtype_name: str) -> dict:
+              fraction: float, rate: float, dtype_name: str, probe: LengthProbe | None) -> dict:
+    run_probe = None
     if policy == ORACLE:
         policy, label = DEFAULT_POLICY, f"{DEFAULT_POLICY}+oracle"
         estimates = {r.request_id: (r.output_tokens, r.output_tokens) for r in requests}
+    elif policy == PROBED:
+        policy, label, run_probe = DEFAULT_POLICY, f"{DEFAULT_POLICY}+probe", probe
     else:
         label = policy
     with tqdm(total=len(requests), desc=f"  {label} {fraction:g}x", unit="req", leave=False) as inner:
         result = run_policy(copy.deepcopy(model), policy, requests, estimates, _bench_config(config),
-                            kv_cache_bytes, inner)
+                            kv_cache_bytes, inner, probe=run_probe)
     return _row("ours", label, fraction, rate, result.output_tokens, result.wall_s, result.latency_s,
-                result.ttft_s, result.tpot_s, result.num_preemptions, result.outputs_ok, dtype_name)
+                result.ttft_s, result.tpot_s, result.num_preemptions, result.outputs_ok, dtype_name) | {
+        "probe_reads": result.num_probe_reads}
 
 
 def _run_vllm(config: NaturalPeersConfig, model_dir: Path, requests, units: list[float], kv_cache_bytes: int,

@@ -248,13 +248,15 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
               s["under_reservation_rate"], s["kendall_tau_vs_median"], s["median_mae_tokens"], s["bucket_nll"]]
              for name, m in results.items() for temperature, s in m.get("by_temperature", {}).items()]))
     if config.probe_features is not None:
-        print("remaining tokens after decoding (MAE): re-predicted where the predictor can, else prefill point minus "
-              "decoded")
+        print("remaining tokens after decoding (MAE, and Kendall tau against the true remaining tokens of the answers "
+              "still going): re-predicted where the predictor can, else prefill point minus decoded")
         print(format_table(
             ["predictor", *(f"mae_at_{n}" for n in probe_bench.REPREDICTION_POINTS),
-             *(f"prefill_only_at_{n}" for n in probe_bench.REPREDICTION_POINTS)],
+             *(f"prefill_only_at_{n}" for n in probe_bench.REPREDICTION_POINTS),
+             *(f"tau_at_{n}" for n in probe_bench.RANKING_POINTS)],
             [[name, *(m.get(f"remaining_mae_tokens_at_{n}") for n in probe_bench.REPREDICTION_POINTS),
-              *(m.get(f"prefill_remaining_mae_tokens_at_{n}") for n in probe_bench.REPREDICTION_POINTS)]
+              *(m.get(f"prefill_remaining_mae_tokens_at_{n}") for n in probe_bench.REPREDICTION_POINTS),
+              *(m.get(f"remaining_tau_at_{n}") for n in probe_bench.RANKING_POINTS)]
              for name, m in results.items()]))
     result = {
         "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(config).items()

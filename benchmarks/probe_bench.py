@@ -4,7 +4,9 @@ At the prefill's sample (0 decoded tokens) a probe is scored like every text pre
 (`predictor_service.metrics.evaluate` on total lengths). While decoding it re-predicts:
 after 64 and 256 decoded tokens the MAE on *remaining* tokens of the sequences still
 running is reported next to what the prefill estimate alone says then (its point minus
-the tokens decoded, at least 1), for the probes and for the text predictors alike.
+the tokens decoded, at least 1), for the probes and for the text predictors alike, with the
+Kendall tau of those remaining-token estimates against the truth at 0, 64 and 256 decoded
+tokens (what shortest-remaining-first ordering consumes).
 """
 
 import time
@@ -16,9 +18,10 @@ import numpy as np
 from predictor_service.hidden_features import HiddenFeatures
 from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
 from predictor_service.length_predictor import LengthPrediction
-from predictor_service.metrics import evaluate, mae_tokens
+from predictor_service.metrics import evaluate, kendall_tau, mae_tokens
 
 REPREDICTION_POINTS = (64, 256)
+RANKING_POINTS = (0, *REPREDICTION_POINTS)  # decoded counts at which the remaining-token ranking is scored
 
 # name -> (hidden_units, ranking_weight)
 PROBE_VARIANTS = {"probe_linear": (0, 0.0), "probe": (256, 0.0), "probe_rank": (256, 1.0)}
@@ -28,14 +31,29 @@ def remaining_mae(point_remaining, features: HiddenFeatures) -> float:
     return mae_tokens(point_remaining, features.remaining_tokens)
 
 
+def remaining_tau(point_remaining, features: HiddenFeatures) -> float | None:
+    """Kendall tau of remaining-token estimates against the true remaining tokens (None: under 3 rows)."""
+    return kendall_tau(point_remaining, features.remaining_tokens) if len(features) >= 3 else None
+
+
+def _prefill_guess(prefill_point_by_prompt: Mapping[str, int], at: HiddenFeatures) -> tuple[np.ndarray, HiddenFeatures]:
+    """The remaining tokens the prefill's point estimate alone says (max(1, point - decoded)) and their rows."""
+    known = np.array([p in prefill_point_by_prompt for p in at.prompt_ids], dtype=bool)
+    rows = at.take(known)
+    guess = np.maximum(1, np.array([prefill_point_by_prompt[p] for p in rows.prompt_ids], dtype=np.int64)
+                       - rows.num_output_tokens)
+    return guess, rows
+
+
 def prefill_remaining_mae(prefill_point_by_prompt: Mapping[str, int], at: HiddenFeatures) -> float | None:
     """MAE on remaining tokens when the prefill's point estimate is all one has: max(1, point - decoded)."""
-    known = np.array([p in prefill_point_by_prompt for p in at.prompt_ids], dtype=bool)
-    if not known.any():
-        return None
-    rows = at.take(known)
-    guess = np.maximum(1, np.array([prefill_point_by_prompt[p] for p in rows.prompt_ids]) - rows.num_output_tokens)
-    return remaining_mae(guess, rows)
+    guess, rows = _prefill_guess(prefill_point_by_prompt, at)
+    return remaining_mae(guess, rows) if len(rows) else None
+
+
+def prefill_remaining_tau(prefill_point_by_prompt: Mapping[str, int], at: HiddenFeatures) -> float | None:
+    """Kendall tau of remaining tokens when the prefill's point estimate is all one has."""
+    return remaining_tau(*_prefill_guess(prefill_point_by_prompt, at))
 
 
 def _latency_ms(probe: HiddenStateProbe, rows: HiddenFeatures, batch_size: int, num_batches: int) -> dict:
@@ -101,6 +119,10 @@ def score_probes(features: HiddenFeatures, is_held_out: Callable[[str], bool], m
             metrics[f"remaining_mae_tokens_at_{decoded}"] = remaining_mae(out.point_remaining, at) if len(at) else None
             metrics[f"prefill_remaining_mae_tokens_at_{decoded}"] = prefill_remaining_mae(prefill_points, at)
             metrics[f"num_running_at_{decoded}"] = len(at)
+        for decoded in RANKING_POINTS:
+            at = test.take(test.num_output_tokens == decoded)
+            out = probe.predict_rows(at.hidden, at.num_prompt_tokens, at.num_output_tokens, at.max_tokens)
+            metrics[f"remaining_tau_at_{decoded}"] = remaining_tau(out.point_remaining, at)
         for batch_size in (1, 32):
             metrics.update(_latency_ms(probe, at_prefill, batch_size, num_latency_batches))
         scores.results[name] = metrics
@@ -116,4 +138,7 @@ def text_predictor_remaining(prefill_point_by_prompt: Mapping[str, int], feature
         value = prefill_remaining_mae(prefill_point_by_prompt, held.take(held.num_output_tokens == decoded))
         out[f"remaining_mae_tokens_at_{decoded}"] = value
         out[f"prefill_remaining_mae_tokens_at_{decoded}"] = value
+    for decoded in RANKING_POINTS:
+        out[f"remaining_tau_at_{decoded}"] = prefill_remaining_tau(prefill_point_by_prompt,
+                                                                   held.take(held.num_output_tokens == decoded))
     return out

@@ -11,7 +11,11 @@ remaining tokens, per checkpoint and per prompt source:
 - `distribution`: the expected remaining output of a log-normal around that point, cut at
   max_tokens, given that the answer is still going (`workers.length_distribution`);
 - `distribution+loop`: the same, but max_tokens - decoded once the answer repeats itself
-  (`workers.repetition`: what s3_peak and the worker's stats use).
+  (`workers.repetition`: what s3_peak and the worker's stats use);
+- `probe`: the shipped hidden-state probe's point (`--length-probe default`: trained with a
+  pairwise ranking loss on the pool's other prompts), read from the engine's own rows at
+  each checkpoint, as the worker reads it;
+- `probe+loop`: the probe's point, but max_tokens - decoded once the answer repeats itself.
 
 It also reports how many answers were flagged as looping and how many of those did run to
 max_tokens (the flag's precision).
@@ -26,17 +30,37 @@ from tqdm import tqdm
 from benchmarks.natural_workload import choose_held_out
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
+from cluster.control.worker_probe import load_length_probe
 from predictor_service.artifacts import load_predictor
 from predictor_service.length_predictor import LengthQuery
 from predictor_service.metrics import kendall_tau
 from predictor_service.server import DEFAULT_ARTIFACT_ROOT
 from workers.engine import Engine, EngineConfig
 from workers.length_distribution import LengthDistribution
+from workers.length_probe import LengthProbe, ProbeQuery
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.sampling_params import SamplingParams
 
 CHECKPOINTS = (0, 64, 256)
-ESTIMATES = ("point", "distribution", "distribution+loop")
+ESTIMATES = ("point", "distribution", "distribution+loop", "probe", "probe+loop")
+
+
+class _ProbeRecorder(LengthProbe):
+    """Reads the shipped probe at the checkpoints and records its points without changing any bound."""
+
+    refines_bounds = False
+
+    def __init__(self, probe) -> None:
+        self.probe = probe
+        self.points: dict[tuple[int, str], int] = {}  # (decoded, seq_id) -> remaining tokens
+
+    def is_due(self, num_output_tokens: int) -> bool:
+        return num_output_tokens in CHECKPOINTS
+
+    def estimate_remaining(self, hidden, queries: list[ProbeQuery]) -> list[None]:
+        for query, estimate in zip(queries, self.probe.estimate_remaining(hidden, queries), strict=True):
+            self.points[(query.num_output_tokens, query.seq_id)] = estimate.point_tokens
+        return [None] * len(queries)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +98,13 @@ def run(config: RemainingBenchConfig, model_name: str = DEFAULT_MODEL, model_cac
     points = {q.prompt_id: p.point_tokens for q, p in zip(queries, predictor.predict(queries))}
     lengths = LengthDistribution(default_sigma=config.length_sigma)
     model = load_model(model_dir)
+    recorder = _ProbeRecorder(load_length_probe("default", model.config.hidden_size))
     engine = Engine(model, EngineConfig(kv_cache_bytes=2 * 1024**3, max_num_seqs=config.batch_size,
-                                        max_model_len=config.max_len))
+                                        max_model_len=config.max_len), probe=recorder)
     seen: dict[int, dict[str, dict[str, float]]] = {c: {} for c in CHECKPOINTS}  # checkpoint -> id -> estimates
     final: dict[str, int] = {}
     looping: set[str] = set()
+    looping_at: set[tuple[int, str]] = set()  # (checkpoint, seq_id) flagged as repeating by then
     max_tokens_of = {q.prompt_id: q.max_tokens for q in queries}
     for query in queries:
         engine.add_request(list(query.prompt_token_ids), SamplingParams(max_tokens=query.max_tokens),
@@ -98,10 +124,18 @@ def run(config: RemainingBenchConfig, model_name: str = DEFAULT_MODEL, model_cac
                     looping.add(seq.seq_id)
                 if decoded in seen and decoded > 0 and seq.seq_id not in seen[decoded] and decoded < max_tokens:
                     point = points[seq.seq_id]
+                    if seq.is_looping:
+                        looping_at.add((decoded, seq.seq_id))
                     seen[decoded][seq.seq_id] = {
                         "point": max(1, point - decoded),
                         "distribution": lengths.remaining_of(point, decoded, max_tokens),
                         "distribution+loop": lengths.remaining_of(point, decoded, max_tokens, seq.is_looping)}
+    for checkpoint, estimates in seen.items():  # the probe read each answer still going at each checkpoint
+        for seq_id, row in estimates.items():
+            probe_point = recorder.points[(checkpoint, seq_id)]
+            row["probe"] = probe_point
+            row["probe+loop"] = (max_tokens_of[seq_id] - checkpoint if (checkpoint, seq_id) in looping_at
+                                 else probe_point)
     rows, by_source = [], []
     result_taus: dict[str, dict] = {}
     for checkpoint, estimates in seen.items():

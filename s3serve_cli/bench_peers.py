@@ -16,7 +16,8 @@ def _bench_peers(args: argparse.Namespace) -> int:
                  "peer_venv": args.peer_venv}
     natural = args.workload == "natural"
     inapplicable = {"--kv-gib": args.kv_gib} if natural else {
-        "--rates": args.rates, "--kv-tokens": args.kv_tokens, "--labels": args.labels, "--predictor": args.predictor}
+        "--rates": args.rates, "--kv-tokens": args.kv_tokens, "--labels": args.labels, "--predictor": args.predictor,
+        "--probe": args.probe}
     misplaced = [flag for flag, value in inapplicable.items() if value is not None]
     if misplaced:
         raise ValueError(f"{', '.join(misplaced)} {'does' if len(misplaced) == 1 else 'do'} not apply to --workload "
@@ -40,7 +41,7 @@ def _bench_natural(args: argparse.Namespace, peer_overrides: dict) -> int:
     overrides = {"peers": replace(base.peers, **peer_overrides),
                  **given((("num_requests", args.num_requests), ("rate_fractions", args.rates),
                           ("kv_tokens", args.kv_tokens), ("labels_path", args.labels), ("predictor", args.predictor),
-                          ("policies", args.policies)))}
+                          ("policies", args.policies), ("probe", args.probe)))}
 
     def labeler(records, labels_path, max_len):  # missing true lengths, as `s3serve label` makes them
         from s3serve_cli.label import LabelConfig, label_records
@@ -65,8 +66,9 @@ def add_peers_parser(benches) -> None:
                     "/ vLLM per budget. --workload natural: held-out pool prompts, each answered for the model's "
                     "own greedy length (from --labels, forced with ignore_eos on both systems, so the work is "
                     "identical), arriving as a seeded Poisson process at fractions of vLLM's offline capacity "
-                    "(--rates); our paged_greedy, s3_peak with the shipped predictor, and s3_peak on the true "
-                    "lengths as the ceiling; prints tokens/s, mean/p50/p99 latency, TTFT p50/p99, mean time per output token and "
+                    "(--rates); our paged_greedy, s3_peak with the shipped predictor, s3_peak with the "
+                    "hidden-state probe re-predicting as answers decode, and s3_peak on the true lengths as the "
+                    "ceiling; prints tokens/s, mean/p50/p99 latency, TTFT p50/p99, mean time per output token and "
                     "preemptions per system, policy and rate, and ours / vLLM per rate.",
     )
     add_model_args(peers)
@@ -93,8 +95,12 @@ def add_peers_parser(benches) -> None:
     peers.add_argument("--systems", nargs="+", default=["vllm", "ours"], choices=("vllm", "ours"),
                        help="which side(s) to run (default: both)")
     peers.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
-                       help="our policies (default: paged_greedy s3_peak; natural adds oracle: s3_peak planning by "
-                            "the true lengths, the ceiling)")
+                       help="our policies (default: paged_greedy s3_peak; natural adds probe: s3_peak with the "
+                            "hidden-state probe (--probe) re-predicting remaining lengths inside the engine, and "
+                            "oracle: s3_peak planning by the true lengths, the ceiling)")
+    peers.add_argument("--probe", default=None, metavar="DIR",
+                       help="natural: the hidden-state probe of the 'probe' policy: default (the shipped SmolLM2 "
+                            "probe; left out for other models) or a folder from `s3serve probe train`")
     peers.add_argument("--num-requests", type=int, default=None,
                        help="requests of the workload (default: p8 200; natural 64, 32 with --quick)")
     peers.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),

@@ -92,6 +92,20 @@ def test_reprediction_rewrites_the_bound_the_policies_plan_by(policy):
     assert held >= 4 + 6 and stats.rebounded == (BoundReport(seq_id, 6, 5 + 3, held),)
 
 
+def test_a_probe_that_reads_forced_lengths_re_bounds_them_too():
+    model = make_tiny_model(seed=6, init_std=0.2)
+    probe = _FixedProbe(upper=7, interval_tokens=5)
+    probe.reads_forced = True  # the bench's forced lengths are the model's own (bench peers --workload natural)
+    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+                                                       max_model_len=128), policy=S3PeakPolicy(bucket_tokens=8),
+                    probe=probe)
+    forced_id = engine.add_request([9, 10, 11], SamplingParams(max_tokens=20, forced_output_tokens=12),
+                                   predicted_output_tokens=17)
+    engine.step()
+    assert [q.seq_id for q in probe.asked] == [forced_id]
+    assert engine.sequence(forced_id).predicted_output_tokens == 0 + 3  # s3_peak plans by the point
+
+
 def test_refined_bound_stays_inside_what_can_still_happen():
     query = ProbeQuery("a", num_prompt_tokens=10, num_output_tokens=30, max_tokens=40)
     assert refined_bound(query, 500, 35) == 40  # never past max_tokens

@@ -31,6 +31,7 @@ def test_arrivals_are_a_seeded_poisson_process_at_one_request_per_second():
     (("--workload", "natural", "--systems", "ours", "--rates", "0"), "--rates must be positive fractions"),
     (("--workload", "natural", "--systems", "ours", "--kv-tokens", "100"), "cannot hold one 1024-token sequence"),
     (("--workload", "natural", "--systems", "ours", "--predictor", "no/such/dir"), "neither noisy-oracle:SIGMA"),
+    (("--probe", "default"), "--probe does not apply to --workload p8"),
 ])
 def test_bad_settings_are_one_line_errors(args, message):
     result = _peers(*args)
@@ -70,7 +71,9 @@ def test_our_side_runs_every_policy_at_every_rate_on_the_same_arrivals(tmp_path,
     data = json.loads(out.read_text())
     runs = data["runs"]
     assert {(r["policy"], r["rate"]) for r in runs} == {
-        (p, f) for p in ("paged_greedy", "s3_peak", "s3_peak+oracle") for f in (0.5, 2.0)}
+        (p, f) for p in ("paged_greedy", "s3_peak", "s3_peak+probe", "s3_peak+oracle") for f in (0.5, 2.0)}
+    # the probe re-predicts the forced answers (their lengths are the model's own): at least each prefill's sample
+    assert all((r["probe_reads"] >= 4) == (r["policy"] == "s3_peak+probe") for r in runs)
     capacity = data["capacity_requests_per_s"]  # no vLLM here: our paged_greedy's offline capacity
     for run in runs:
         assert run["system"] == "ours" and run["exact_lengths"] and run["tokens_per_s"] > 0

@@ -26,6 +26,8 @@ def test_every_probe_variant_is_scored_at_prefill_and_after_decoding(synthetic_p
                                                           & np.array([_held(p) for p in features.prompt_ids])))
         assert metrics["remaining_mae_tokens_at_64"] > 0 and metrics["prefill_remaining_mae_tokens_at_64"] > 0
         assert metrics["num_running_at_256"] == 0 and metrics["remaining_mae_tokens_at_256"] is None
+        assert metrics["remaining_tau_at_0"] > 0.6 and metrics["remaining_tau_at_64"] > 0.3  # ranks what is left
+        assert metrics["remaining_tau_at_256"] is None
 
 
 def test_a_text_predictor_is_judged_at_the_same_points_by_its_prefill_estimate(synthetic_probe_features):
@@ -36,6 +38,9 @@ def test_a_text_predictor_is_judged_at_the_same_points_by_its_prefill_estimate(s
     assert scores["remaining_mae_tokens_at_256"] is None  # no row has run that far
     off = probe_bench.text_predictor_remaining({p: t + 10 for p, t in exact.items()}, features, _held)
     assert off["remaining_mae_tokens_at_64"] == 10.0
+    assert scores["remaining_tau_at_0"] == 1.0 and scores["remaining_tau_at_64"] == 1.0  # exact: a perfect order
+    backwards = probe_bench.text_predictor_remaining({p: 1000 - t for p, t in exact.items()}, features, _held)
+    assert backwards["remaining_tau_at_64"] == -1.0 and backwards["remaining_tau_at_256"] is None
 
 
 def test_split_by_source_holds_out_whole_sets():

@@ -66,10 +66,14 @@ class LengthProbe(abc.ABC):
         interval_tokens: read a sequence when its decoded count is a multiple of this (0 included).
         refines_bounds: False for probes that only watch (feature recording): the engine runs them under every
             policy, not only under those that plan by a refinable prediction.
+        reads_forced: also read sequences whose length a benchmark forces (`forced_output_tokens`). Off by
+            default: a forced length is usually not the model's own, so its states say nothing about it; a bench
+            whose forced lengths are the model's own greedy ones (`bench peers --workload natural`) turns it on.
     """
 
     interval_tokens: int = 64
     refines_bounds: bool = True
+    reads_forced: bool = False
 
     def is_due(self, num_output_tokens: int) -> bool:
         """Whether a sequence that has decoded `num_output_tokens` is read at this step."""

@@ -12,7 +12,7 @@ def reprobe(probe: LengthProbe, scheduler: Scheduler, seqs: list[Sequence], hidd
     gets its new bound (planned by the scheduler's policy's choice of estimate) as its prediction and its plan,
     and a policy that holds its plan gives back what the new bound does not need. Returns the sequences read."""
     due = [i for i, seq in enumerate(seqs)
-           if seq.params.forced_output_tokens is None and probe.is_due(seq.num_output_tokens)
+           if (seq.params.forced_output_tokens is None or probe.reads_forced) and probe.is_due(seq.num_output_tokens)
            and seq.num_output_tokens < seq.params.max_tokens]
     if not due:
         return 0
