@@ -89,8 +89,15 @@ class NaturalPeersConfig:
 
 
 def quick_config(**overrides) -> NaturalPeersConfig:
+    # paging, the default policy as the service runs it for the default model (with the probe), and the ceiling
     return NaturalPeersConfig(**{"num_requests": 32, "max_len": 512, "max_prompt_tokens": 128, "kv_tokens": 2048,
-                                 "rate_fractions": (0.9, 1.2, 1.5), **overrides})
+                                 "rate_fractions": (0.9, 1.2, 1.5), "policies": ("paged_greedy", PROBED, ORACLE),
+                                 **overrides})
+
+
+def service_default(policies: tuple[str, ...]) -> str:
+    """The row that stands for the service's default (the headline ratios): s3_peak with the probe where it runs."""
+    return f"{DEFAULT_POLICY}+probe" if PROBED in policies else DEFAULT_POLICY
 
 
 def unit_arrivals(num_requests: int, seed: int) -> list[float]:
@@ -113,10 +120,11 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
         raise ValueError(f"--kv-tokens {config.kv_tokens} cannot hold one {config.max_len}-token sequence")
     parse_predictor(config.predictor, {}, config.max_len, config.peers.seed)  # a bad spec fails here
     if PROBED in config.policies and config.probe == "default" and model_name != DEFAULT_MODEL \
-            and config.policies == NaturalPeersConfig.policies:
+            and config.policies in (NaturalPeersConfig.policies, quick_config().policies):
         print(f"no s3_peak+probe runs: the shipped probe reads {DEFAULT_MODEL}'s hidden states; pass --probe DIR "
               "(from `s3serve probe extract` and `train`) for this model")
-        config = dataclasses.replace(config, policies=tuple(p for p in config.policies if p != PROBED))
+        config = dataclasses.replace(config, policies=tuple(p if p != PROBED else DEFAULT_POLICY
+                                                            for p in config.policies if p != DEFAULT_POLICY))
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
     workload = build_natural_workload(tokenizer, model_name, config.num_requests, config.max_len,
@@ -243,7 +251,8 @@ def _report(config: NaturalPeersConfig, runs: list[dict], info: dict, capacity_p
                                   r["tokens_per_s"], r["latency_mean_s"], r["latency_p50_s"], r["latency_p99_s"],
                                   r["ttft_p50_s"], r["ttft_p99_s"], r["tpot_mean_s"], r["preemptions"],
                                   r["exact_lengths"]] for r in runs]))
-    ratios: dict = {"policy": DEFAULT_POLICY, "by_policy": {}}
+    headline = service_default(tuple(config.policies))
+    ratios: dict = {"policy": headline, "by_policy": {}}
     ratio_rows = []
     for fraction in config.rate_fractions:
         peer = next((r for r in runs if r["system"] == "vllm" and r["rate"] == fraction), None)
@@ -253,15 +262,17 @@ def _report(config: NaturalPeersConfig, runs: list[dict], info: dict, capacity_p
                 ("ttft_p50_vs_vllm", "ttft_p50_s"), ("tokens_per_s_vs_vllm", "tokens_per_s"))}
             for name, value in values.items():
                 ratios["by_policy"].setdefault(ours["policy"], {}).setdefault(name, {})[str(fraction)] = value
-                if ours["policy"] == DEFAULT_POLICY:
+                if ours["policy"] == headline:
                     ratios.setdefault(name, {})[str(fraction)] = value
             ratio_rows.append([fraction, ours["policy"], *values.values()])
     if ratio_rows:
         print(format_table(["rate_x", "our policy", "lat_mean/vllm", "lat_p99/vllm", "ttft_p50/vllm",
                             "tok/s / vllm"], ratio_rows))
+    probed = " (+probe: re-predicted from hidden states as it decodes)" if PROBED in config.policies else ""
     print(f"same KV for every engine: {config.kv_tokens} tokens; every engine preempts by recompute and warms up "
           f"with the same {len(warm_up_prompts(2))} requests; our {DEFAULT_POLICY} predicts with "
-          f"{config.predictor!r}; {DEFAULT_POLICY}+oracle plans by the true lengths instead (the ceiling); one "
+          f"{config.predictor!r}{probed}; {DEFAULT_POLICY}+oracle plans by the true lengths instead (the ceiling); the headline ratios are "
+          f"{headline}'s, the service's default; one "
           "timed run each")
     if any(r["system"] == "ours" and r["dtype"] != "bfloat16" for r in runs):
         print("our engine ran in float32 here (no bf16 instructions): the same KV tokens, twice the bytes")

@@ -87,10 +87,11 @@ class ServiceConfig(BaseModel):
     predictor_artifact: str | None = Field(
         None, description="predictor versions directory (LATEST); default: the shipped artifact or baseline")
     length_probe: str | None = Field(
-        None, description="workers re-bound each request's output length from the model's own hidden states after "
-                          "prefill and every 64 decoded tokens: 'default' (the shipped probe, SmolLM2-135M) or a "
-                          "folder from `s3serve probe train`; off by default (through the service it has not yet "
-                          "paid: see `bench cluster --workload natural`)")
+        "auto", description="workers re-predict each request's remaining output from the model's own hidden states "
+                            "after prefill and every 64 decoded tokens (under the policies that plan by predictions): "
+                            "'auto' (the shipped probe when the model is the one it was trained for, "
+                            f"{DEFAULT_MODEL}; otherwise off), 'default' (the shipped probe), a folder from "
+                            "`s3serve probe train`, or 'none'/null (off)")
     predictor_mode: str = Field(
         "router", description="where length predictions run: 'router' (in each router replica, no extra hop: the "
                               "shipped LightGBM takes ~0.3 ms) or 'deployment' (a separate batched Serve deployment, "
@@ -147,7 +148,9 @@ class ServiceConfig(BaseModel):
     @field_validator("length_probe")
     @classmethod
     def _probe_folder(cls, value: str | None) -> str | None:
-        if value in (None, "default"):
+        if value in (None, "none"):
+            return None
+        if value in ("auto", "default"):
             return value
         folder = Path(value).expanduser().resolve()
         check_probe_folder(folder, value)
@@ -185,6 +188,13 @@ class ServiceConfig(BaseModel):
     @property
     def max_workers_resolved(self) -> int:
         return self.max_workers if self.max_workers is not None else self.num_workers
+
+    @property
+    def length_probe_resolved(self) -> str | None:
+        """The probe the workers load: 'auto' is the shipped one for the model it was trained for, else none."""
+        if self.length_probe == "auto":
+            return "default" if self.model == DEFAULT_MODEL else None
+        return self.length_probe
 
     @property
     def model_id(self) -> str:

@@ -159,9 +159,11 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--predictor-artifact", type=Path, default=None, metavar="DIR",
                        help="length-predictor versions directory (default: the shipped artifact)")
     serve.add_argument("--length-probe", default=None, metavar="DIR",
-                       help="workers re-bound output lengths from the model's own hidden states (after prefill, "
-                            "then every 64 decoded tokens): 'default' for the shipped SmolLM2 probe or a folder "
-                            "from `s3serve probe train` (default: off)")
+                       help="workers re-predict remaining output lengths from the model's own hidden states "
+                            "(after prefill, then every 64 decoded tokens), which s3_peak ranks and preempts by: "
+                            "auto (the shipped probe when serving SmolLM2-135M-Instruct, the model it was trained "
+                            "for; off for other models), default (the shipped probe), a folder from `s3serve probe "
+                            "train`, or none (default: auto)")
     serve.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                        help="ranks (GPUs) each worker's engine runs over, on one node: DeepSpeed AutoTP shards the "
                             "model, each rank holds 1/N of the KV heads and --kv-cache-bytes is per rank (default 1)")

@@ -51,13 +51,19 @@ def test_each_policy_at_each_rate_is_compared_with_vllm_at_that_rate():
             _row("vllm", "paged (vLLM)", 1.2, 8.0, 100.0),
             _row("ours", "paged_greedy", 0.6, 1.0, 60.0), _row("ours", "s3_peak", 0.6, 1.5, 60.0),
             _row("ours", "paged_greedy", 1.2, 2.0, 150.0), _row("ours", "s3_peak", 1.2, 4.0, 110.0)]
-    result = _report(NaturalPeersConfig(rate_fractions=(0.6, 1.2)), runs, {}, 1.0, None)
+    result = _report(NaturalPeersConfig(rate_fractions=(0.6, 1.2), policies=("paged_greedy", "s3_peak")), runs, {},
+                     1.0, None)
     ratios = result["ratios"]
     # the headline is the service's default policy's own run, not the better of ours
     assert ratios["policy"] == "s3_peak"
     assert ratios["latency_mean_vs_vllm"] == {"0.6": 0.75, "1.2": 0.5}
     assert ratios["tokens_per_s_vs_vllm"] == {"0.6": 1.0, "1.2": pytest.approx(1.1)}
     assert ratios["by_policy"]["paged_greedy"]["latency_mean_vs_vllm"] == {"0.6": 0.5, "1.2": 0.25}
+    # where the probe runs, the service's default is s3_peak with it, and that row is the headline
+    probed = [*runs, _row("ours", "s3_peak+probe", 0.6, 1.0, 66.0), _row("ours", "s3_peak+probe", 1.2, 2.0, 120.0)]
+    ratios = _report(NaturalPeersConfig(rate_fractions=(0.6, 1.2)), probed, {}, 1.0, None)["ratios"]
+    assert ratios["policy"] == "s3_peak+probe" and ratios["latency_mean_vs_vllm"] == {"0.6": 0.5, "1.2": 0.25}
+    assert ratios["by_policy"]["s3_peak"]["latency_mean_vs_vllm"] == {"0.6": 0.75, "1.2": 0.5}
 
 
 @pytest.mark.slow
@@ -71,7 +77,7 @@ def test_our_side_runs_every_policy_at_every_rate_on_the_same_arrivals(tmp_path,
     data = json.loads(out.read_text())
     runs = data["runs"]
     assert {(r["policy"], r["rate"]) for r in runs} == {
-        (p, f) for p in ("paged_greedy", "s3_peak", "s3_peak+probe", "s3_peak+oracle") for f in (0.5, 2.0)}
+        (p, f) for p in ("paged_greedy", "s3_peak+probe", "s3_peak+oracle") for f in (0.5, 2.0)}  # --quick's
     # the probe re-predicts the forced answers (their lengths are the model's own): at least each prefill's sample
     assert all((r["probe_reads"] >= 4) == (r["policy"] == "s3_peak+probe") for r in runs)
     capacity = data["capacity_requests_per_s"]  # no vLLM here: our paged_greedy's offline capacity

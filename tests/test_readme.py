@@ -37,7 +37,9 @@ def test_the_default_policy_and_routing_are_the_ones_the_readme_names():
 
     policy = re.search(r"The default policy is `(\w+)`", README)
     routing = re.search(r"the default routing is `(\w+)`", README)
-    assert policy and routing, "the README no longer names the defaults"
+    probe = re.search(r"the\s+length\s+probe\s+is\s+`(\w+)`\s+by\s+default", README)
+    assert policy and routing and probe, "the README no longer names the defaults"
     config = ServiceConfig()
     assert config.policy == WorkerSettings().policy == policy.group(1)
     assert config.routing == routing.group(1)
+    assert config.length_probe == probe.group(1)

@@ -59,7 +59,8 @@ def test_the_starvation_guard_setting_reaches_the_workers_scheduler():
     from cluster.control.controller import worker_settings
     from workers.worker_actor import build_engine
 
-    settings = worker_settings(ServiceConfig(max_overtaken_steps=7, policy="s3_peak", max_model_len=512))
+    settings = worker_settings(ServiceConfig(max_overtaken_steps=7, policy="s3_peak", max_model_len=512,
+                                             length_probe="none"))
     assert settings.max_overtaken_steps == 7 and worker_settings(ServiceConfig()).max_overtaken_steps == 1024
     engine = build_engine(replace(settings, tiny_model_seed=0, dtype="float32", kv_cache_bytes=1 << 20,
                                   num_torch_threads=1))
@@ -74,4 +75,8 @@ def test_a_length_probe_folder_is_made_absolute_for_the_workers(monkeypatch):
     config = ServiceConfig(length_probe=DEFAULT_PROBE.name)  # relative to where `serve` runs
     assert config.length_probe == str(DEFAULT_PROBE.resolve())
     assert worker_settings(config).length_probe == config.length_probe
-    assert ServiceConfig().length_probe is None  # off unless asked for
+    # auto: the shipped probe for the model it was trained for, nothing for another model
+    assert ServiceConfig().length_probe == "auto" and worker_settings(ServiceConfig()).length_probe == "default"
+    assert worker_settings(ServiceConfig(model="tiny")).length_probe is None
+    assert worker_settings(ServiceConfig(length_probe="none")).length_probe is None
+    assert worker_settings(ServiceConfig(model="tiny", length_probe="default")).length_probe == "default"
