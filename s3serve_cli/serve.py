@@ -95,6 +95,13 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
     data_dir = Path(config.data_dir).expanduser().resolve()
     config = config.model_copy(update={"data_dir": str(data_dir)})
     redis = None
+    try:  # before anything starts: nothing to stop when it fails
+        check_model(config)
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as error:  # e.g. a config.json transformers cannot read
+        raise ServiceStartError(f"start-up failed while checking the model {config.model}: "
+                                f"{type(error).__name__}: {_first_line(error)}") from error
     step = "starting a local Ray cluster"
     try:
         if not ray.is_initialized():
@@ -125,6 +132,18 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
                                     f"{_first_line(error)}") from error
         raise
     return RunningService(config, base_url, redis_url, redis, health)
+
+
+def check_model(config: ServiceConfig) -> None:
+    """Fail before anything starts where every worker would fail the same way: a model that is not there, or one
+    our engine cannot serve correctly (`workers.model_support`), instead of inside a Serve replica's traceback."""
+    from transformers import AutoConfig
+
+    from workers.model_support import check_servable
+    from workers.models import resolve_model_dir
+
+    model_dir = resolve_model_dir(config.model, Path(config.model_cache_dir) if config.model_cache_dir else None)
+    check_servable(AutoConfig.from_pretrained(model_dir), config.max_model_len, config.model)
 
 
 def _first_line(error: BaseException) -> str:

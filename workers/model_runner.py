@@ -23,6 +23,7 @@ import torch
 from kv_kernels import BlockPoolShape, CpuKVKernels, KVKernelBackend, allocate_block_pool, build_attention_metadata
 from workers.attention import StepAttention, register_paged_attention
 from workers.kv_cache_manager import BlockAllocator
+from workers.model_support import check_servable
 from workers.scheduler import ScheduledChunk
 
 
@@ -119,6 +120,8 @@ class ModelRunner:
     ) -> None:
         from workers.fast_llama import FastLlama, unsupported_reason
 
+        check_servable(model.config, max_model_len or model.config.max_position_embeddings,
+                       getattr(model.config, "_name_or_path", "") or model.config.model_type)
         self.device = next(model.parameters()).device
         self.backend = backend
         self.block_size = block_size
