@@ -43,8 +43,13 @@ class ServiceConfig(BaseModel):
     host: str = Field("127.0.0.1", description="address the HTTP server binds; 0.0.0.0 exposes it beyond this machine")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     model: str = Field(DEFAULT_MODEL, description="'smollm2-135m-instruct' or a local Hugging Face causal-LM folder")
-    served_model_name: str | None = Field(
-        None, description="model id clients send and /v1/models lists (default: the model's name)")
+    served_model_name: tuple[str, ...] | None = Field(
+        None, description="model ids clients may send, as vLLM's --served-model-name: the first is the one answers "
+                          "and /v1/models name (default: the model's name; the --model value as given is "
+                          "accepted too)")
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template file used instead of the tokenizer's own (needed for chat with a "
+                          "model that has none: without one, chat requests get a 400)")
     model_cache_dir: str | None = Field(
         None, description="where the converted default model is kept (default: ~/.cache/s3serve/models)")
     num_workers: int = Field(1, ge=1, description="worker actors started with the service (one engine each)")
@@ -145,6 +150,24 @@ class ServiceConfig(BaseModel):
     scale_up_queue_depth: int = Field(4, ge=1, description="pending requests per worker before adding one")
     scale_down_idle_s: float = Field(60.0, gt=0, description="idle time before removing a worker")
 
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, value):
+        names = (value,) if isinstance(value, str) else value
+        if names is not None and (not names or any(not isinstance(n, str) or not n.strip() for n in names)):
+            raise ValueError(f"served_model_name must be one or more non-empty names, got {value!r}")
+        return names
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_file(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = Path(value).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"chat_template {value!r} is not a file (a Jinja chat template)")
+        return str(path)  # absolute: the routers' working directory may differ
+
     @field_validator("length_probe")
     @classmethod
     def _probe_folder(cls, value: str | None) -> str | None:
@@ -198,10 +221,18 @@ class ServiceConfig(BaseModel):
 
     @property
     def model_id(self) -> str:
-        """What clients put in `model`."""
+        """The model's name in answers and /v1/models."""
+        if self.served_model_name:
+            return self.served_model_name[0]
+        return Path(self.model).name if os.sep in self.model else self.model
+
+    @property
+    def accepted_model_ids(self) -> tuple[str, ...]:
+        """What clients may put in `model`: every served name, else the model's name or the --model value itself
+        (a vLLM client sends the path it started the server with)."""
         if self.served_model_name:
             return self.served_model_name
-        return Path(self.model).name if os.sep in self.model else self.model
+        return (self.model_id, self.model)
 
     @property
     def predictor_root(self) -> str:

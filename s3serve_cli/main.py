@@ -109,6 +109,8 @@ def _serve(args: argparse.Namespace) -> int:
         "api_keys": tuple(args.api_key) if args.api_key else None, "length_probe": args.length_probe,
         "tensor_parallel_size": args.tensor_parallel_size, "preemption_mode": args.preemption_mode,
         "swap_space_bytes": args.swap_space_bytes, "routing": args.routing,
+        "served_model_name": tuple(args.served_model_name) if args.served_model_name else None,
+        "chat_template": args.chat_template,
     }
     overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
     try:
@@ -126,6 +128,12 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     serve.add_argument("--model", default=None,
                        help="'smollm2-135m-instruct' (default) or a local Hugging Face causal-LM folder")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model ids clients may send; the first names the model in answers and /v1/models "
+                            "(default: the model's name; the --model value as given is accepted too)")
+    serve.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                       help="a Jinja chat template to use instead of the tokenizer's own (a model without one "
+                            "answers chat requests with a 400)")
     serve.add_argument("--model-cache-dir", type=Path, default=None,
                        help="where the converted default model is kept (default: ~/.cache/s3serve/models)")
     serve.add_argument("--num-workers", type=int, default=None, help="worker actors, one engine each (default 1)")

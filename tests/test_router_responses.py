@@ -129,3 +129,21 @@ def test_a_request_the_protocol_refuses_is_a_400_in_openai_words(body, param, me
     error = raised.value.body()["error"]
     assert raised.value.status_code == 400 and error["param"] == param
     assert error["message"].startswith(message) and "Value error" not in error["message"]
+
+
+def test_chat_with_a_model_that_has_no_template_is_a_400_and_a_template_file_fixes_it(smollm2_dir, tmp_path):
+    from cluster.ingress.openai_protocol import ChatCompletionRequest
+    from workers.models import load_tokenizer
+
+    chat = ChatCompletionRequest.model_validate({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}]})
+    base = load_tokenizer(smollm2_dir)
+    base.chat_template = None  # as a base model's tokenizer comes
+    with pytest.raises(APIError) as raised:
+        RouterClass._encode_prompt(fake_router(base), chat, True)
+    assert raised.value.status_code == 400 and "no chat template" in str(raised.value.message)
+    assert "--chat-template" in str(raised.value.message)
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    templated = load_tokenizer(smollm2_dir, str(template))
+    text, ids = RouterClass._encode_prompt(fake_router(templated), chat, True)
+    assert templated.decode(ids) == "user: Hi\nassistant:"

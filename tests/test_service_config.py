@@ -80,3 +80,24 @@ def test_a_length_probe_folder_is_made_absolute_for_the_workers(monkeypatch):
     assert worker_settings(ServiceConfig(model="tiny")).length_probe is None
     assert worker_settings(ServiceConfig(length_probe="none")).length_probe is None
     assert worker_settings(ServiceConfig(model="tiny", length_probe="default")).length_probe == "default"
+
+
+def test_served_model_names_are_vllms(tmp_path):
+    assert ServiceConfig(served_model_name="mine").served_model_name == ("mine",)  # YAML may give one name
+    config = ServiceConfig(served_model_name=["first", "second"])
+    assert config.model_id == "first" and config.accepted_model_ids == ("first", "second")
+    local = ServiceConfig(model=str(tmp_path / "Qwen2.5-0.5B-Instruct"))
+    # unnamed: the folder's name, and the path itself as a vLLM client started against it would send
+    assert local.model_id == "Qwen2.5-0.5B-Instruct" and local.accepted_model_ids == ("Qwen2.5-0.5B-Instruct",
+                                                                                     local.model)
+    for bad in ([], [""], "  "):
+        with pytest.raises(ValueError, match="served_model_name must be one or more non-empty names"):
+            ServiceConfig(served_model_name=bad)
+
+
+def test_a_chat_template_must_be_a_file_and_is_made_absolute(tmp_path, monkeypatch):
+    (tmp_path / "chat.jinja").write_text("{{ messages[0]['content'] }}")
+    monkeypatch.chdir(tmp_path)
+    assert ServiceConfig(chat_template="chat.jinja").chat_template == str(tmp_path / "chat.jinja")
+    with pytest.raises(ValueError, match="chat_template 'missing.jinja' is not a file"):
+        ServiceConfig(chat_template="missing.jinja")

@@ -110,18 +110,29 @@ def load_model(model_dir: Path, dtype=None, device: str = "cpu"):
     return model.to(device).eval()
 
 
-def load_tokenizer(model_dir: Path):
+def load_tokenizer(model_dir: Path, chat_template_path: str | None = None):
+    """The model's tokenizer; with `chat_template_path`, that Jinja file is its chat template instead of its own."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if chat_template_path is not None:
+        tokenizer.chat_template = Path(chat_template_path).read_text(encoding="utf-8")
+    return tokenizer
+
+
+class NoChatTemplate(ValueError):
+    """Chat messages were sent to a model whose tokenizer has no chat template (a base model)."""
 
 
 def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of chat messages under the model's template, ready for the assistant's turn.
 
     transformers 5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`,
-    earlier versions a plain list; both come out as a list.
+    earlier versions a plain list; both come out as a list. `NoChatTemplate` when there is no template.
     """
+    if not getattr(tokenizer, "chat_template", None):
+        raise NoChatTemplate("this model has no chat template (a base model?): send the text to /v1/completions, "
+                             "or start the service with --chat-template FILE")
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]

@@ -35,7 +35,7 @@ from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.text_stream import TextStream
 from predictor_service.length_example import join_messages
-from workers.models import chat_token_ids, load_tokenizer, resolve_model_dir
+from workers.models import NoChatTemplate, chat_token_ids, load_tokenizer, resolve_model_dir
 from workers.policies import make_policy
 from workers.prefix_cache import block_hashes, prefix_cache_salt, salt_hash
 from workers.sampling_params import SamplingParams
@@ -83,7 +83,7 @@ class Router:
                           InRouterPredictor(self.config.predictor_root, self.config.quantile,
                                             self.config.max_model_len))
         model_dir = resolve_model_dir(self.config.model, self.config.model_cache_dir)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, self.config.chat_template)
         # Workers name cached blocks with the same salt, so these hashes match what they report.
         self._prefix_root = salt_hash(prefix_cache_salt(self.config.model, self.config.dtype))
         self.controller = get_or_create_controller(self.config, redis_url)
@@ -139,7 +139,10 @@ class Router:
     def _encode_prompt(self, req, is_chat: bool) -> tuple[str, list[int]]:
         if is_chat:
             messages = protocol.chat_messages(req)
-            ids = chat_token_ids(self.tokenizer, messages)
+            try:
+                ids = chat_token_ids(self.tokenizer, messages)
+            except NoChatTemplate as error:
+                raise bad_request(str(error), "messages") from None
             text = join_messages(messages)  # as the predictor was trained
         else:
             text = protocol.prompt_text(req)
@@ -178,7 +181,7 @@ class Router:
     async def _generate(self, request: Request, is_chat: bool):
         self._check_key(request)
         req = await self._parse(request, protocol.ChatCompletionRequest if is_chat else protocol.CompletionRequest)
-        if req.model != self.config.model_id:
+        if req.model not in self.config.accepted_model_ids:
             raise not_found_model(req.model)
         start_s = time.monotonic()
         text, prompt_ids = self._encode_prompt(req, is_chat)
