@@ -105,12 +105,30 @@ def test_converted_tokenizer_has_a_chat_template(raced_conversion):
     assert tokenizer.decode(token_ids).count("What is a KV cache?") == 1
 
 
-def test_folder_without_config_is_refused_with_a_clear_message(tmp_path):
+def test_folder_without_config_is_refused_with_a_clear_message(tmp_path, monkeypatch):
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match=r"neither 'smollm2-135m-instruct' nor a local Hugging Face folder with config.json"):
+    with pytest.raises(FileNotFoundError, match=r"neither 'smollm2-135m-instruct', a local Hugging Face folder with "
+                                                r"config.json, nor a hub id"):
         resolve_model_dir(str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="hub downloads are disabled"):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError, match=r"not in the local Hugging Face hub cache .*hub.*\(`hf download "
+                                                r"HuggingFaceTB/SmolLM2-135M-Instruct`"):
         resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_a_hub_id_resolves_to_its_snapshot_in_the_local_hub_cache(tmp_path, monkeypatch):
+    """Laid out as `hf download` leaves it: refs/main names the snapshot the files are in."""
+    repo = tmp_path / "hub" / "models--someorg--tiny-llama"
+    snapshot = repo / "snapshots" / ("ab" * 20)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("ab" * 20)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_model_dir("someorg/tiny-llama") == snapshot
+    (snapshot / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        resolve_model_dir("someorg/tiny-llama")
 
 
 def test_local_folder_with_config_is_used_as_is(tmp_path):

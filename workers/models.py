@@ -16,6 +16,7 @@ the tokenizer and must not load the engine's dependencies.
 
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -87,17 +88,38 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the Hugging Face hub spells repo ids
+
+
 def resolve_model_dir(model: str, cache_dir: Path | None = None) -> Path:
-    """Turn a model name or path into a local HF folder, converting the default model if needed."""
+    """Turn a model name, a local folder or a hub id into a local HF folder, converting the default model if needed.
+
+    A hub id ("Qwen/Qwen2.5-0.5B-Instruct") resolves to its snapshot in the local Hugging Face hub cache
+    (`HF_HUB_CACHE`, as vLLM and transformers keep it); nothing is downloaded.
+    """
     if model == DEFAULT_MODEL:
         return convert_gguf(find_default_gguf(), Path(cache_dir or default_cache_dir()) / DEFAULT_MODEL)
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"model {model!r} is neither {DEFAULT_MODEL!r} nor a local Hugging Face folder with config.json "
-            "(hub downloads are disabled: HF_HUB_OFFLINE=1)"
-        )
-    return path
+    if (path / "config.json").is_file():
+        return path
+    if HUB_ID.match(model) and not path.exists():
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            snapshot = Path(snapshot_download(model, local_files_only=True))
+        except LocalEntryNotFoundError:
+            raise FileNotFoundError(
+                f"model {model!r} is not in the local Hugging Face hub cache ({constants.HF_HUB_CACHE}) and s3serve "
+                f"downloads nothing: fetch it where the hub is reachable (`hf download {model}`, into that cache or "
+                "a folder) and pass the cache or the folder") from None
+        if not (snapshot / "config.json").is_file():
+            raise FileNotFoundError(f"the cached snapshot of {model!r} ({snapshot}) has no config.json")
+        return snapshot
+    raise FileNotFoundError(
+        f"model {model!r} is neither {DEFAULT_MODEL!r}, a local Hugging Face folder with config.json, nor a hub id "
+        "(org/name) in the local hub cache"
+    )
 
 
 def load_model(model_dir: Path, dtype=None, device: str = "cpu"):
