@@ -110,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
         "tensor_parallel_size": args.tensor_parallel_size, "preemption_mode": args.preemption_mode,
         "swap_space_bytes": args.swap_space_bytes, "routing": args.routing,
         "served_model_name": tuple(args.served_model_name) if args.served_model_name else None,
-        "chat_template": args.chat_template,
+        "chat_template": args.chat_template, "worker_num_gpus": args.num_gpus_per_worker,
     }
     overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
     try:
@@ -157,6 +157,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--kv-cache-fraction", type=float, default=None, metavar="SHARE",
                        help="on CUDA: KV budget per worker as this share of the GPU memory free after loading the "
                             "model (instead of --kv-cache-bytes)")
+    serve.add_argument("--num-gpus-per-worker", type=float, default=None, metavar="N",
+                       help="Ray GPUs each worker actor asks for (worker_num_gpus; default 0: with --device auto "
+                            "the workers then run on the CPU)")
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn the workers' prefix cache off (on by default: requests that share a prompt prefix "
                             "share its KV blocks, kept after they finish until the blocks are needed)")

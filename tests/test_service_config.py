@@ -101,3 +101,13 @@ def test_a_chat_template_must_be_a_file_and_is_made_absolute(tmp_path, monkeypat
     assert ServiceConfig(chat_template="chat.jinja").chat_template == str(tmp_path / "chat.jinja")
     with pytest.raises(ValueError, match="chat_template 'missing.jinja' is not a file"):
         ServiceConfig(chat_template="missing.jinja")
+
+
+def test_the_start_up_line_says_how_much_fits_in_kv():
+    from s3serve_cli.serve import kv_summary
+
+    assert kv_summary([8192, 8192], 2048) == ("KV cache: 8,192 tokens per worker, 4 sequence(s) of max_model_len 2,048 "
+                                              "at once in the smallest")
+    assert "4,096 to 8,192 tokens per worker, 2 sequence(s)" in kv_summary([8192, 4096], 2048)
+    assert "fewer than one: raise --kv-cache-bytes" in kv_summary([1024], 2048)
+    assert kv_summary([], 2048) == "KV cache: no worker reported yet"

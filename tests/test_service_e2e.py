@@ -111,6 +111,7 @@ def test_models_and_health(client, service):
     assert [m.id for m in client.models.list().data] == [MODEL]
     health = httpx.get(f"{service.base_url}/health").json()
     assert health["status"] == "ok" and health["workers_ready"] == 2
+    assert len(health["kv_tokens"]) == 2 and all(tokens >= MAX_MODEL_LEN for tokens in health["kv_tokens"].values())
 
 
 @pytest.mark.parametrize("body, status, param", [

@@ -353,7 +353,8 @@ class Router:
             return JSONResponse({"status": "unavailable", "reason": f"controller: {type(error).__name__}"}, 503)
         num_ready = len(status.stats)
         body = {"status": "ok", "workers_ready": num_ready, "redis": status.is_redis_ok,
-                "pending": status.num_pending}
+                "pending": status.num_pending,
+                "kv_tokens": {s.worker_id: s.num_total_blocks * s.block_size for s in status.stats}}
         if not status.is_redis_ok or num_ready == 0:
             body["status"] = "unavailable"
             return JSONResponse(body, 503)
