@@ -23,8 +23,11 @@ class KVKernelBackend(abc.ABC):
     name: str = "abstract"
 
     @abc.abstractmethod
-    def attention(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                  window: int = 0) -> torch.Tensor:
         """One layer of a step: write the step's K/V [T, KVH, D] into the pool, attend; [T, H, D] -> [T, H, D].
+
+        `window` > 0: a sliding-window layer, each query sees only its last `window` keys (its own included).
 
         Unchecked and without host syncs: the caller validated `meta` once for the step.
         """
@@ -75,8 +78,8 @@ class ModuleKVKernels(KVKernelBackend):
     def __init__(self, ops) -> None:
         self._ops = ops
 
-    def attention(self, query, key, value, k_cache, v_cache, meta, scale):
-        return self._ops.attention(query, key, value, k_cache, v_cache, meta, scale)
+    def attention(self, query, key, value, k_cache, v_cache, meta, scale, window=0):
+        return self._ops.attention(query, key, value, k_cache, v_cache, meta, scale, window)
 
     def append_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         self._ops.append_kv(key, value, k_cache, v_cache, slot_mapping)

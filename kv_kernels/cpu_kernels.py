@@ -43,7 +43,7 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     out = torch.empty_like(query)
     starts = torch.arange(num_seqs + 1, dtype=torch.int32)
     _ops().paged_attention(query, k_cache, v_cache, block_tables.int().contiguous(), starts,
-                           context_lens.int().contiguous(), float(scale), out)
+                           context_lens.int().contiguous(), float(scale), 0, out)
     return out
 
 
@@ -54,12 +54,14 @@ def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_
     seq_lens = (prefix_lens.int() + (starts[1:] - starts[:-1])).contiguous()
     out = torch.empty_like(query)
     _ops().paged_attention(query, k_cache, v_cache, block_tables.int().contiguous(), starts, seq_lens, float(scale),
-                           out)
+                           0, out)
     return out
 
 
-def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+              window: int = 0) -> torch.Tensor:
     """A whole step for one layer: append the step's K/V, then attend. query [T, H, D] -> [T, H, D].
+    `window`: see reference.attention.
 
     Unchecked: the engine validated `meta` once for the step. Long bf16 prefill chunks,
     which the runner puts first, go to SDPA; everything else is one kernel call.
@@ -78,11 +80,12 @@ def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scal
             starts.append(starts[-1] + length)
         prefixes = [s - q for s, q in zip(meta.seq_lens_host[:num_long], meta.query_lens_host[:num_long])]
         out[: starts[-1]] = reference._prefill_attention(
-            query[: starts[-1]], k_cache, v_cache, starts, prefixes, meta.block_tables[:num_long], scale)
+            query[: starts[-1]], k_cache, v_cache, starts, prefixes, meta.block_tables[:num_long], scale, window)
     if num_long < meta.num_seqs:
         # query_start_loc keeps absolute token offsets, so the rest is a suffix of views
         ops.paged_attention(query, k_cache, v_cache, meta.block_tables[num_long:],
-                            meta.query_start_loc[num_long:], meta.seq_lens[num_long:], float(scale), out)
+                            meta.query_start_loc[num_long:], meta.seq_lens[num_long:], float(scale), int(window),
+                            out)
     return out
 
 

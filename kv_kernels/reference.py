@@ -66,8 +66,10 @@ def paged_decode_attention(
                                    max(context_lens.tolist(), default=0))
 
 
-def _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len: int):
-    """One batched attention call for every sequence: contexts padded to the longest and masked."""
+def _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, max_context_len: int,
+                            window: int = 0):
+    """One batched attention call for every sequence: contexts padded to the longest and masked; with `window`,
+    each query sees only its last `window` keys, its own included (a sliding window)."""
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if num_seqs == 0:
@@ -78,7 +80,10 @@ def _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens,
     keys = k_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
     values = v_cache[table].reshape(num_seqs, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
     positions = torch.arange(num_blocks * block_size, device=query.device)
-    mask = (positions[None, :] < context_lens[:, None])[:, None, :, None]  # [S, 1, L, 1]
+    visible = positions[None, :] < context_lens[:, None]  # [S, L]
+    if window > 0:
+        visible = visible & (positions[None, :] >= context_lens[:, None] - window)
+    mask = visible[:, None, :, None]  # [S, 1, L, 1]
     # Stale slots past a context may hold anything (inf, nan): zero them, since a masked
     # probability of 0 times inf is still nan.
     keys = torch.where(mask, keys.float(), 0.0)
@@ -121,8 +126,10 @@ def prefill_attention(
                               scale)
 
 
-def _prefill_attention(query, k_cache, v_cache, bounds: list[int], prefixes: list[int], block_tables, scale):
-    """Chunk by chunk (prefill chunks are few per step); `bounds`/`prefixes` are host lists."""
+def _prefill_attention(query, k_cache, v_cache, bounds: list[int], prefixes: list[int], block_tables, scale,
+                       window: int = 0):
+    """Chunk by chunk (prefill chunks are few per step); `bounds`/`prefixes` are host lists. With `window`, query
+    position p sees keys p - window + 1 .. p (a sliding window)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(query)
@@ -138,13 +145,15 @@ def _prefill_attention(query, k_cache, v_cache, bounds: list[int], prefixes: lis
         keys = k_cache[table].view(-1, num_kv_heads, head_dim)[:context_len].transpose(0, 1)
         values = v_cache[table].view(-1, num_kv_heads, head_dim)[:context_len].transpose(0, 1)
         q = query[start:end].transpose(0, 1)  # [H, Q, D]
-        if prefix_len == 0:
+        if prefix_len == 0 and not 0 < window < context_len:
             mask = None
             is_causal = query_len > 1
         else:
             query_positions = torch.arange(prefix_len, context_len, device=query.device)
             key_positions = torch.arange(context_len, device=query.device)
             mask = key_positions[None, :] <= query_positions[:, None]  # [Q, L]
+            if window > 0:
+                mask = mask & (key_positions[None, :] > query_positions[:, None] - window)
             is_causal = False
         attended = F.scaled_dot_product_attention(
             q[None], keys[None], values[None], attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
@@ -197,9 +206,12 @@ def scatter_blocks(cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.T
     cache[block_ids.long()] = blocks
 
 
-def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+              window: int = 0) -> torch.Tensor:
     """A whole step for one layer: append the step's K/V, then attend. query [T, H, D] -> [T, H, D].
 
+    `window` > 0: each query sees only its last `window` keys, its own included (a sliding-window layer, as
+    Hugging Face's `kv_idx > q_idx - sliding_window`); 0: the whole context.
     Unchecked: the engine validated `meta` once for the step (`build_attention_metadata`).
     """
     _append_kv(key, value, k_cache, v_cache, meta.slot_mapping)
@@ -211,9 +223,9 @@ def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scal
             starts.append(starts[-1] + length)
         prefixes = [s - q for s, q in zip(meta.seq_lens_host, meta.query_lens_host[: meta.num_prefills])]
         parts.append(_prefill_attention(query[:num_prefill], k_cache, v_cache, starts, prefixes,
-                                        meta.prefill_block_tables, scale))
+                                        meta.prefill_block_tables, scale, window))
     if meta.num_seqs > meta.num_prefills:
         parts.append(_paged_decode_attention(query[num_prefill:], k_cache, v_cache, meta.decode_block_tables,
                                              meta.decode_context_lens, scale,
-                                             max(meta.seq_lens_host[meta.num_prefills:])))
+                                             max(meta.seq_lens_host[meta.num_prefills:]), window))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

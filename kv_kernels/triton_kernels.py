@@ -85,7 +85,7 @@ def _append_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 @triton.jit
 def _attend_key_tile(
-    acc, m_i, l_i, q, query_pos, key_start, kv_len, table_row, k_cache, v_cache, kv_head, scale,
+    acc, m_i, l_i, q, query_pos, key_start, kv_len, table_row, k_cache, v_cache, kv_head, scale, window,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr, KEY_TILE: tl.constexpr,
 ):
@@ -93,7 +93,8 @@ def _attend_key_tile(
 
     acc: [R, Dp] fp32 unnormalised output; m_i, l_i: [R] fp32 running max and sum;
     q: [R, Dp]; query_pos: [R] position of each row's query token, which sees keys
-    at positions <= query_pos. Positions >= kv_len are neither read nor attended.
+    at positions <= query_pos (and, with `window` > 0, > query_pos - window). Positions >= kv_len are
+    neither read nor attended.
     """
     key_pos = key_start + tl.arange(0, KEY_TILE)  # [N]
     key_ok = key_pos < kv_len  # [N]
@@ -106,6 +107,7 @@ def _attend_key_tile(
     v = tl.load(v_cache + offsets, mask=kv_mask, other=0.0)  # v: [N, Dp]
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [R, N] fp32
     visible = key_ok[None, :] & (key_pos[None, :] <= query_pos[:, None])  # [R, N]
+    visible = visible & ((window <= 0) | (key_pos[None, :] > query_pos[:, None] - window))
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [R]
     alpha = tl.exp(m_i - m_new)  # [R] rescales what was accumulated so far
@@ -117,7 +119,7 @@ def _attend_key_tile(
 
 @triton.jit
 def _paged_decode_kernel(
-    out, query, k_cache, v_cache, block_tables, context_lens, scale,
+    out, query, k_cache, v_cache, block_tables, context_lens, scale, window,
     stride_query_seq, stride_query_head, stride_out_seq, stride_out_head, stride_table_seq,
     GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KEY_TILE: tl.constexpr,
@@ -138,7 +140,7 @@ def _paged_decode_kernel(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     for key_start in range(0, context_len, KEY_TILE):
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, query_pos, key_start, context_len, table_row, k_cache, v_cache, kv_head, scale,
+            acc, m_i, l_i, q, query_pos, key_start, context_len, table_row, k_cache, v_cache, kv_head, scale, window,
             BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, KEY_TILE,
         )
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [R, Dp]
@@ -152,7 +154,8 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     return _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+def _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                            window: int = 0) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_heads // num_kv_heads
@@ -160,7 +163,7 @@ def _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens,
     if num_seqs == 0:
         return out
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
-        out, query, k_cache, v_cache, block_tables, context_lens.contiguous(), float(scale),
+        out, query, k_cache, v_cache, block_tables, context_lens.contiguous(), float(scale), int(window),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP_SIZE=group_size, GROUP_PAD=_pad(group_size), BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_pad(head_dim), KEY_TILE=_pad(block_size),
@@ -170,7 +173,7 @@ def _paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens,
 
 @triton.jit
 def _prefill_kernel(
-    out, query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables, scale,
+    out, query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables, scale, window,
     stride_query_token, stride_query_head, stride_out_token, stride_out_head, stride_table_seq,
     GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, QUERY_TILE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, KEY_TILE: tl.constexpr,
@@ -200,7 +203,7 @@ def _prefill_kernel(
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     for key_start in range(0, kv_len, KEY_TILE):
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, query_pos, key_start, kv_len, table_row, k_cache, v_cache, kv_head, scale,
+            acc, m_i, l_i, q, query_pos, key_start, kv_len, table_row, k_cache, v_cache, kv_head, scale, window,
             BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM_PAD, KEY_TILE,
         )
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # [R, Dp]
@@ -219,7 +222,7 @@ def prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_
 
 
 def _prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block_tables, scale,
-                       max_chunk_len: int) -> torch.Tensor:
+                       max_chunk_len: int, window: int = 0) -> torch.Tensor:
     """`max_chunk_len` sizes the grid; the engine knows it on the host (no sync)."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -233,26 +236,28 @@ def _prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_chunk_len, query_tile))
     _prefill_kernel[grid](
         out, query, k_cache, v_cache, cu_seqlens_q.contiguous(), prefix_lens.contiguous(), block_tables,
-        float(scale), query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP_SIZE=group_size, ROWS=rows, QUERY_TILE=query_tile, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
+        float(scale), int(window), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), GROUP_SIZE=group_size, ROWS=rows, QUERY_TILE=query_tile, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_pad(head_dim), KEY_TILE=_pad(block_size),
     )
     return out
 
 
-def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """A whole step for one layer: append the step's K/V, then attend; no checks and no host sync."""
+def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+              window: int = 0) -> torch.Tensor:
+    """A whole step for one layer: append the step's K/V, then attend; no checks and no host sync.
+    `window`: see reference.attention."""
     _append_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     num_prefill = meta.num_prefill_tokens
     parts = []
     if meta.num_prefills:
         parts.append(_prefill_attention(
             query[:num_prefill], k_cache, v_cache, meta.prefill_cu_seqlens, meta.prefill_prefix_lens,
-            meta.prefill_block_tables, scale, max(meta.query_lens_host[: meta.num_prefills]),
+            meta.prefill_block_tables, scale, max(meta.query_lens_host[: meta.num_prefills]), window,
         ))
     if meta.num_seqs > meta.num_prefills:
         parts.append(_paged_decode_attention(query[num_prefill:], k_cache, v_cache, meta.decode_block_tables,
-                                             meta.decode_context_lens, scale))
+                                             meta.decode_context_lens, scale, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 

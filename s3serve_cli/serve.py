@@ -155,7 +155,7 @@ def check_model(config: ServiceConfig) -> None:
     from workers.models import resolve_model_dir
 
     model_dir = resolve_model_dir(config.model, Path(config.model_cache_dir) if config.model_cache_dir else None)
-    check_servable(AutoConfig.from_pretrained(model_dir), config.max_model_len, config.model)
+    check_servable(AutoConfig.from_pretrained(model_dir), config.model)
 
 
 def _first_line(error: BaseException) -> str:

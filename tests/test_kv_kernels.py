@@ -282,6 +282,44 @@ def test_attention_step_matches_reference(backend_cls):
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+def _windowed_dense(query, key_rows, value_rows, positions, context_lens, window, scale, group):
+    """Plain attention of each query over its sequence's keys, the last `window` only: the definition, no pool."""
+    out = torch.empty_like(query)
+    for t, (pos, keys, values) in enumerate(zip(positions, key_rows, value_rows)):
+        lo = max(0, pos + 1 - window)
+        k = keys[lo:pos + 1].repeat_interleave(group, dim=1)  # [L, H, D]
+        v = values[lo:pos + 1].repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", query[t].float(), k.float()) * scale, dim=-1)
+        out[t] = torch.einsum("hl,lhd->hd", weights, v.float()).to(query.dtype)
+    return out
+
+
+@pytest.mark.parametrize("backend_cls", [TorchKVKernels, CpuKVKernels, TritonKVKernels])
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_a_sliding_window_sees_only_the_last_keys(backend_cls, window):
+    """Prefill from nothing, a continued chunk and decodes, each longer than the window somewhere."""
+    chunks = [(19, 0), (6, 13), (1, 30)]  # (chunk length, cached prefix)
+    decodes = [24, 3]  # context lengths of decoding sequences
+    k_cache, v_cache, meta, query, key, value = _step(4, 2, 40, chunks, decodes, torch.float32, seed=23)
+    got = backend_cls().attention(query, key, value, k_cache, v_cache, meta, 0.3, window)
+    # the definition, reading each sequence's keys back from the pool in position order
+    positions, key_rows, value_rows = [], [], []
+    tables = meta.block_tables.tolist()
+    for seq, (q_len, n) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        slots = torch.tensor([tables[seq][p // 4] * 4 + p % 4 for p in range(n)])
+        keys = k_cache.view(-1, *k_cache.shape[2:])[slots]
+        values = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        for pos in range(n - q_len, n):
+            positions.append(pos)
+            key_rows.append(keys)
+            value_rows.append(values)
+    want = _windowed_dense(query, key_rows, value_rows, positions, None, window, 0.3, group=3)
+    torch.testing.assert_close(got, want, atol=ATOL * 10, rtol=RTOL * 10)
+    if window == 16:  # wider than some contexts: those rows are plain causal attention
+        whole = reference.attention(query, key, value, k_cache.clone(), v_cache.clone(), meta, 0.3)
+        torch.testing.assert_close(got[-1], whole[-1], atol=ATOL, rtol=RTOL)  # the decode at context 3
+
+
 def test_cpu_attention_routes_long_bf16_chunks_to_sdpa_with_the_same_result():
     long_chunk = cpu_kernels.SDPA_MIN_CHUNK_TOKENS[torch.bfloat16]
     chunks = [(long_chunk + 3, 5), (12, 0)]  # the runner orders prefills longest first

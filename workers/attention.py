@@ -41,11 +41,12 @@ class StepAttention:
     elapsed_s: float = field(default=0.0)
 
     def __call__(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 scale: float) -> torch.Tensor:
-        """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]; writes key/value into the pool."""
+                 scale: float, window: int = 0) -> torch.Tensor:
+        """query [T, H, D], key/value [T, KVH, D] -> [T, H, D]; writes key/value into the pool. `window` > 0: the
+        layer attends within a sliding window of that many keys."""
         start_s = time.perf_counter()
         k_cache, v_cache = self.kv_caches[layer_idx]
-        out = self.backend.attention(query, key, value, k_cache, v_cache, self.meta, scale)
+        out = self.backend.attention(query, key, value, k_cache, v_cache, self.meta, scale, window)
         self.elapsed_s += time.perf_counter() - start_s
         return out
 
@@ -59,9 +60,15 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     s3_attention: StepAttention | None = None,
+    sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """AttentionInterface function: query [1, H, T, D], key/value [1, KVH, T, D] -> [1, T, H, D]."""
+    """AttentionInterface function: query [1, H, T, D], key/value [1, KVH, T, D] -> [1, T, H, D].
+
+    `sliding_window`: what a sliding-window layer passes (Mistral, Qwen2, Phi-3, Gemma 3's local layers): each
+    query sees keys at positions > its own - sliding_window. Anything the model asks that our attention does
+    not do was refused when the model was loaded (`workers.model_support`).
+    """
     if s3_attention is None:
         raise ValueError(
             f"attention implementation {ATTENTION_NAME!r} needs the s3_attention keyword; "
@@ -69,7 +76,7 @@ def paged_attention_forward(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q, k, v = _token_rows(query), _token_rows(key), _token_rows(value)  # [T, H, D], [T, KVH, D], [T, KVH, D]
-    return s3_attention(module.layer_idx, q, k, v, scale).unsqueeze(0), None
+    return s3_attention(module.layer_idx, q, k, v, scale, int(sliding_window or 0)).unsqueeze(0), None
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:

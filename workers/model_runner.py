@@ -120,8 +120,7 @@ class ModelRunner:
     ) -> None:
         from workers.fast_llama import FastLlama, unsupported_reason
 
-        check_servable(model.config, max_model_len or model.config.max_position_embeddings,
-                       getattr(model.config, "_name_or_path", "") or model.config.model_type)
+        check_servable(model.config, getattr(model.config, "_name_or_path", "") or model.config.model_type)
         self.device = next(model.parameters()).device
         self.backend = backend
         self.block_size = block_size

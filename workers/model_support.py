@@ -1,22 +1,19 @@
 """What our engine cannot serve correctly, read from a model's config before any weight loads.
 
-Our paged attention (`kv_kernels`: torch reference, C++ CPU, Triton) attends to the whole
-cached context of a sequence with a plain softmax. A model whose attention does something
-else would run, and answer differently from its own implementation, with no error: a
-Mistral v0.1 with a 4,096-token sliding window past its window, Gemma 2's capped attention
-logits, Gemma 3's sliding layers. Until the kernels do those, such a model is refused in one
-line that names what is missing, before any worker starts (`s3serve serve` checks the
-folder's config first) and again wherever a model meets the engine (`ModelRunner`).
+Our paged attention (`kv_kernels`: torch reference, C++ CPU, Triton) is a plain softmax over
+a sequence's cached context, or over its last `window` keys for a sliding-window layer (what
+Mistral, Qwen2, Phi-3 and Gemma 3's local layers pass as `sliding_window`). A model whose
+attention does something else would run, and answer differently from its own implementation,
+with no error: Gemma 2's capped attention logits, say. Such a model is refused in one line
+that names what is missing, before any worker starts (`s3serve serve` checks the folder's
+config first) and again wherever a model meets the engine (`ModelRunner`).
 
 Pure decisions: `refusal` reads attributes of a transformers config (or anything shaped
 like one) and imports nothing.
 """
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def refusal(config, max_model_len: int) -> str | None:
-    """Why this model cannot be served correctly with sequences of up to `max_model_len` tokens (None: it can)."""
+def refusal(config) -> str | None:
+    """Why this model cannot be served correctly (None: it can)."""
     if getattr(config, "auto_map", None):
         return ("its config.json names its own code (auto_map: remote code), which s3serve does not run; serve a "
                 "model whose architecture transformers ships")
@@ -30,16 +27,12 @@ def refusal(config, max_model_len: int) -> str | None:
     if softcap:
         return (f"it caps attention logits (attn_logit_softcapping = {softcap}), which our paged attention does "
                 "not: its answers would differ from the model's own")
-    window = sliding_window(config)
-    if window is not None and max_model_len > window:
-        return (f"it attends within a sliding window of {window} tokens, which our paged attention does not yet "
-                f"do: past {window} tokens its answers would differ from the model's own; serve it with "
-                f"max_model_len <= {window} (asked: {max_model_len})")
     return None
 
 
 def sliding_window(config) -> int | None:
-    """The sliding window some layer attends within, or None when every layer attends to the whole context."""
+    """The sliding window some layer attends within (the kernels' `window`), or None when every layer attends to
+    the whole context."""
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
         return None  # Qwen2 and Qwen3 carry a window they do not use unless use_sliding_window is set
@@ -49,8 +42,8 @@ def sliding_window(config) -> int | None:
     return int(window)
 
 
-def check_servable(config, max_model_len: int, model_name: str) -> None:
+def check_servable(config, model_name: str) -> None:
     """ValueError (one line, naming the model and what is missing) when `refusal` has a reason."""
-    reason = refusal(config, max_model_len)
+    reason = refusal(config)
     if reason is not None:
         raise ValueError(f"cannot serve {model_name!r} correctly: {reason}")

@@ -57,10 +57,12 @@ void append_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cac
 //   block_tables:    [S, W] int32
 //   query_start_loc: [S + 1] int32
 //   seq_lens:        [S] int32, tokens in the cache after this step (prefix + chunk)
+//   window:          0, or a sliding window: a query sees only its last `window` keys
 //   out:             [T, H, D]
 //
 // Query token j of a chunk of q_len sits at position seq_len - q_len + j and attends
-// to cache positions 0 ..= that position (its chunk's K/V must be appended first).
+// to cache positions 0 ..= that position (its chunk's K/V must be appended first),
+// or to the last `window` of them.
 // Work item = (sequence, tile of up to kQueryTile queries): every query head of the
 // tile shares each cache row read.
 
@@ -84,7 +86,7 @@ template <typename scalar_t, int HEAD_DIM>
 void attend_item(const WorkItem& item, const scalar_t* query, int64_t q_stride_t, int64_t q_stride_h,
                  const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* block_table, int64_t block_size,
                  int64_t num_kv_heads, int64_t dynamic_head_dim, int64_t group, int64_t q_start, int64_t seq_len,
-                 int64_t q_len, float scale, scalar_t* out, int64_t o_stride_t, int64_t o_stride_h,
+                 int64_t q_len, float scale, int64_t window, scalar_t* out, int64_t o_stride_t, int64_t o_stride_h,
                  std::vector<float>& scratch) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : dynamic_head_dim;
   const int64_t num_queries = item.q_end - item.q_begin;
@@ -157,7 +159,14 @@ void attend_item(const WorkItem& item, const scalar_t* query, int64_t q_stride_t
     }
   });
   for (int64_t r = 0; r < num_queries; ++r) {
-    for (int64_t h = 0; h < num_heads; ++h) softmax_inplace(scores + (r * num_heads + h) * score_stride, first_pos + r + 1);
+    // A query sees keys 0 .. its position; with a sliding window only the last `window` of them.
+    const int64_t seen = first_pos + r + 1;
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, seen - window) : 0;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      float* row = scores + (r * num_heads + h) * score_stride;
+      std::fill(row, row + lo, 0.f);  // weight 0 in pass 2
+      softmax_inplace(row + lo, seen - lo);
+    }
   }
   // Pass 2: weighted values.
   std::fill(acc, acc + rows * row_floats, 0.f);
@@ -185,7 +194,7 @@ void attend_item(const WorkItem& item, const scalar_t* query, int64_t q_stride_t
 template <typename scalar_t>
 void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                          const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                          const at::Tensor& seq_lens, double scale, int64_t window, at::Tensor& out) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -237,7 +246,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
                       : head_dim == 128 ? &attend_item<scalar_t, 128> : &attend_item<scalar_t, 0>;
         attend(item, q_ptr, query.stride(0), query.stride(1), k_ptr, v_ptr, tables + s * table_width, block_size,
                num_kv_heads, head_dim, group, starts[s], lens[s], starts[s + 1] - starts[s],
-               static_cast<float>(scale), o_ptr, out.stride(0), out.stride(1), scratch);
+               static_cast<float>(scale), window, o_ptr, out.stride(0), out.stride(1), scratch);
       }
     }
   });
@@ -245,8 +254,9 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& k_cache, co
 
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                     double scale, at::Tensor& out) {
+                     double scale, int64_t window, at::Tensor& out) {
   check_cpu(query, "query");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: the whole context), got ", window);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, H, D] with unit last stride");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1, "out must match query's shape");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -260,7 +270,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1, "query_start_loc needs num_seqs + 1 entries");
   TORCH_CHECK(block_tables.size(0) >= seq_lens.size(0), "block_tables needs a row per sequence");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
-    paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, out);
+    paged_attention_impl<scalar_t>(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window,
+                                   out);
   });
 }
 
@@ -269,7 +280,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
 TORCH_LIBRARY_FRAGMENT(s3_cpu, m) {
   m.def("append_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
+        "Tensor query_start_loc, Tensor seq_lens, float scale, int window, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(s3_cpu, CPU, m) {
