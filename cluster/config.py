@@ -42,8 +42,8 @@ class ServiceConfig(BaseModel):
 
     host: str = Field("127.0.0.1", description="address the HTTP server binds; 0.0.0.0 exposes it beyond this machine")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
-    model: str = Field(DEFAULT_MODEL, description="'smollm2-135m-instruct', a local Hugging Face causal-LM folder, or "
-                                                  "a hub id (org/name) in the local hub cache")
+    model: str = Field(DEFAULT_MODEL, description="'smollm2-135m-instruct', 'gemma3-270m', a local Hugging Face "
+                                                  "causal-LM folder, or a hub id (org/name) in the local hub cache")
     served_model_name: tuple[str, ...] | None = Field(
         None, description="model ids clients may send, as vLLM's --served-model-name: the first is the one answers "
                           "and /v1/models name (default: the model's name; the --model value as given is "

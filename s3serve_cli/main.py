@@ -127,8 +127,10 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
     serve.add_argument("--model", default=None,
-                       help="'smollm2-135m-instruct' (default), a local Hugging Face causal-LM folder, or a hub id "
-                            "(org/name) already in the local Hugging Face hub cache (nothing is downloaded)")
+                       help="'smollm2-135m-instruct' (default), 'gemma3-270m' (Gemma 3 270M base, Gemma terms "
+                            "apply; completions only: it has no chat template), a local Hugging Face causal-LM "
+                            "folder, or a hub id (org/name) already in the local Hugging Face hub cache (nothing is "
+                            "downloaded)")
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model ids clients may send; the first names the model in answers and /v1/models "
                             "(default: the model's name; the --model value as given is accepted too)")

