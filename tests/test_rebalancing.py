@@ -26,11 +26,12 @@ NUM_BLOCKS = 16  # per worker: 256 tokens
 
 def _config(model_cache_dir, **fields) -> ServiceConfig:
     # The scenarios are built on s3's whole reservations, placed by room and rebalanced by counts (the defaults
-    # when they were written); the default policy and routing have their own tests.
+    # when they were written), with the bounds they set kept (no length probe re-bounding them); the default
+    # policy, routing and probe have their own tests.
     base = dict(model_cache_dir=str(model_cache_dir), kv_cache_bytes=NUM_BLOCKS * BYTES_PER_BLOCK,
                 block_size=BLOCK_SIZE, max_model_len=256, default_max_tokens=64, num_torch_threads=1,
                 stats_interval_s=0.2, migrate_kv_min_tokens=0, dtype="float32",  # the block arithmetic above is fp32
-                policy="s3", routing="room")
+                policy="s3", routing="room", length_probe="none")
     base.update(fields)
     return ServiceConfig(**base)
 
