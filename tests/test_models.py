@@ -134,3 +134,14 @@ def test_a_hub_id_resolves_to_its_snapshot_in_the_local_hub_cache(tmp_path, monk
 def test_local_folder_with_config_is_used_as_is(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_dir(str(tmp_path)) == tmp_path
+
+
+def test_bench_prompts_for_a_base_model_are_the_messages_text(smollm2_dir):
+    from benchmarks.prompt_pool import PromptRecord, encode_chat
+
+    record = PromptRecord("pool:x-1", ({"role": "user", "content": "Name three rivers."},))
+    base = load_tokenizer(smollm2_dir)
+    base.chat_template = None  # as a base model's tokenizer comes (Gemma 3 270M's)
+    assert base.decode(encode_chat(base, record)) == "Name three rivers."
+    chat = encode_chat(load_tokenizer(smollm2_dir), record)
+    assert "Name three rivers." in load_tokenizer(smollm2_dir).decode(chat) and len(chat) > len(encode_chat(base, record))
