@@ -40,22 +40,6 @@ ORACLE = "oracle"  # in `policies`: the default policy planning by the true leng
 PROBED = "probe"  # in `policies`: the default policy with the hidden-state probe re-predicting inside the engine
 
 
-class _ForcedReader(LengthProbe):
-    """A probe that also reads forced sequences: here every forced length is the model's own greedy one."""
-
-    reads_forced = True
-
-    def __init__(self, probe: LengthProbe) -> None:
-        self.probe = probe
-        self.interval_tokens = probe.interval_tokens
-
-    def is_due(self, num_output_tokens: int) -> bool:
-        return self.probe.is_due(num_output_tokens)
-
-    def estimate_remaining(self, hidden, queries):
-        return self.probe.estimate_remaining(hidden, queries)
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class NaturalPeersConfig:
     """What `bench peers --workload natural` runs.
@@ -123,8 +107,8 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
             and config.policies in (NaturalPeersConfig.policies, quick_config().policies):
         print(f"no s3_peak+probe runs: the shipped probe reads {DEFAULT_MODEL}'s hidden states; pass --probe DIR "
               "(from `s3serve probe extract` and `train`) for this model")
-        config = dataclasses.replace(config, policies=tuple(p if p != PROBED else DEFAULT_POLICY
-                                                            for p in config.policies if p != DEFAULT_POLICY))
+        without = dict.fromkeys(DEFAULT_POLICY if p == PROBED else p for p in config.policies)  # ordered, unique
+        config = dataclasses.replace(config, policies=tuple(without))
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
     workload = build_natural_workload(tokenizer, model_name, config.num_requests, config.max_len,
@@ -152,8 +136,9 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
         if capacity_per_s is None:  # no vLLM here: our paged_greedy's offline capacity sets the rates
             capacity_per_s = _offline_capacity(model, requests, config, config.kv_tokens * our_bytes)
         estimates = _estimates(config, requests, workload.texts)
-        probe = (_ForcedReader(load_length_probe(config.probe, model.config.hidden_size))
-                 if PROBED in config.policies else None)
+        probe = load_length_probe(config.probe, model.config.hidden_size) if PROBED in config.policies else None
+        if probe is not None:
+            probe.reads_forced = True  # every forced length here is the model's own greedy one
         plan = [(policy, f) for f in config.rate_fractions for policy in config.policies]
         with tqdm(total=len(plan), desc="ours", unit="run") as progress:
             for policy, fraction in plan:
@@ -271,9 +256,8 @@ def _report(config: NaturalPeersConfig, runs: list[dict], info: dict, capacity_p
     probed = " (+probe: re-predicted from hidden states as it decodes)" if PROBED in config.policies else ""
     print(f"same KV for every engine: {config.kv_tokens} tokens; every engine preempts by recompute and warms up "
           f"with the same {len(warm_up_prompts(2))} requests; our {DEFAULT_POLICY} predicts with "
-          f"{config.predictor!r}{probed}; {DEFAULT_POLICY}+oracle plans by the true lengths instead (the ceiling); the headline ratios are "
-          f"{headline}'s, the service's default; one "
-          "timed run each")
+          f"{config.predictor!r}{probed}; {DEFAULT_POLICY}+oracle plans by the true lengths instead (the ceiling); "
+          f"the headline ratios are {headline}'s, the service's default; one timed run each")
     if any(r["system"] == "ours" and r["dtype"] != "bfloat16" for r in runs):
         print("our engine ran in float32 here (no bf16 instructions): the same KV tokens, twice the bytes")
     result = {"benchmark": "peers", "workload": {"name": "natural", **info, "num_requests": config.num_requests,

@@ -51,11 +51,6 @@ def prefill_remaining_mae(prefill_point_by_prompt: Mapping[str, int], at: Hidden
     return remaining_mae(guess, rows) if len(rows) else None
 
 
-def prefill_remaining_tau(prefill_point_by_prompt: Mapping[str, int], at: HiddenFeatures) -> float | None:
-    """Kendall tau of remaining tokens when the prefill's point estimate is all one has."""
-    return remaining_tau(*_prefill_guess(prefill_point_by_prompt, at))
-
-
 def _latency_ms(probe: HiddenStateProbe, rows: HiddenFeatures, batch_size: int, num_batches: int) -> dict:
     take = rows.take(np.arange(len(rows)) < batch_size)
     times_ms = []
@@ -113,16 +108,15 @@ def score_probes(features: HiddenFeatures, is_held_out: Callable[[str], bool], m
         metrics["raw_mean_over_reservation_tokens"] = float(np.mean(np.maximum(0, raw_upper - at_prefill.output_tokens)))
         scores.prefill_predictions[name] = dict(zip(at_prefill.prompt_ids.tolist(), predictions))
         prefill_points = {p: pred.point_tokens for p, pred in scores.prefill_predictions[name].items()}
-        for decoded in REPREDICTION_POINTS:
-            at = test.take(test.num_output_tokens == decoded)
-            out = probe.predict_rows(at.hidden, at.num_prompt_tokens, at.num_output_tokens, at.max_tokens)
-            metrics[f"remaining_mae_tokens_at_{decoded}"] = remaining_mae(out.point_remaining, at) if len(at) else None
-            metrics[f"prefill_remaining_mae_tokens_at_{decoded}"] = prefill_remaining_mae(prefill_points, at)
-            metrics[f"num_running_at_{decoded}"] = len(at)
         for decoded in RANKING_POINTS:
             at = test.take(test.num_output_tokens == decoded)
             out = probe.predict_rows(at.hidden, at.num_prompt_tokens, at.num_output_tokens, at.max_tokens)
             metrics[f"remaining_tau_at_{decoded}"] = remaining_tau(out.point_remaining, at)
+            if decoded in REPREDICTION_POINTS:
+                metrics[f"remaining_mae_tokens_at_{decoded}"] = (remaining_mae(out.point_remaining, at) if len(at)
+                                                                 else None)
+                metrics[f"prefill_remaining_mae_tokens_at_{decoded}"] = prefill_remaining_mae(prefill_points, at)
+                metrics[f"num_running_at_{decoded}"] = len(at)
         for batch_size in (1, 32):
             metrics.update(_latency_ms(probe, at_prefill, batch_size, num_latency_batches))
         scores.results[name] = metrics
@@ -134,11 +128,11 @@ def text_predictor_remaining(prefill_point_by_prompt: Mapping[str, int], feature
     """A text predictor's prefill estimate judged at the re-prediction points (it cannot re-predict)."""
     held = features.take(np.array([is_held_out(p) for p in features.prompt_ids], dtype=bool))
     out = {}
-    for decoded in REPREDICTION_POINTS:
-        value = prefill_remaining_mae(prefill_point_by_prompt, held.take(held.num_output_tokens == decoded))
-        out[f"remaining_mae_tokens_at_{decoded}"] = value
-        out[f"prefill_remaining_mae_tokens_at_{decoded}"] = value
     for decoded in RANKING_POINTS:
-        out[f"remaining_tau_at_{decoded}"] = prefill_remaining_tau(prefill_point_by_prompt,
-                                                                   held.take(held.num_output_tokens == decoded))
+        guess, rows = _prefill_guess(prefill_point_by_prompt, held.take(held.num_output_tokens == decoded))
+        out[f"remaining_tau_at_{decoded}"] = remaining_tau(guess, rows)
+        if decoded in REPREDICTION_POINTS:
+            value = remaining_mae(guess, rows) if len(rows) else None
+            out[f"remaining_mae_tokens_at_{decoded}"] = value
+            out[f"prefill_remaining_mae_tokens_at_{decoded}"] = value
     return out

@@ -237,7 +237,8 @@ def _prefill_attention(query, k_cache, v_cache, cu_seqlens_q, prefix_lens, block
     _prefill_kernel[grid](
         out, query, k_cache, v_cache, cu_seqlens_q.contiguous(), prefix_lens.contiguous(), block_tables,
         float(scale), int(window), query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), GROUP_SIZE=group_size, ROWS=rows, QUERY_TILE=query_tile, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads,
+        block_tables.stride(0), GROUP_SIZE=group_size, ROWS=rows, QUERY_TILE=query_tile, BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=_pad(head_dim), KEY_TILE=_pad(block_size),
     )
     return out

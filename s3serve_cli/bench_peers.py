@@ -68,7 +68,8 @@ def add_peers_parser(benches) -> None:
                     "identical), arriving as a seeded Poisson process at fractions of vLLM's offline capacity "
                     "(--rates); our paged_greedy, s3_peak with the shipped predictor, s3_peak with the "
                     "hidden-state probe re-predicting as answers decode (the service's default for this model; "
-                    "--quick leaves plain s3_peak out), and s3_peak on the true lengths as the ceiling; prints tokens/s, mean/p50/p99 latency, TTFT p50/p99, mean time per output token and "
+                    "--quick leaves plain s3_peak out), and s3_peak on the true lengths as the ceiling; prints "
+                    "tokens/s, mean/p50/p99 latency, TTFT p50/p99, mean time per output token and "
                     "preemptions per system, policy and rate, and ours / vLLM per rate.",
     )
     add_model_args(peers)

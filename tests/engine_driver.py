@@ -128,3 +128,15 @@ def hf_greedy_runner(tiny_model: torch.nn.Module):
         return memo[key]
 
     return run
+
+
+def sliding_window(config) -> int | None:
+    """The sliding window some layer of a model with this config attends within, as transformers applies it (the
+    kernels' `window`), or None when every layer attends to the whole context."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None  # Qwen2 and Qwen3 carry a window they do not use unless use_sliding_window is set
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)

@@ -11,13 +11,13 @@ import copy
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MistralForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from engine_driver import hf_greedy_runner, make_prompt, run_engine
+from engine_driver import hf_greedy_runner, make_prompt, run_engine, sliding_window
 from workers.engine import Engine, EngineConfig
 from workers.model_runner import pool_shape_for
-from workers.model_support import sliding_window
+from workers.models import redraw_matrices
 from workers.sampling_params import SamplingParams
 
 WINDOW = 8  # tokens; prompts and answers run well past it
@@ -40,13 +40,19 @@ def _model(name: str, seed: int = 0) -> torch.nn.Module:
     model_cls, make_config = ARCHITECTURES[name]
     torch.manual_seed(seed)
     model = model_cls(make_config()).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    redraw_matrices(model, seed, 0.2)
     model.generation_config.eos_token_id = None  # generate runs all 48 tokens, as the engine with ignore_eos
     return model
+
+
+def test_the_sliding_window_is_read_as_the_model_applies_it():
+    assert sliding_window(MistralConfig(sliding_window=4096)) == 4096  # Mistral 7B v0.1
+    assert sliding_window(MistralConfig(sliding_window=None)) is None  # v0.2 and later
+    assert sliding_window(Qwen2Config(sliding_window=64, use_sliding_window=False)) is None  # carried, not used
+    gemma3 = Gemma3TextConfig(sliding_window=512)  # sliding and global layers interleaved
+    assert "sliding_attention" in gemma3.layer_types and sliding_window(gemma3) == 512
+    assert sliding_window(Gemma3TextConfig(sliding_window=512, layer_types=["full_attention"] * 26)) is None
+    assert sliding_window(LlamaConfig()) is None
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cluster.config import ServiceConfig
+from engine_driver import sliding_window
 from s3serve_cli.serve import start_service, stop_service
 from workers.engine import Engine, EngineConfig
-from workers.model_support import sliding_window
 from workers.models import GEMMA3_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.ports import free_port
 from workers.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ import pytest
 from transformers import (DeepseekV3Config, Gemma2Config, Gemma2ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
-from workers.model_support import check_servable, refusal, sliding_window
+from workers.model_support import check_servable, refusal
 from workers.ports import free_port
 
 
@@ -21,16 +21,6 @@ def test_the_architectures_our_attention_implements_are_served():
     for config in (LlamaConfig(), Qwen2Config(), Qwen3Config(), MistralConfig(sliding_window=4096),
                    Phi3Config(sliding_window=2047), Gemma3TextConfig(sliding_window=512)):
         assert refusal(config) is None, type(config).__name__
-
-
-def test_the_sliding_window_is_read_as_the_model_applies_it():
-    assert sliding_window(MistralConfig(sliding_window=4096)) == 4096  # Mistral 7B v0.1
-    assert sliding_window(MistralConfig(sliding_window=None)) is None  # v0.2 and later
-    assert sliding_window(Qwen2Config(sliding_window=64, use_sliding_window=False)) is None  # carried, not used
-    gemma3 = Gemma3TextConfig(sliding_window=512)  # sliding and global layers interleaved
-    assert "sliding_attention" in gemma3.layer_types and sliding_window(gemma3) == 512
-    assert sliding_window(Gemma3TextConfig(sliding_window=512, layer_types=["full_attention"] * 26)) is None
-    assert sliding_window(LlamaConfig()) is None
 
 
 def test_what_our_kernels_do_not_implement_is_named():

@@ -143,5 +143,6 @@ def test_bench_prompts_for_a_base_model_are_the_messages_text(smollm2_dir):
     base = load_tokenizer(smollm2_dir)
     base.chat_template = None  # as a base model's tokenizer comes (Gemma 3 270M's)
     assert base.decode(encode_chat(base, record)) == "Name three rivers."
-    chat = encode_chat(load_tokenizer(smollm2_dir), record)
-    assert "Name three rivers." in load_tokenizer(smollm2_dir).decode(chat) and len(chat) > len(encode_chat(base, record))
+    templated = load_tokenizer(smollm2_dir)
+    chat = encode_chat(templated, record)
+    assert "Name three rivers." in templated.decode(chat) and len(chat) > len(encode_chat(base, record))

