@@ -135,17 +135,18 @@ def calibration_model(device: str, model_shape: str, model_dir: Path, vocab_size
 
 
 def calibrate_on_trace(rows, model_name: str, model_cache_dir: Path | None, *, device: str, model_shape: str,
-                       kind: str, max_len: int, block_size: int, sigma: float, seed: int) -> Calibration:
-    """`calibrate` on trace rows, every request at t=0, with noisy-oracle bounds (`sigma`) and KV for 4 worst-case
-    sequences; on a GPU (`device` not "cpu") the roofline of `kind` and `model_shape` is checked too."""
-    from benchmarks.prompt_pool import DEFAULT_PROMPTS
+                       kind: str, max_len: int, block_size: int, sigma: float, seed: int,
+                       prompts_path: Path) -> Calibration:
+    """`calibrate` on trace rows (prompt texts cut from `prompts_path`), every request at t=0, with noisy-oracle
+    bounds (`sigma`) and KV for 4 worst-case sequences; on a GPU (`device` not "cpu") the roofline of `kind` and
+    `model_shape` is checked too."""
     from benchmarks.traces import build_requests, load_prompt_texts
     from workers.model_runner import pool_shape_for
     from workers.models import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
-    replay, _ = build_requests(rows, tokenizer, load_prompt_texts(DEFAULT_PROMPTS), max_len=max_len,
+    replay, _ = build_requests(rows, tokenizer, load_prompt_texts(prompts_path), max_len=max_len,
                                max_prompt_tokens=128, mode="offline", time_scale=1.0)
     model = calibration_model(device, model_shape, model_dir, len(tokenizer), max_len)
     pool = pool_shape_for(model.config, 1, block_size, model.dtype)

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from benchmarks.answer_lengths import DEFAULT_ANSWERS, read_answer_rows
 from benchmarks.cluster_sim import SIMPLIFICATIONS, ClusterSimulation
 from benchmarks.noisy_oracle import NoisyOraclePredictor
+from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.sim_worker import SimConfig, SimRequest
 from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
@@ -80,6 +81,7 @@ class SimulateBenchConfig:
     trace_path: Path = DEFAULT_TRACE
     workload: str = "trace"
     answers_path: Path = DEFAULT_ANSWERS
+    prompts_path: Path = DEFAULT_PROMPTS
     kind: str = "a100-80gb"
     model_shape: str = "llama-7b"
     worker_counts: tuple[int, ...] = (8, 64, 256, 1024)
@@ -181,7 +183,7 @@ def _run_calibration(config: SimulateBenchConfig, rows, model_name: str, model_c
     return calibrate_on_trace(rows[:config.calibration_requests], model_name, model_cache_dir,
                               device=config.calibration_device, model_shape=config.model_shape, kind=config.kind,
                               max_len=config.calibration_max_len, block_size=config.block_size,
-                              sigma=config.sigma, seed=config.seed)
+                              sigma=config.sigma, seed=config.seed, prompts_path=config.prompts_path)
 
 
 def _cluster_model(config: SimulateBenchConfig, calibration):

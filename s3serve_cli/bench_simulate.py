@@ -4,10 +4,11 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.step_time import GPU_KINDS
+from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
 from s3serve_cli.args import add_model_args, add_overcommit_arg, add_rebalance_arg, given
 from workers.model_shapes import MODEL_SHAPES
-from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
 from workers.policies import POLICY_NAMES
 
 
@@ -15,8 +16,8 @@ def _bench_simulate(args: argparse.Namespace) -> int:
     from benchmarks import simulate_bench
 
     base = simulate_bench.default_config(args.workload, args.quick)
-    overrides = {"trace_path": args.trace, "answers_path": args.answers, "kind": args.kind,
-                 "model_shape": args.model_shape, "calibrate": not args.no_calibration,
+    overrides = {"trace_path": args.trace, "answers_path": args.answers, "prompts_path": args.prompts,
+                 "kind": args.kind, "model_shape": args.model_shape, "calibrate": not args.no_calibration,
                  "calibration_device": args.calibration_device}
     overrides |= given((name, getattr(args, name)) for name in (
         "worker_counts", "requests_per_worker", "max_len", "max_prompt_tokens", "sigma", "policies",
@@ -51,6 +52,8 @@ def add_simulate_parser(benches) -> None:
                           default=Path("../shared/data/prompts/text-davinci-003_predictions.jsonl"),
                           help="JSONL of instruction, input, response for --workload paper, measured in the model's "
                                "tokens (default: %(default)s)")
+    simulate.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS,
+                          help="prompt texts the calibration's replayed prompts are cut from (default: %(default)s)")
     simulate.add_argument("--kind", default="a100-80gb", choices=(*GPU_KINDS, "cpu"),
                           help="GPU kind of every worker, or cpu: the step model calibrated on this machine "
                                "(default: %(default)s)")

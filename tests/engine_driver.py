@@ -9,13 +9,30 @@ import random
 
 import torch
 
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
 from workers.engine import Engine, EngineConfig, StepOutput
-from workers.models import make_tiny_model
+from workers.models import make_tiny_model, redraw_matrices
 from workers.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
 VOCAB = 256
+
+WINDOW = 8  # tokens: the tiny architectures' sliding window; prompts and answers run well past it
+SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+ARCHITECTURES = {
+    "mistral": (MistralForCausalLM, lambda: MistralConfig(**SHAPE, sliding_window=WINDOW)),
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=WINDOW,
+                                                    max_window_layers=1)),  # layer 0 global, layer 1 sliding
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**SHAPE, head_dim=16)),  # QK norm
+    "phi3": (Phi3ForCausalLM, lambda: Phi3Config(**SHAPE, sliding_window=WINDOW, pad_token_id=0)),
+    "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(
+        **SHAPE, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16, pad_token_id=0,
+        layer_types=["sliding_attention", "full_attention"])),
+}
 
 
 def make_model(seed: int = 0, vocab_size: int = VOCAB) -> torch.nn.Module:
@@ -106,8 +123,21 @@ def assert_pool_empty(engine: Engine) -> None:
     engine.allocator.check_invariants()
 
 
+def tiny_architecture(name: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny fp32 model of one of ARCHITECTURES, built from transformers' own config class (no download), weights
+    redrawn at std 0.2 so that every token depends on its context; it runs all its tokens (no EOS), as the engine
+    does with ignore_eos."""
+    model_cls, make_config = ARCHITECTURES[name]
+    torch.manual_seed(seed)
+    model = model_cls(make_config()).eval()
+    redraw_matrices(model, seed, 0.2)
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def hf_greedy_runner(tiny_model: torch.nn.Module):
-    """HF greedy `generate`, one prompt at a time, on its own copy with sdpa attention (memoised)."""
+    """HF greedy `generate`, one prompt at a time, on its own copy with sdpa attention (memoised), on the model's
+    device."""
     from transformers import GenerationConfig
 
     model = copy.deepcopy(tiny_model)
@@ -121,7 +151,7 @@ def hf_greedy_runner(tiny_model: torch.nn.Module):
                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2
             )
             with torch.no_grad():
-                out = model.generate(torch.tensor([prompt]), generation_config=generation_config)
+                out = model.generate(torch.tensor([prompt], device=model.device), generation_config=generation_config)
             tokens = out[0, len(prompt):].tolist()
             assert len(tokens) == max_new_tokens
             memo[key] = tokens

@@ -11,38 +11,13 @@ import copy
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MistralForCausalLM,
-                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-from engine_driver import hf_greedy_runner, make_prompt, run_engine, sliding_window
+from engine_driver import (ARCHITECTURES, WINDOW, hf_greedy_runner, make_prompt, run_engine, sliding_window,
+                           tiny_architecture)
 from workers.engine import Engine, EngineConfig
 from workers.model_runner import pool_shape_for
-from workers.models import redraw_matrices
 from workers.sampling_params import SamplingParams
-
-WINDOW = 8  # tokens; prompts and answers run well past it
-SHAPE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-
-ARCHITECTURES = {
-    "mistral": (MistralForCausalLM, lambda: MistralConfig(**SHAPE, sliding_window=WINDOW)),
-    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=WINDOW,
-                                                    max_window_layers=1)),  # layer 0 global, layer 1 sliding
-    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**SHAPE, head_dim=16)),  # QK norm
-    "phi3": (Phi3ForCausalLM, lambda: Phi3Config(**SHAPE, sliding_window=WINDOW, pad_token_id=0)),
-    "gemma3": (Gemma3ForCausalLM, lambda: Gemma3TextConfig(
-        **SHAPE, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16, pad_token_id=0,
-        layer_types=["sliding_attention", "full_attention"])),
-}
-
-
-def _model(name: str, seed: int = 0) -> torch.nn.Module:
-    model_cls, make_config = ARCHITECTURES[name]
-    torch.manual_seed(seed)
-    model = model_cls(make_config()).eval()
-    redraw_matrices(model, seed, 0.2)
-    model.generation_config.eos_token_id = None  # generate runs all 48 tokens, as the engine with ignore_eos
-    return model
 
 
 def test_the_sliding_window_is_read_as_the_model_applies_it():
@@ -57,7 +32,7 @@ def test_the_sliding_window_is_read_as_the_model_applies_it():
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
 def test_greedy_answers_equal_hugging_face_generate(name):
-    model = _model(name)
+    model = tiny_architecture(name)
     expect_window = None if name == "qwen3" else WINDOW
     assert sliding_window(model.config) == expect_window
     hf_greedy = hf_greedy_runner(model)

@@ -1,5 +1,6 @@
 """The GPU path, written once and run on both devices: Triton kernels against the reference, the engine's mixed
-prefill + decode steps against HF greedy, and swapping KV blocks to host memory and back.
+prefill + decode steps against HF greedy, sliding-window models against HF greedy, swapping KV blocks to host memory
+and back, and the length probe reading hidden states on the device.
 
 `make test` runs the CPU variants (Triton through its interpreter, the engine on the CPU backend), so the tests'
 logic is checked on every machine; the CUDA variants carry the `gpu` marker: `make test` deselects them and
@@ -11,9 +12,11 @@ import copy
 import pytest
 import torch
 
+from engine_driver import hf_greedy_runner, make_prompt, run_engine, tiny_architecture
 from kv_kernels import reference, triton_kernels
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
+from workers.model_runner import pool_shape_for
 from workers.models import make_tiny_model
 from workers.sampling_params import SamplingParams
 
@@ -128,3 +131,22 @@ def test_the_length_probe_reads_hidden_states_where_the_engine_runs(device, synt
     engine.step()
     assert engine.runner.device.type == device and engine.num_probe_reads == 1
     assert 1 <= engine.sequence(seq_id).predicted_output_tokens <= 12
+
+
+@DEVICES
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_sliding_window_models_answer_as_hf_where_the_engine_runs(device, name):
+    """Mistral's window on every layer and Gemma 3's sliding layers between global ones, through the Triton kernels on
+    CUDA (prefill chunks and decodes, preemption), token for token as HF's sdpa on the same device."""
+    model = tiny_architecture(name).to(device)
+    hf_greedy = hf_greedy_runner(model)
+    requests = {f"r{i}": (make_prompt(6 + 5 * i, seed=200 + i), SamplingParams(max_tokens=32, ignore_eos=True))
+                for i in range(4)}
+    bytes_per_block = pool_shape_for(model.config, 1, BLOCK_SIZE, torch.float32).bytes_per_block
+    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=20 * bytes_per_block, block_size=BLOCK_SIZE,
+                                                       max_num_seqs=3, max_num_batched_tokens=8, max_model_len=128))
+    assert engine.runner.backend.name == ("triton" if device == "cuda" else "cpu")
+    outputs = run_engine(engine, requests, {0: list(requests)})
+    for seq_id, (prompt, params) in requests.items():
+        assert list(outputs[seq_id].output_token_ids) == hf_greedy(prompt, params.max_tokens), (name, seq_id)
+    assert engine.scheduler.num_preemptions > 0

@@ -75,6 +75,13 @@ def test_bad_settings_are_one_line_errors(args, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+def test_the_calibration_cuts_its_prompts_from_the_prompts_flag(model_cache_dir):
+    result = _simulate("--workers", "1", "--requests-per-worker", "2", "--model-cache-dir", str(model_cache_dir),
+                       "--prompts", "no/such/pool.jsonl")
+    assert result.returncode == 2
+    assert "prompt file no/such/pool.jsonl does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
 @pytest.mark.slow
 def test_simulator_agrees_with_the_real_engine_on_this_cpu(tmp_path, model_cache_dir, shared_data):
     """Calibrated on paged_greedy's steps, the simulator predicts max_reserve's and s3's tokens/s."""
