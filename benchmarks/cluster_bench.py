@@ -256,7 +256,7 @@ def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, mo
         length_probe=probe,
         predictor_artifact=artifact, quantile=config.quantile,
         port=free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
-        num_workers=config.num_workers, policy=policy, kv_cache_bytes=config.kv_cache_bytes,
+        num_workers=config.num_workers, policy=policy, kv_cache_memory=config.kv_cache_bytes,
         max_model_len=config.max_len, max_num_seqs=config.max_num_seqs,
         default_max_tokens=min(256, config.max_len - 1), data_dir=data_dir, num_cpus=config.num_cpus,
         num_torch_threads=config.num_torch_threads, prefix_aware_placement=prefix_aware_placement,

@@ -17,6 +17,7 @@ from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS, check_routing
 from predictor_service.probe_files import check_probe_folder
 from workers.device import check_device
 from workers.engine_config import DEFAULT_SWAP_SPACE_BYTES
+from workers.kv_memory import parse_kv_cache_memory
 from workers.models import DEFAULT_MODEL
 from workers.policies import DEFAULT_POLICY, SERVING_POLICY_NAMES
 from workers.preemption import PREEMPTION_MODES
@@ -59,7 +60,11 @@ class ServiceConfig(BaseModel):
     policy: str = Field(DEFAULT_POLICY, description=f"scheduling policy: {', '.join(SERVING_POLICY_NAMES)} (s3_peak: "
                                                     "the fastest and lowest-latency with the shipped predictor; s3: "
                                                     "the paper's, for reproduction)")
-    kv_cache_bytes: int = Field(256 * 1024**2, gt=0, description="KV-cache budget of each worker, in bytes")
+    kv_cache_memory: str = Field(
+        "auto", description="KV-cache memory of each worker (per rank): 'auto' (on CUDA 90% of the memory free once "
+                            "the model is loaded; on the CPU room for max_num_seqs sequences of max_model_len tokens, "
+                            "at most 10% of the memory available), a share of the free memory such as 0.5, or a size "
+                            "such as 4GiB, 512MiB or 268435456 (bytes)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
     max_model_len: int = Field(2048, ge=2, description="longest sequence (prompt + output) in tokens")
     max_num_seqs: int = Field(32, ge=1, description="most sequences a worker runs at once")
@@ -125,15 +130,12 @@ class ServiceConfig(BaseModel):
     device: str = Field(
         "auto", description="where workers run their engine: auto (CUDA when the worker actor got a GPU, see "
                             "worker_num_gpus), cpu, cuda or cuda:N")
-    kv_cache_fraction: float | None = Field(
-        None, gt=0.0, le=1.0, description="on CUDA: each worker's KV budget as this share of the GPU memory free "
-                                          "after its model is loaded (instead of kv_cache_bytes)")
     worker_num_gpus: float = Field(
         0.0, ge=0, description="Ray GPUs each worker actor asks for (1 on GPU clusters: the autoscaler adds GPU nodes)")
     tensor_parallel_size: int = Field(
         1, ge=1, description="ranks (GPUs) each worker's engine runs over, in one placement group on one node: "
                              "DeepSpeed AutoTP shards the model and each rank holds 1/N of the KV heads "
-                             "(kv_cache_bytes is per rank; each rank asks for worker_num_cpus and worker_num_gpus)")
+                             "(kv_cache_memory is per rank; each rank asks for worker_num_cpus and worker_num_gpus)")
     rank_stall_s: float = Field(
         300.0, gt=0, description="with tensor_parallel_size above 1: seconds rank 0 may wait inside one call the "
                                  "ranks share (a step's forward, a KV copy) before the worker counts as hung and is "
@@ -150,6 +152,21 @@ class ServiceConfig(BaseModel):
                              "one per stats round; 0 turns rebalancing off")
     scale_up_queue_depth: int = Field(4, ge=1, description="pending requests per worker before adding one")
     scale_down_idle_s: float = Field(60.0, gt=0, description="idle time before removing a worker")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        for old in ("kv_cache_bytes", "kv_cache_fraction"):
+            if isinstance(data, dict) and old in data:
+                raise ValueError(f"{old} was replaced by kv_cache_memory: a size such as 4GiB or 268435456 (bytes), "
+                                 "a share of the memory free after loading the model such as 0.5, or auto")
+        return data
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _kv_memory(cls, value):
+        parse_kv_cache_memory(value)
+        return str(value)
 
     @field_validator("served_model_name", mode="before")
     @classmethod

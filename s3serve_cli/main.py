@@ -102,9 +102,9 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {
         "host": args.host, "port": args.port, "model": args.model, "model_cache_dir": args.model_cache_dir,
         "num_workers": args.num_workers, "min_workers": args.min_workers, "max_workers": args.max_workers,
-        "policy": args.policy, "kv_cache_bytes": args.kv_cache_bytes, "max_model_len": args.max_model_len,
+        "policy": args.policy, "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len,
         "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None,
-        "device": args.device, "kv_cache_fraction": args.kv_cache_fraction,
+        "device": args.device,
         "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
         "api_keys": tuple(args.api_key) if args.api_key else None, "length_probe": args.length_probe,
         "tensor_parallel_size": args.tensor_parallel_size, "preemption_mode": args.preemption_mode,
@@ -156,17 +156,18 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "AVX512-BF16 or AMX, float32 elsewhere)")
     serve.add_argument("--device", default=None, help="where workers run the engine: auto (default: CUDA when a "
                        "worker actor got a GPU, see worker_num_gpus in the config file), cpu, cuda or cuda:N")
-    serve.add_argument("--kv-cache-fraction", type=float, default=None, metavar="SHARE",
-                       help="on CUDA: KV budget per worker as this share of the GPU memory free after loading the "
-                            "model (instead of --kv-cache-bytes)")
     serve.add_argument("--num-gpus-per-worker", type=float, default=None, metavar="N",
                        help="Ray GPUs each worker actor asks for (worker_num_gpus; default 0: with --device auto "
                             "the workers then run on the CPU)")
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn the workers' prefix cache off (on by default: requests that share a prompt prefix "
                             "share its KV blocks, kept after they finish until the blocks are needed)")
-    serve.add_argument("--kv-cache-bytes", type=int, default=None,
-                       help="KV-cache budget of each worker in bytes (default 268435456)")
+    serve.add_argument("--kv-cache-memory", default=None, metavar="SIZE|SHARE|auto",
+                       help="KV-cache memory of each worker, on the CPU and CUDA alike (vLLM's --gpu-memory-utilization"
+                            ", SGLang's --mem-fraction-static): a size (4GiB, 512MiB, bytes), a share of the memory "
+                            "free after the model loads (0.5), or auto (default: on CUDA 0.9 of that; on the CPU room "
+                            "for max_num_seqs sequences of --max-model-len tokens, at most 0.1 of the memory "
+                            "available). The ready message prints the KV tokens it gives")
     add_preemption_args(serve, "each worker's")
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="longest prompt + output in tokens (default 2048)")
@@ -180,7 +181,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "train`, or none (default: auto)")
     serve.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                        help="ranks (GPUs) each worker's engine runs over, on one node: DeepSpeed AutoTP shards the "
-                            "model, each rank holds 1/N of the KV heads and --kv-cache-bytes is per rank (default 1)")
+                            "model, each rank holds 1/N of the KV heads and --kv-cache-memory is per rank (default 1)")
     serve.add_argument("--data-dir", type=Path, default=None,
                        help="where the embedded Redis keeps its data (default ./.s3serve); "
                             "set S3_REDIS_URL to use your own Redis instead")

@@ -134,16 +134,17 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
     return RunningService(config, base_url, redis_url, redis, health)
 
 
-def kv_summary(kv_tokens: list[int], max_model_len: int) -> str:
-    """The start-up line on KV room: tokens per worker and how many longest sequences fit in one at once."""
+def kv_summary(kv_tokens: list[int], max_model_len: int, kv_cache_memory: str = "auto") -> str:
+    """The start-up line on KV room: the setting, tokens per worker and how many longest sequences fit in one at
+    once."""
     if not kv_tokens:
-        return "KV cache: no worker reported yet"
+        return f"KV cache ({kv_cache_memory}): no worker reported yet"
     least = min(kv_tokens)
     per = f"{least:,}" if least == max(kv_tokens) else f"{least:,} to {max(kv_tokens):,}"
     fits = least // max_model_len
-    advice = "" if fits >= 1 else " (fewer than one: raise --kv-cache-bytes or lower --max-model-len)"
-    return (f"KV cache: {per} tokens per worker, {fits} sequence(s) of max_model_len {max_model_len:,} at once in "
-            f"the smallest{advice}")
+    advice = "" if fits >= 1 else " (fewer than one: raise --kv-cache-memory or lower --max-model-len)"
+    return (f"KV cache ({kv_cache_memory}): {per} tokens per worker, {fits} sequence(s) of max_model_len "
+            f"{max_model_len:,} at once in the smallest{advice}")
 
 
 def check_model(config: ServiceConfig) -> None:
@@ -201,7 +202,8 @@ def run_service(config: ServiceConfig, ready_timeout_s: float = 900.0) -> int:
         key = config.api_keys[0] if config.api_keys else None
         print(f"\nS3 Serve is ready at {service.base_url}  ({service.health['workers_ready']} worker(s), "
               f"policy {config.policy})")
-        print("  " + kv_summary(list(service.health.get("kv_tokens", {}).values()), config.max_model_len))
+        print("  " + kv_summary(list(service.health.get("kv_tokens", {}).values()), config.max_model_len,
+                                config.kv_cache_memory))
         print(f"  OpenAI API: {service.base_url}/v1   metrics: {service.base_url}/metrics   "
               f"health: {service.base_url}/health")
         print(f"  dashboard:  {service.base_url}/dashboard" + ("#key=<your key>" if key else ""))

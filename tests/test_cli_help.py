@@ -65,12 +65,12 @@ def test_bad_argument_is_one_line_and_a_hint(argv, expected, capsys):
 
 
 def test_bad_config_value_is_one_line_naming_each_field(tmp_path, capsys):
-    code = main(["serve", "--port", "0", "--kv-cache-bytes", "-5", "--data-dir", str(tmp_path)])
+    code = main(["serve", "--port", "0", "--kv-cache-memory", "-5", "--data-dir", str(tmp_path)])
     assert code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2
     assert lines[0].startswith("s3serve serve: error: bad service config: port: ") and "(got 0)" in lines[0]
-    assert "kv_cache_bytes: " in lines[0] and "(got -5)" in lines[0]
+    assert "kv_cache_memory: " in lines[0] and "got '-5'" in lines[0]
     assert lines[1] == "hint: run `s3serve serve --help` for the options"
 
 

@@ -155,7 +155,7 @@ def service(tmp_path_factory, model_cache_dir):
 
     config = ServiceConfig(
         port=free_port(), num_workers=1, model_cache_dir=str(model_cache_dir), max_model_len=512,
-        kv_cache_bytes=32 * 1024**2, default_max_tokens=16, api_keys=(API_KEY,), max_concurrent_requests=4,
+        kv_cache_memory=32 * 1024**2, default_max_tokens=16, api_keys=(API_KEY,), max_concurrent_requests=4,
         data_dir=str(tmp_path_factory.mktemp("s3serve-dash")), num_cpus=4, num_torch_threads=1,
         stats_interval_s=0.25)
     running = start_service(config, ready_timeout_s=600, progress=lambda _msg: None)

@@ -3,7 +3,7 @@
 import pytest
 
 from cluster.config import ServiceConfig
-from workers.device import check_device, kv_budget_bytes, resolve_device
+from workers.device import cgroup_room_bytes, check_device, free_memory_bytes, resolve_device
 
 
 def test_auto_takes_the_gpu_ray_gave_the_actor_and_the_cpu_otherwise():
@@ -23,21 +23,27 @@ def test_cuda_without_cuda_and_bad_names_are_refused_clearly():
             check_device(bad)
 
 
-def test_the_kv_budget_is_bytes_or_a_share_of_free_gpu_memory():
-    assert kv_budget_bytes(1000, None, "cpu", None) == 1000
-    assert kv_budget_bytes(1000, 0.5, "cuda", 80 * 1024**3) == 40 * 1024**3
-    with pytest.raises(ValueError, match="give kv_cache_bytes instead"):
-        kv_budget_bytes(1000, 0.5, "cpu", None)
-    with pytest.raises(ValueError, match=r"kv_cache_fraction must be in \(0, 1\]"):
-        kv_budget_bytes(1000, 1.5, "cuda", 10)
+def test_free_memory_on_the_cpu_is_what_the_machine_has_available_within_the_cgroup(tmp_path):
+    import psutil
+
+    free = free_memory_bytes("cpu")
+    assert 0 < free <= psutil.virtual_memory().total
+    (tmp_path / "memory.max").write_text("1000000\n")
+    (tmp_path / "memory.current").write_text("400000\n")
+    assert cgroup_room_bytes(tmp_path) == 600000
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_room_bytes(tmp_path) is None
+    assert cgroup_room_bytes(tmp_path / "missing") is None
 
 
 def test_device_settings_travel_from_the_service_config_to_the_worker_settings():
     from cluster.control.controller import worker_settings
 
     assert worker_settings(ServiceConfig()).device == "auto"
-    gpu = worker_settings(ServiceConfig(device="cuda", kv_cache_fraction=0.9, worker_num_gpus=1))
-    assert (gpu.device, gpu.kv_cache_fraction) == ("cuda", 0.9)
+    gpu = worker_settings(ServiceConfig(device="cuda", kv_cache_memory="0.9", worker_num_gpus=1))
+    assert (gpu.device, gpu.kv_cache_memory) == ("cuda", "0.9")
+    assert worker_settings(ServiceConfig()).kv_cache_memory == "auto"
+    assert worker_settings(ServiceConfig(kv_cache_memory=268435456)).kv_cache_memory == "268435456"  # YAML int
     with pytest.raises(ValueError, match="device must be"):
         ServiceConfig(device="tpu")
     assert worker_settings(ServiceConfig()).tensor_parallel_size == 1
@@ -65,8 +71,22 @@ def test_a_worker_engine_built_for_the_cpu_runs_there():
     from workers.worker_actor import WorkerSettings, build_engine
 
     engine = build_engine(WorkerSettings(tiny_model_seed=0, device="cpu", dtype="float32",
-                                         kv_cache_bytes=64 * 1024, block_size=4, max_model_len=64))
+                                         kv_cache_memory="64KiB", block_size=4, max_model_len=64))
     assert engine.runner.device.type == "cpu"
+    assert engine.allocator.num_blocks == 32  # 64 KiB / (2 layers x K,V x 4 tokens x 2 heads x 16 x 4 bytes)
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]) == 3
-    with pytest.raises(ValueError, match="give kv_cache_bytes instead"):
-        build_engine(WorkerSettings(tiny_model_seed=0, device="cpu", kv_cache_fraction=0.5))
+
+
+def test_a_cpu_worker_sizes_its_kv_from_the_memory_available():
+    """auto: room for max_num_seqs whole sequences (the tiny model's few bytes per token never reach the 10% cap);
+    a share: that share of the memory available once the model is loaded."""
+    from workers.worker_actor import WorkerSettings, build_engine
+
+    auto = build_engine(WorkerSettings(tiny_model_seed=0, device="cpu", dtype="float32", block_size=4,
+                                       max_model_len=64, max_num_seqs=8))
+    assert auto.allocator.num_blocks * 4 == 8 * 64
+    tiny_share = 1e-6  # of the free memory: a few KiB, not a real budget
+    shared = build_engine(WorkerSettings(tiny_model_seed=0, device="cpu", dtype="float32", block_size=4,
+                                         max_model_len=64, kv_cache_memory=f"{tiny_share:.6f}"))
+    expected_blocks = free_memory_bytes("cpu") * tiny_share // shared.runner.pool_shape.bytes_per_block
+    assert shared.allocator.num_blocks == pytest.approx(expected_blocks, rel=0.2)

@@ -51,7 +51,7 @@ def test_greedy_answers_equal_hugging_face_generate_past_the_window(gemma3_dir):
 
 def test_served_end_to_end_through_the_service(tmp_path, model_cache_dir, gemma3_dir):
     config = ServiceConfig(model=GEMMA3_MODEL, port=free_port(), model_cache_dir=str(model_cache_dir),
-                           max_model_len=1024, kv_cache_bytes=96 * 1024**2, default_max_tokens=16,
+                           max_model_len=1024, kv_cache_memory=96 * 1024**2, default_max_tokens=16,
                            data_dir=str(tmp_path / "data"), num_cpus=4, num_torch_threads=1)
     assert config.length_probe_resolved is None  # the shipped probe reads SmolLM2's states only
     service = start_service(config, ready_timeout_s=600, progress=lambda _msg: None)

@@ -185,7 +185,7 @@ def test_the_shipped_probe_loads_for_the_default_model_only():
 
 def test_a_worker_builds_its_probe_with_the_loader_it_is_given():
     settings = WorkerSettings(tiny_model_seed=0, dtype="float32", length_probe="some/probe", policy="s3_peak",
-                              kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_model_len=128)
+                              kv_cache_memory=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_model_len=128)
     with pytest.raises(ValueError, match="no probe loader"):
         build_engine(settings)
     asked = []

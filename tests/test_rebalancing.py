@@ -28,7 +28,7 @@ def _config(model_cache_dir, **fields) -> ServiceConfig:
     # The scenarios are built on s3's whole reservations, placed by room and rebalanced by counts (the defaults
     # when they were written), with the bounds they set kept (no length probe re-bounding them); the default
     # policy, routing and probe have their own tests.
-    base = dict(model_cache_dir=str(model_cache_dir), kv_cache_bytes=NUM_BLOCKS * BYTES_PER_BLOCK,
+    base = dict(model_cache_dir=str(model_cache_dir), kv_cache_memory=NUM_BLOCKS * BYTES_PER_BLOCK,
                 block_size=BLOCK_SIZE, max_model_len=256, default_max_tokens=64, num_torch_threads=1,
                 stats_interval_s=0.2, migrate_kv_min_tokens=0, dtype="float32",  # the block arithmetic above is fp32
                 policy="s3", routing="room", length_probe="none")
@@ -122,7 +122,7 @@ def test_a_drained_worker_takes_a_live_request_from_the_busy_one_and_output_is_u
     # paged_greedy plans only the prompt: every request is placed at once, alternating w1 and w2 (roomiest first).
     num_blocks = 48  # per worker: room for both long answers at once
     controller = get_or_create_controller(_config(model_cache_dir, num_workers=2, policy="paged_greedy",
-                                                  kv_cache_bytes=num_blocks * BYTES_PER_BLOCK, max_model_len=512),
+                                                  kv_cache_memory=num_blocks * BYTES_PER_BLOCK, max_model_len=512),
                                           cluster)
     _wait_ready(controller, 2)
     prompt = _prompt(smollm2_tokenizer, "Write a long story about a lighthouse keeper.")

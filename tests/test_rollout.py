@@ -238,7 +238,7 @@ def _write_config(path: Path, http_port: int, data_dir: Path, model_cache_dir: P
         "applications": [{
             "name": "s3serve", "route_prefix": "/", "import_path": "cluster.app:build_app",
             "args": {"model_cache_dir": str(model_cache_dir), "num_workers": num_workers, "max_model_len": 1536,
-                     "kv_cache_bytes": 64 * 1024**2, "default_max_tokens": 32, "data_dir": str(data_dir),
+                     "kv_cache_memory": 64 * 1024**2, "default_max_tokens": 32, "data_dir": str(data_dir),
                      "num_torch_threads": 1, "stats_interval_s": 0.25, "worker_num_cpus": 0.5},
         }],
     }

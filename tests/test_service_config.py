@@ -62,7 +62,7 @@ def test_the_starvation_guard_setting_reaches_the_workers_scheduler():
     settings = worker_settings(ServiceConfig(max_overtaken_steps=7, policy="s3_peak", max_model_len=512,
                                              length_probe="none"))
     assert settings.max_overtaken_steps == 7 and worker_settings(ServiceConfig()).max_overtaken_steps == 1024
-    engine = build_engine(replace(settings, tiny_model_seed=0, dtype="float32", kv_cache_bytes=1 << 20,
+    engine = build_engine(replace(settings, tiny_model_seed=0, dtype="float32", kv_cache_memory="1MiB",
                                   num_torch_threads=1))
     assert engine.scheduler.config.max_overtaken_steps == 7
 
@@ -106,8 +106,8 @@ def test_a_chat_template_must_be_a_file_and_is_made_absolute(tmp_path, monkeypat
 def test_the_start_up_line_says_how_much_fits_in_kv():
     from s3serve_cli.serve import kv_summary
 
-    assert kv_summary([8192, 8192], 2048) == ("KV cache: 8,192 tokens per worker, 4 sequence(s) of max_model_len 2,048 "
-                                              "at once in the smallest")
+    assert kv_summary([8192, 8192], 2048, "4GiB") == (
+        "KV cache (4GiB): 8,192 tokens per worker, 4 sequence(s) of max_model_len 2,048 at once in the smallest")
     assert "4,096 to 8,192 tokens per worker, 2 sequence(s)" in kv_summary([8192, 4096], 2048)
-    assert "fewer than one: raise --kv-cache-bytes" in kv_summary([1024], 2048)
-    assert kv_summary([], 2048) == "KV cache: no worker reported yet"
+    assert "fewer than one: raise --kv-cache-memory" in kv_summary([1024], 2048)
+    assert kv_summary([], 2048) == "KV cache (auto): no worker reported yet"

@@ -33,7 +33,7 @@ MAX_MODEL_LEN = 512
 def service(tmp_path_factory, model_cache_dir):
     config = ServiceConfig(
         port=free_port(), num_workers=2, model_cache_dir=str(model_cache_dir), max_model_len=MAX_MODEL_LEN,
-        kv_cache_bytes=64 * 1024**2, default_max_tokens=32, api_keys=(API_KEY,), max_concurrent_requests=6,
+        kv_cache_memory=64 * 1024**2, default_max_tokens=32, api_keys=(API_KEY,), max_concurrent_requests=6,
         data_dir=str(tmp_path_factory.mktemp("s3serve-data")), num_cpus=8, num_torch_threads=1,
         stats_interval_s=0.25, max_body_bytes=64 * 1024)
     running = start_service(config, ready_timeout_s=600, progress=lambda _msg: None)

@@ -3,15 +3,17 @@
     device "auto"  -> "cuda" when CUDA is available and the process may use a GPU (Ray gave the
                       actor one, or it runs outside Ray), else "cpu"
     device "cpu" / "cuda" / "cuda:N" -> itself, refused with a clear error if CUDA is absent
-    KV budget      -> kv_cache_bytes, or kv_cache_fraction of the GPU memory free after the
-                      model is loaded (CUDA only: on CPU a byte budget is required)
+    free memory    -> what the KV budget is sized from (`workers.kv_memory`): on CUDA the device's
+                      free memory, on the CPU the memory available to this process (the machine's,
+                      or its cgroup's limit when that is lower)
 
 The decisions are pure functions of what they are told (is CUDA there, which GPUs Ray
 assigned, how much memory is free), so the config path that would pick CUDA is tested on
-CPU; `probe_cuda` and `free_device_bytes` ask torch.
+CPU; `probe_cuda` and `free_memory_bytes` ask torch and the system.
 """
 
 import re
+from pathlib import Path
 
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
@@ -42,19 +44,6 @@ def resolve_device(name: str, cuda_available: bool, assigned_gpu_ids: list | Non
     return name
 
 
-def kv_budget_bytes(kv_cache_bytes: int, kv_cache_fraction: float | None, device: str,
-                    free_bytes: int | None) -> int:
-    """The KV budget: `kv_cache_fraction` of `free_bytes` on CUDA when given, else `kv_cache_bytes`."""
-    if kv_cache_fraction is None:
-        return kv_cache_bytes
-    if not 0.0 < kv_cache_fraction <= 1.0:
-        raise ValueError(f"kv_cache_fraction must be in (0, 1], got {kv_cache_fraction}")
-    if not device.startswith("cuda") or free_bytes is None:
-        raise ValueError(f"kv_cache_fraction sizes the KV cache from free GPU memory; device {device!r} has none "
-                         "to measure: give kv_cache_bytes instead")
-    return int(free_bytes * kv_cache_fraction)
-
-
 def probe_cuda() -> tuple[bool, list | None]:
     """(is CUDA available to torch, the GPU ids Ray assigned this process or None outside Ray)."""
     import torch
@@ -68,11 +57,28 @@ def probe_cuda() -> tuple[bool, list | None]:
     return torch.cuda.is_available(), gpu_ids
 
 
-def free_device_bytes(device: str) -> int | None:
-    """Free memory of a CUDA device in bytes (None for the CPU)."""
-    if not device.startswith("cuda"):
-        return None
-    import torch
+def free_memory_bytes(device: str) -> int:
+    """Memory free for this process on `device` in bytes: CUDA's free device memory, or on the CPU the memory
+    the machine has available, capped by this process's cgroup limit when one is set."""
+    if device.startswith("cuda"):
+        import torch
 
-    free, _total = torch.cuda.mem_get_info(torch.device(device))
-    return int(free)
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    limit = cgroup_room_bytes(Path("/sys/fs/cgroup"))
+    return available if limit is None else min(available, limit)
+
+
+def cgroup_room_bytes(root: Path) -> int | None:
+    """A cgroup v2 limit minus what the cgroup uses (None when unlimited or not readable)."""
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        used = int((root / "memory.current").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or not limit.isdigit():
+        return None
+    return max(0, int(limit) - used)

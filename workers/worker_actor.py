@@ -4,7 +4,7 @@ No `@ray.remote` here: callers choose the actor options, e.g.
 
     handle = ray.remote(WorkerActor).options(
         name="s3-worker-w1", lifetime="detached", num_cpus=1, max_restarts=0,
-    ).remote("w1", WorkerSettings(kv_cache_bytes=256 * 1024**2))
+    ).remote("w1", WorkerSettings(kv_cache_memory="256MiB"))
     await handle.ready.remote()
     async for ref in handle.generate.remote(request):   # a Ray streaming generator
         event = await ref                                # WorkEvent; the last has finish_reason set
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import ray
 
-from workers.device import check_device, free_device_bytes, kv_budget_bytes, probe_cuda, resolve_device
+from workers.device import check_device, free_memory_bytes, probe_cuda, resolve_device
 from workers.engine_config import DEFAULT_SWAP_SPACE_BYTES, EngineConfig
+from workers.kv_memory import kv_budget_bytes, parse_kv_cache_memory
 from workers.length_probe import LengthProbe
 from workers.models import DEFAULT_MODEL
 from workers.policies import DEFAULT_POLICY, POLICIES, S3Policy, make_policy
@@ -44,7 +45,8 @@ class WorkerSettings:
             std, so that its tokens depend on the whole context (at its default init it echoes the last token).
         policy: scheduling policy name (`workers.policies.POLICIES`).
         bucket_tokens: s3/s3_peak length-bucket width; None: max_model_len / 10, as the controller plans.
-        kv_cache_bytes: KV-cache budget; sets the number of blocks.
+        kv_cache_memory: the KV cache's memory: "auto", a share of the memory free once the model is loaded, or
+            a size ("4GiB", bytes); sized in `build_engine` (`workers.kv_memory`). It sets the number of blocks.
         block_size: tokens per KV block.
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens per forward.
@@ -56,8 +58,6 @@ class WorkerSettings:
         enable_prefix_caching: share and keep the KV of common prefixes (EngineConfig.enable_prefix_caching).
         device: auto (CUDA when the actor was given a GPU and torch sees one, else CPU), cpu, cuda or
             cuda:N (`workers.device`).
-        kv_cache_fraction: on CUDA, the KV budget as this share of the GPU memory free after the model
-            is loaded, instead of kv_cache_bytes.
         length_probe: a hidden-state probe folder (`s3serve probe train`), or "default" for the shipped one:
             the engine re-bounds each sequence's output from its hidden states after prefill and every
             N decoded tokens (`workers.length_probe`); None keeps the router's bound. The actor builds it
@@ -77,7 +77,7 @@ class WorkerSettings:
     model_cache_dir: str | None = None
     tiny_model_seed: int | None = None
     policy: str = DEFAULT_POLICY
-    kv_cache_bytes: int = 256 * 1024**2
+    kv_cache_memory: str | int = "auto"
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -89,7 +89,6 @@ class WorkerSettings:
     use_fast_path: bool = True
     enable_prefix_caching: bool = True
     device: str = "auto"
-    kv_cache_fraction: float | None = None
     length_probe: str | None = None
     tensor_parallel_size: int = 1
     rank_stall_s: float = 300.0
@@ -103,8 +102,7 @@ class WorkerSettings:
         if self.num_torch_threads is not None and self.num_torch_threads < 1:
             raise ValueError(f"num_torch_threads must be >= 1 or None, got {self.num_torch_threads}")
         check_device(self.device)
-        if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1] or None, got {self.kv_cache_fraction}")
+        parse_kv_cache_memory(self.kv_cache_memory)
         if self.tiny_model_init_std is not None and self.tiny_model_init_std <= 0:
             raise ValueError(f"tiny_model_init_std must be > 0 or None, got {self.tiny_model_init_std}")
         if self.policy not in POLICIES:
@@ -117,10 +115,10 @@ class WorkerSettings:
             raise ValueError(f"rank_stall_s must be > 0, got {self.rank_stall_s}")
         # Fail in the caller's process, not later inside the actor.
         self.make_policy()
-        self.engine_config(self.kv_cache_bytes)
+        self.engine_config(1)
 
     def engine_config(self, kv_cache_bytes: int) -> EngineConfig:
-        """The engine's settings, with the KV budget the worker's device gives (`workers.device.kv_budget_bytes`)."""
+        """The engine's settings, with the KV budget sized on the worker's device (`workers.kv_memory`)."""
         return EngineConfig(
             kv_cache_bytes=kv_cache_bytes,
             block_size=self.block_size,
@@ -179,10 +177,20 @@ def build_engine(settings: WorkerSettings, join_ranks=None,
     model, tokenizer, device = load_worker_model(settings)
     if join_ranks is not None:
         join_ranks()
-    config = settings.engine_config(kv_budget_bytes(settings.kv_cache_bytes, settings.kv_cache_fraction, device,
-                                                    free_device_bytes(device)))
+    config = settings.engine_config(worker_kv_bytes(settings, model, device))
     probe = None if settings.length_probe is None else load_probe(settings.length_probe, model.config.hidden_size)
     return Engine(model, config, tokenizer=tokenizer, policy=settings.make_policy(), probe=probe)
+
+
+def worker_kv_bytes(settings: WorkerSettings, model, device: str) -> int:
+    """The KV budget of this worker's engine (per rank under tensor parallelism), sized from the memory free on its
+    device now that its model is loaded."""
+    from workers.model_runner import pool_shape_for
+
+    pool = pool_shape_for(model.config, 1, settings.block_size, model.dtype, settings.tensor_parallel_size)
+    max_model_len = settings.max_model_len or model.config.max_position_embeddings
+    return kv_budget_bytes(parse_kv_cache_memory(settings.kv_cache_memory), device, free_memory_bytes(device),
+                           pool.bytes_per_block // pool.block_size, max_model_len, settings.max_num_seqs)
 
 
 class WorkerActor:

@@ -33,10 +33,10 @@ def worker_settings(config: ServiceConfig) -> WorkerSettings:
     threads = config.num_torch_threads or max(1, (os.cpu_count() or 1) // ranks)
     return WorkerSettings(
         model=config.model, model_cache_dir=config.model_cache_dir, policy=config.policy,
-        kv_cache_bytes=config.kv_cache_bytes, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+        kv_cache_memory=config.kv_cache_memory, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
         num_torch_threads=threads, dtype=config.dtype, enable_prefix_caching=config.prefix_caching,
-        device=config.device, kv_cache_fraction=config.kv_cache_fraction, length_probe=config.length_probe_resolved,
+        device=config.device, length_probe=config.length_probe_resolved,
         tensor_parallel_size=config.tensor_parallel_size, rank_stall_s=config.rank_stall_s,
         max_overtaken_steps=config.max_overtaken_steps, preemption_mode=config.preemption_mode,
         swap_space_bytes=config.swap_space_bytes)
