@@ -52,8 +52,14 @@ class ServiceConfig(BaseModel):
     chat_template: str | None = Field(
         None, description="a Jinja chat template file used instead of the tokenizer's own (needed for chat with a "
                           "model that has none: without one, chat requests get a 400)")
+    tokenizer: str | None = Field(
+        None, description="where the tokenizer comes from instead of the model: a local folder with tokenizer files, "
+                          "a hub id in the local hub cache or a bundled model's name (as vLLM's --tokenizer)")
+    revision: str | None = Field(
+        None, description="with a hub id as model: the branch, tag or commit of its snapshot in the local hub cache")
     model_cache_dir: str | None = Field(
-        None, description="where the converted default model is kept (default: ~/.cache/s3serve/models)")
+        None, description="where bundled models and GGUF files are kept once converted (default: "
+                          "~/.cache/s3serve/models)")
     num_workers: int = Field(1, ge=1, description="worker actors started with the service (one engine each)")
     min_workers: int | None = Field(None, ge=1, description="autoscaling floor (default: num_workers)")
     max_workers: int | None = Field(None, ge=1, description="autoscaling ceiling (default: num_workers)")

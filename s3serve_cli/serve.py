@@ -153,10 +153,18 @@ def check_model(config: ServiceConfig) -> None:
     from transformers import AutoConfig
 
     from workers.model_support import check_servable
-    from workers.models import resolve_model_dir
+    from workers.models import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
 
-    model_dir = resolve_model_dir(config.model, Path(config.model_cache_dir) if config.model_cache_dir else None)
-    check_servable(AutoConfig.from_pretrained(model_dir), config.model)
+    cache_dir = Path(config.model_cache_dir) if config.model_cache_dir else None
+    model_dir = resolve_model_dir(config.model, cache_dir, config.revision)
+    model_config = AutoConfig.from_pretrained(model_dir)
+    check_servable(model_config, config.model)
+    if config.tokenizer is not None:
+        tokenizer = load_tokenizer(resolve_tokenizer_dir(config.tokenizer, model_dir, cache_dir))
+        vocab_size = getattr(model_config.get_text_config(), "vocab_size", None)
+        if vocab_size is not None and len(tokenizer) > vocab_size:
+            raise ValueError(f"tokenizer {config.tokenizer!r} has {len(tokenizer):,} tokens, more than model "
+                             f"{config.model!r}'s vocabulary of {vocab_size:,}: they do not belong together")
 
 
 def _first_line(error: BaseException) -> str:

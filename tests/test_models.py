@@ -108,7 +108,7 @@ def test_converted_tokenizer_has_a_chat_template(raced_conversion):
 def test_folder_without_config_is_refused_with_a_clear_message(tmp_path, monkeypatch):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"neither 'smollm2-135m-instruct', 'gemma3-270m', a local Hugging Face "
-                                                r"folder with config.json, nor a hub id"):
+                                                r"folder with config.json, a .gguf file, nor a hub id"):
         resolve_model_dir(str(tmp_path))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(FileNotFoundError, match=r"not in the local Hugging Face hub cache .*hub.*\(`hf download "

