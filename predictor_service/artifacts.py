@@ -4,7 +4,7 @@
       LATEST                 "v0002": the version `load_predictor(ROOT)` opens
       v0001/ ...
       v0002/
-        manifest.json        format, kind, version string, creation time, file list
+        manifest.json        format, kind, version string, creation time, file list, the model its labels are of
         params.json          the predictor's fitted numbers and settings
         features.json        FeatureConfig (lightgbm only)
         calibration.json     the quantile, the bound's measured coverage and its conformal offset ("conformal")
@@ -55,7 +55,8 @@ def _next_version_dir(root: Path) -> Path:
     return root / f"v{max(numbers, default=0) + 1:04d}"
 
 
-def save_predictor(predictor: FittedLengthPredictor, root: Path | str, metrics: dict, calibration: dict) -> Path:
+def save_predictor(predictor: FittedLengthPredictor, root: Path | str, metrics: dict, calibration: dict,
+                   model: str | None = None) -> Path:
     """Write `predictor` as the next version under `root` and point LATEST at it.
 
     Args:
@@ -63,6 +64,7 @@ def save_predictor(predictor: FittedLengthPredictor, root: Path | str, metrics: 
         root: the artifact root (created if missing).
         metrics: held-out metrics to keep with the model.
         calibration: what is known of the upper bound's coverage.
+        model: the model whose output lengths it learnt (recorded; the service warns when it serves another).
 
     Returns:
         The new version directory.
@@ -89,6 +91,7 @@ def save_predictor(predictor: FittedLengthPredictor, root: Path | str, metrics: 
     _write_json(directory / "manifest.json", {
         "format_version": FORMAT_VERSION, "kind": predictor.name,
         "version": f"{predictor.name}-{directory.name}-{created_at}", "created_at": created_at, "files": files,
+        **({} if model is None else {"model": model}),
     })
     (root / "LATEST").write_text(directory.name + "\n")
     return directory
@@ -123,6 +126,11 @@ def read_manifest(path: Path | str) -> dict:
     if missing:
         raise ValueError(f"{directory}: files named in the manifest are missing: {', '.join(missing)}")
     return manifest
+
+
+def trained_for(path: Path | str) -> str | None:
+    """The model whose output lengths the artifact at `path` learnt, None when it does not say."""
+    return read_manifest(path).get("model")
 
 
 def load_predictor(path: Path | str) -> FittedLengthPredictor:

@@ -36,6 +36,7 @@ class RetrainConfig:
         max_under_reservation_increase: a candidate may not raise the
             under-reservation rate by more than this, however much it lowers MAE.
         use_embedding: include the MiniLM embedding in LightGBM features.
+        model: the served model, whose lengths the samples are (recorded in each version it saves).
     """
 
     min_new_samples: int = 200
@@ -47,6 +48,7 @@ class RetrainConfig:
     max_len: int = 1024
     max_under_reservation_increase: float = 0.02
     use_embedding: bool = False
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.window_fraction < 1.0:
@@ -133,7 +135,8 @@ class Retrainer:
         calibration = {"quantile": self.config.quantile,
                        "window_coverage": 1.0 - candidate_metrics["under_reservation_rate"],
                        "num_window": len(window)}
-        version_dir = save_predictor(candidate, self.artifact_root, candidate_metrics, calibration)
+        version_dir = save_predictor(candidate, self.artifact_root, candidate_metrics, calibration,
+                                     self.config.model)
         return RetrainOutcome(True, "candidate beat the active version on the recent window", version_dir,
                               candidate_metrics, active_metrics, len(train), len(window))
 

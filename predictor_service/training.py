@@ -29,6 +29,7 @@ class LabelRow:
     max_tokens: int
     temperature: float
     top_p: float = 1.0
+    model: str | None = None  # the model whose answer it is (rows of `s3serve label` name it)
 
 
 @dataclass(slots=True)
@@ -44,6 +45,12 @@ class LengthDataset:
     examples: list[LengthExample]
     lengths: list[int]
     missing_prompt_ids: list[str] = field(default_factory=list)
+
+
+def labelled_model(rows: Sequence[LabelRow]) -> str | None:
+    """The one model whose answers `rows` are, or None when they name none or several."""
+    models = {row.model for row in rows if row.model is not None}
+    return models.pop() if len(models) == 1 else None
 
 
 def read_labels(paths: Sequence[Path | str]) -> list[LabelRow]:
@@ -62,7 +69,7 @@ def read_labels(paths: Sequence[Path | str]) -> list[LabelRow]:
                         prompt_id=str(row["prompt_id"]), num_prompt_tokens=int(row["prompt_tokens"]),
                         num_output_tokens=int(row["output_tokens"]), max_tokens=int(row["sampling"]["max_tokens"]),
                         temperature=float(row["sampling"].get("temperature", 0.0)),
-                        top_p=float(row["sampling"].get("top_p", 1.0)),
+                        top_p=float(row["sampling"].get("top_p", 1.0)), model=row.get("model"),
                     ))
                 except json.JSONDecodeError as error:
                     # A labelling run being appended to may end in a half-written line.
@@ -155,8 +162,10 @@ class TrainResult:
 def train_predictor(dataset: LengthDataset, kind: str, max_len: int = 1024, quantile: float = 0.9,
                     feature_config: FeatureConfig | None = None, held_out_fraction: float = 0.2,
                     out_dir: Path | str | None = None,
-                    transformer_config: TransformerConfig | None = None, fit_all: bool = False) -> TrainResult:
-    """Split, fit `kind` on the train side, score it on the held-out side, and save it under `out_dir`.
+                    transformer_config: TransformerConfig | None = None, fit_all: bool = False,
+                    model: str | None = None) -> TrainResult:
+    """Split, fit `kind` on the train side, score it on the held-out side, and save it under `out_dir`, recording
+    `model`, the model whose lengths the labels are, when given.
 
     With `fit_all`, the saved predictor is then refitted on every example (the shipped
     default artifact is made so); its metrics are those of the train-side fit on unseen prompts.
@@ -173,5 +182,5 @@ def train_predictor(dataset: LengthDataset, kind: str, max_len: int = 1024, quan
         calibration = {"quantile": quantile, "held_out_coverage": 1.0 - metrics["under_reservation_rate"],
                        "num_held_out": len(held_out.examples),
                        "fitted_on": "all labels" if fit_all else "train split"}
-        artifact_dir = save_predictor(predictor, out_dir, metrics, calibration)
+        artifact_dir = save_predictor(predictor, out_dir, metrics, calibration, model)
     return TrainResult(predictor, metrics, artifact_dir, len(train.examples), len(held_out.examples))

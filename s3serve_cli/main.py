@@ -11,6 +11,7 @@ from pathlib import Path
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
 from s3serve_cli.args import add_label_args, add_model_args, add_preemption_args
 from s3serve_cli.bench import add_bench_parser
+from s3serve_cli.calibrate import add_calibrate_parser
 from s3serve_cli.probe import add_probe_parser
 from workers.policies import DEFAULT_POLICY, SERVING_POLICY_NAMES
 
@@ -67,7 +68,7 @@ def _label_stats(args: argparse.Namespace) -> int:
 def _train_predictor(args: argparse.Namespace) -> int:
     from benchmarks.predictor_bench import load_prompt_texts_by_id
     from predictor_service.features import FeatureConfig
-    from predictor_service.training import build_dataset, read_labels, train_predictor
+    from predictor_service.training import build_dataset, labelled_model, read_labels, train_predictor
     from predictor_service.transformer_predictor import TransformerConfig
 
     print(f"train-predictor: reading labels and prompts, then fitting {args.kind}", flush=True)
@@ -79,7 +80,8 @@ def _train_predictor(args: argparse.Namespace) -> int:
     result = train_predictor(dataset, args.kind, max_len=args.max_len, quantile=args.quantile,
                              feature_config=FeatureConfig(use_embedding=not args.no_embedding),
                              held_out_fraction=args.held_out_fraction, out_dir=args.out,
-                             transformer_config=TransformerConfig(num_epochs=args.epochs), fit_all=args.fit_all)
+                             transformer_config=TransformerConfig(num_epochs=args.epochs), fit_all=args.fit_all,
+                             model=labelled_model(rows))
     metrics = ", ".join(f"{key}: {value:.3g}" for key, value in result.metrics.items())
     print(f"{args.kind}: {result.num_train} train, {result.num_held_out} held out; {metrics} -> {result.artifact_dir}")
     return 0
@@ -209,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  s3serve serve --port 8000 --num-workers 2\n"
                "  s3serve label --prompts prompts.jsonl --out labels.jsonl\n"
                "  s3serve train-predictor --labels labels.jsonl --prompts prompts.jsonl --out artifacts/\n"
+               "  s3serve calibrate --model gemma3-270m --limit 300\n"
                "  s3serve bench policies --quick\n"
                "Run `s3serve COMMAND --help` for a command's options.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -288,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=_train_predictor)
 
     add_probe_parser(commands)
+    add_calibrate_parser(commands)
     add_bench_parser(commands)
     return parser
 
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = " ".join(part for part in ("s3serve", args.command, getattr(args, "bench", None),
                                             getattr(args, "probe", None)) if part)
-    if args.command in ("bench", "label", "probe"):
+    if args.command in ("bench", "label", "probe", "calibrate"):
         from workers.runtime import tune_cpu_runtime
 
         tune_cpu_runtime()  # these run engines in this process

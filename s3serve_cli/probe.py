@@ -69,7 +69,7 @@ def run_train(features_path: Path, out: Path, hidden_units: int = 256, ranking_w
     probe = HiddenStateProbe(config, features.hidden.shape[1]).fit(features)
     summary = {"rows": len(features), "prompts": len(set(features.prompt_ids.tolist())),
                "calibration": None if probe.calibration is None else probe.calibration.to_dict()}
-    probe.save(out, {"trained_on": str(features_path)} | summary)
+    probe.save(out, {"trained_on": str(features_path), "model": features.meta.get("model")} | summary)
     return summary
 
 

@@ -167,6 +167,24 @@ def check_model(config: ServiceConfig) -> None:
                              f"{config.model!r}'s vocabulary of {vocab_size:,}: they do not belong together")
 
 
+def predictor_warning(config: ServiceConfig) -> str | None:
+    """A line when the length predictor the routers serve learnt another model's output lengths, else None."""
+    from predictor_service.artifacts import trained_for
+    from predictor_service.server import DEFAULT_ARTIFACT_ROOT
+
+    root = Path(config.predictor_root)
+    served = root if (root / "LATEST").is_file() or (root / "manifest.json").is_file() else DEFAULT_ARTIFACT_ROOT
+    try:
+        model = trained_for(served)
+    except (ValueError, FileNotFoundError):
+        return None  # the router says what it serves instead
+    if model is None or model == config.model:
+        return None
+    return (f"warning: the length predictor ({served}) learnt {model}'s output lengths, not {config.model}'s, so its "
+            "bounds are another model's until retraining on this service's traffic replaces it; `s3serve calibrate "
+            f"--model {config.model}` makes one for this model (then pass --predictor-artifact DIR/predictor)")
+
+
 def _first_line(error: BaseException) -> str:
     """The message's first line, and its last when it has several (a log tail ends with the reason)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -215,6 +233,9 @@ def run_service(config: ServiceConfig, ready_timeout_s: float = 900.0) -> int:
         print(f"  OpenAI API: {service.base_url}/v1   metrics: {service.base_url}/metrics   "
               f"health: {service.base_url}/health")
         print(f"  dashboard:  {service.base_url}/dashboard" + ("#key=<your key>" if key else ""))
+        warning = predictor_warning(config)
+        if warning is not None:
+            print("  " + warning)
         print("  try:\n    " + curl_example(service.base_url, config.model_id, key))
         print("Press Ctrl-C to stop.", flush=True)
         _wait_for_signal()

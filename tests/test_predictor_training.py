@@ -18,6 +18,7 @@ from predictor_service.metrics import evaluate
 from predictor_service.training import (
     LabelRow,
     build_dataset,
+    labelled_model,
     make_predictor,
     read_labels,
     split_by_prompt_id,
@@ -119,7 +120,7 @@ def test_read_labels_skips_a_half_written_last_line(tmp_path: Path):
            "sampling": {"max_tokens": 1015, "temperature": 0.0}, "model": "m", "max_len": 1024}
     path = tmp_path / "labels.jsonl"
     path.write_text(json.dumps(row) + "\n" + '{"prompt_id": "pool:b", "sam')
-    assert read_labels([path]) == [LabelRow("pool:a", 9, 4, 1015, 0.0)]
+    assert read_labels([path]) == [LabelRow("pool:a", 9, 4, 1015, 0.0, model="m")]
     path.write_text('{"prompt_id": "pool:a"}\n')
     with pytest.raises(ValueError, match="labels.jsonl:1: not a label row"):
         read_labels([path])
@@ -188,6 +189,20 @@ def test_minilm_embedding_columns_are_appended(tmp_path: Path):
     assert abs((matrix[0, -384:] ** 2).sum() - 1.0) < 1e-4
 
 
+def test_an_artifact_names_the_model_whose_lengths_it_learnt(dataset, tmp_path: Path):
+    from predictor_service.artifacts import trained_for
+    from predictor_service.server import DEFAULT_ARTIFACT_ROOT
+
+    train_predictor(dataset, "mean", max_len=MAX_LEN, out_dir=tmp_path / "a", model="gemma3-270m")
+    assert trained_for(tmp_path / "a") == "gemma3-270m"
+    train_predictor(dataset, "mean", max_len=MAX_LEN, out_dir=tmp_path / "b")
+    assert trained_for(tmp_path / "b") is None  # labels that did not say
+    assert trained_for(DEFAULT_ARTIFACT_ROOT) == "smollm2-135m-instruct"
+    m1, m2 = LabelRow("p:1", 10, 5, 100, 0.0, model="m1"), LabelRow("p:2", 10, 5, 100, 0.0, model="m2")
+    assert labelled_model([m1, m1]) == "m1"
+    assert labelled_model([m1, m2]) is None and labelled_model([LabelRow("p:3", 10, 5, 100, 0.0)]) is None
+
+
 def test_train_predictor_and_bench_predictor_commands(prompt_texts, shared_data: Path, tmp_path: Path):
     import subprocess
     import sys
@@ -196,7 +211,8 @@ def test_train_predictor_and_bench_predictor_commands(prompt_texts, shared_data:
     labels.write_text("".join(
         json.dumps({"prompt_id": r.prompt_id, "sample": 0, "prompt_tokens": r.num_prompt_tokens,
                     "output_tokens": r.num_output_tokens, "finish_reason": "stop",
-                    "sampling": {"max_tokens": r.max_tokens, "temperature": 0.0}}) + "\n"
+                    "sampling": {"max_tokens": r.max_tokens, "temperature": 0.0},
+                    "model": "smollm2-135m-instruct"}) + "\n"
         for r in synthetic_rows(prompt_texts)[:200]))
     common = ["--labels", str(labels), "--prompts", str(shared_data / "prompts" / "pool.jsonl")]
     train = subprocess.run([sys.executable, "-m", "s3serve_cli.main", "train-predictor", *common, "--kind", "lightgbm",
@@ -204,6 +220,7 @@ def test_train_predictor_and_bench_predictor_commands(prompt_texts, shared_data:
                            capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr[-2000:]
     assert (tmp_path / "art" / "LATEST").is_file()
+    assert read_manifest(tmp_path / "art")["model"] == "smollm2-135m-instruct"  # the rows' model
     bench = subprocess.run([sys.executable, "-m", "s3serve_cli.main", "bench", "predictor", *common, "--no-embedding",
                             "--artifact", str(tmp_path / "art"), "--json", str(tmp_path / "out.json")],
                            capture_output=True, text=True, timeout=300)

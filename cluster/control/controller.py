@@ -144,7 +144,8 @@ class Controller:
         if not config.retrain:
             return
         retrain = RetrainConfig(min_new_samples=config.retrain_min_samples,
-                                max_interval_s=config.retrain_interval_s, quantile=config.quantile)
+                                max_interval_s=config.retrain_interval_s, quantile=config.quantile,
+                                model=config.model)
         ray.remote(RetrainerActor).options(
             name=RETRAINER_NAME, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0.1,
             max_restarts=-1).remote(self.redis_url, config.predictor_root, retrain)

@@ -1,0 +1,103 @@
+"""`s3serve calibrate`: a length predictor and a hidden-state probe for any model, from its own answers.
+
+    OUT/labels.jsonl          the model's greedy output lengths on the prompts (appended to: resumable)
+    OUT/predictor/vNNNN       the LightGBM text predictor (`--predictor-artifact OUT/predictor`), its manifest naming
+                              the model
+    OUT/probe-features.npz    the engine's hidden states along each labelled answer
+    OUT/probe/                the probe (`--length-probe OUT/probe`)
+
+Each step is the command of the same name (`label`, `train-predictor`, `probe extract`, `probe train`) with the
+settings the service's predictors use; `s3serve bench predictor --labels OUT/labels.jsonl --probe-features
+OUT/probe-features.npz` scores both on held-out prompts.
+"""
+
+import argparse
+from pathlib import Path
+
+from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from s3serve_cli.args import add_model_args
+
+PREDICTOR_KIND = "lightgbm"  # the shipped artifact's kind; hashed n-grams, no sentence embedding (no download)
+
+
+def calibrate(model: str, model_cache_dir: Path | None, prompt_paths: tuple[Path, ...], out: Path, max_len: int,
+              limit: int | None, batch_size: int, held_out_fraction: float, with_probe: bool) -> dict:
+    """Run the steps (see the module docstring); returns what each reported."""
+    from benchmarks.predictor_bench import load_prompt_texts_by_id
+    from predictor_service.features import FeatureConfig
+    from predictor_service.training import build_dataset, read_labels, train_predictor
+    from s3serve_cli.label import LabelConfig, run_labeling
+    from s3serve_cli.probe import run_extract, run_train
+
+    out.mkdir(parents=True, exist_ok=True)
+    labels = out / "labels.jsonl"
+    print(f"calibrate 1/4: labelling with {model} (greedy, max_len {max_len}) -> {labels}", flush=True)
+    report = {"labels": run_labeling(LabelConfig(prompt_paths, labels, max_len=max_len, limit=limit, shuffle=True,
+                                                 max_num_seqs=batch_size), model, model_cache_dir)}
+    rows = [row for row in read_labels([labels]) if row.model == model and row.num_prompt_tokens + row.max_tokens
+            == max_len]
+    print(f"calibrate 2/4: fitting the {PREDICTOR_KIND} predictor on {len(rows)} labels -> {out / 'predictor'}",
+          flush=True)
+    dataset = build_dataset(rows, load_prompt_texts_by_id(prompt_paths))
+    trained = train_predictor(dataset, PREDICTOR_KIND, max_len=max_len, feature_config=FeatureConfig(
+        use_embedding=False), held_out_fraction=held_out_fraction, out_dir=out / "predictor", model=model)
+    report["predictor"] = {"artifact": str(trained.artifact_dir), "num_train": trained.num_train,
+                           "num_held_out": trained.num_held_out, "held_out": trained.metrics}
+    if with_probe:
+        features = out / "probe-features.npz"
+        print(f"calibrate 3/4: reading the engine's hidden states along each answer -> {features}", flush=True)
+        report["probe_features"] = run_extract([labels], prompt_paths, features, max_len, batch_size=batch_size,
+                                               model_name=model, model_cache_dir=model_cache_dir)
+        print(f"calibrate 4/4: fitting the probe -> {out / 'probe'}", flush=True)
+        report["probe"] = run_train(features, out / "probe")
+    return report
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import json
+
+    out = args.out or Path("calibration") / Path(args.model).name
+    report = calibrate(args.model, args.model_cache_dir, tuple(args.prompts), out, args.max_len, args.limit,
+                       args.batch_size, args.held_out_fraction, not args.no_probe)
+    (out / "calibration.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    held_out = report["predictor"]["held_out"]
+    print(f"predictor on {report['predictor']['num_held_out']} held-out labels: Kendall tau "
+          f"{held_out['kendall_tau']:.3f}, bucket accuracy {held_out['bucket_accuracy']:.3f}, MAE "
+          f"{held_out['mae_tokens']:.1f} tokens, under-reservation {held_out['under_reservation_rate']:.3f}")
+    serve = f"s3serve serve --model {args.model} --predictor-artifact {out / 'predictor'}"
+    if not args.no_probe:
+        serve += f" --length-probe {out / 'probe'}"
+    print(f"serve with it:\n  {serve}\nscore the predictor and the probe on held-out prompts:\n  s3serve bench "
+          f"predictor --labels {out / 'labels.jsonl'} --prompts {' '.join(map(str, args.prompts))} --max-len "
+          f"{args.max_len} --no-embedding --kinds mean linear lightgbm" +
+          ("" if args.no_probe else f" --probe-features {out / 'probe-features.npz'}"))
+    return 0
+
+
+def add_calibrate_parser(commands) -> None:
+    calibrate_parser = commands.add_parser(
+        "calibrate",
+        help="a length predictor and a hidden-state probe for any model: label prompts with it, train both",
+        description="Labels prompts with the model's own greedy answers (resumable: run it again to go on), trains "
+                    "the text length predictor (held-out metrics printed) and the hidden-state probe on them, and "
+                    "writes artifacts that `s3serve serve --predictor-artifact OUT/predictor --length-probe "
+                    "OUT/probe` takes. The predictor's manifest names the model; the service warns when it serves "
+                    "another.",
+    )
+    add_model_args(calibrate_parser)
+    calibrate_parser.add_argument("--prompts", type=Path, nargs="+", default=[DEFAULT_PROMPTS], metavar="FILE",
+                                  help="prompt JSONL files (default: %(default)s)")
+    calibrate_parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                                  help="where labels and artifacts go (default: calibration/<model name>)")
+    calibrate_parser.add_argument("--max-len", type=int, default=1024,
+                                  help="longest sequence; answers run to the model's own stop or to it "
+                                       "(default: %(default)s)")
+    calibrate_parser.add_argument("--limit", type=int, default=None,
+                                  help="label at most N prompts, a seeded shuffle of every set (default: all)")
+    calibrate_parser.add_argument("--batch-size", type=int, default=32,
+                                  help="sequences the engine runs at once (default: %(default)s)")
+    calibrate_parser.add_argument("--held-out-fraction", type=float, default=0.2,
+                                  help="share of prompts held out for the predictor's metrics (default: %(default)s)")
+    calibrate_parser.add_argument("--no-probe", action="store_true",
+                                  help="train the text predictor only (the probe doubles the engine time)")
+    calibrate_parser.set_defaults(handler=_calibrate)
