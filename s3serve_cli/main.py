@@ -162,7 +162,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "worker's requests; room: the most free KV; least_requests: the fewest live requests)")
     serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                        help="weights and KV dtype of the workers (default auto: bfloat16 where the CPU has "
-                            "AVX512-BF16 or AMX, float32 elsewhere)")
+                            "AVX512-BF16 or AMX, float32 elsewhere; on CUDA the model's own half type, else bfloat16)")
     serve.add_argument("--device", default=None, help="where workers run the engine: auto (default: CUDA when a "
                        "worker actor got a GPU, see worker_num_gpus in the config file), cpu, cuda or cuda:N")
     serve.add_argument("--num-gpus-per-worker", type=float, default=None, metavar="N",

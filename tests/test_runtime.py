@@ -15,6 +15,31 @@ def test_auto_dtype_follows_the_cpu_bf16_flags(monkeypatch):
     assert runtime.resolve_dtype("auto", "cpu") == torch.float32
 
 
+def test_auto_dtype_on_cuda_keeps_the_models_half_type(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    assert runtime.resolve_dtype("auto", "cuda", "float16") == torch.float16  # a model trained in fp16
+    assert runtime.resolve_dtype("auto", "cuda", "bfloat16") == torch.bfloat16
+    assert runtime.resolve_dtype("auto", "cuda", "float32") == torch.bfloat16  # served in half, as vLLM does
+    assert runtime.resolve_dtype("auto", "cuda", None) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)  # a V100, a T4
+    assert runtime.resolve_dtype("auto", "cuda", "bfloat16") == torch.float16
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert runtime.resolve_dtype("auto", "cpu", "float16") == torch.bfloat16  # no fp16 arithmetic on the CPU
+
+
+def test_a_model_folders_stated_dtype_is_read(tmp_path):
+    import json
+
+    from workers.models import config_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
+    assert config_dtype(tmp_path) == "float16"
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"dtype": "bfloat16"}}))
+    assert config_dtype(tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text("{}")
+    assert config_dtype(tmp_path) is None
+
+
 def test_explicit_dtypes_and_a_bad_name():
     assert runtime.resolve_dtype("float32", "cpu") == torch.float32
     assert runtime.resolve_dtype("bfloat16", "cpu") == torch.bfloat16

@@ -207,6 +207,16 @@ def resolve_tokenizer_dir(tokenizer: str | None, model_dir: Path, cache_dir: Pat
                                 f"and as a model: {error}") from None
 
 
+def config_dtype(model_dir: Path) -> str | None:
+    """The dtype a model folder's config.json states ("bfloat16", "float16", ...), None when it states none."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config") or {}
+    value = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return value if isinstance(value, str) else None
+
+
 def load_model(model_dir: Path, dtype=None, device: str = "cpu"):
     """Load a causal LM in eval mode from a local folder; `dtype` a torch dtype (default float32)."""
     import torch

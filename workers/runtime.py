@@ -45,8 +45,10 @@ def cpu_has_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def resolve_dtype(name: str, device):
-    """A torch dtype for a dtype name, or "auto": bf16 on CUDA and on CPUs with bf16 instructions, fp32 otherwise."""
+def resolve_dtype(name: str, device, config_dtype: str | None = None):
+    """A torch dtype for a dtype name, or "auto": on CUDA the model's own half type (`config_dtype`, its config's
+    dtype) where it has one and the GPU runs it, else bf16 (fp16 on GPUs without bf16); on the CPU bf16 where it
+    has bf16 instructions, fp32 otherwise (fp16 arithmetic on CPUs is slow)."""
     import torch
 
     if name != "auto":
@@ -55,7 +57,10 @@ def resolve_dtype(name: str, device):
         return getattr(torch, name)
     kind = torch.device(device).type
     if kind == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        bf16 = torch.cuda.is_bf16_supported()
+        if config_dtype == "float16" or not bf16:
+            return torch.float16
+        return torch.bfloat16
     return torch.bfloat16 if kind == "cpu" and cpu_has_bf16() else torch.float32
 
 

@@ -147,16 +147,17 @@ class WorkerSettings:
 
 def load_worker_model(settings: WorkerSettings):
     """(model, tokenizer or None for the tiny model, device): the settings' model on the device this process got."""
-    from workers.models import load_model, load_tokenizer, make_tiny_model, resolve_model_dir, resolve_tokenizer_dir
+    from workers.models import (config_dtype, load_model, load_tokenizer, make_tiny_model, resolve_model_dir,
+                                resolve_tokenizer_dir)
 
     device = resolve_device(settings.device, *probe_cuda())
-    dtype = resolve_dtype(settings.dtype, device)
     if settings.tiny_model_seed is not None:
-        model = make_tiny_model(settings.tiny_model_seed, init_std=settings.tiny_model_init_std).to(device, dtype)
-        return model, None, device
+        model = make_tiny_model(settings.tiny_model_seed, init_std=settings.tiny_model_init_std)
+        return model.to(device, resolve_dtype(settings.dtype, device)), None, device
     cache_dir = None if settings.model_cache_dir is None else Path(settings.model_cache_dir)
     model_dir = resolve_model_dir(settings.model, cache_dir, settings.revision)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(settings.tokenizer, model_dir, cache_dir))
+    dtype = resolve_dtype(settings.dtype, device, config_dtype(model_dir))
     return load_model(model_dir, dtype=dtype, device=device), tokenizer, device
 
 
