@@ -20,5 +20,6 @@ def build_app(args: dict):
     # Until the root holds a version (configured, or retrained from traffic) the shipped default is served.
     predictor = None
     if config.predictor_mode == "deployment":
-        predictor = PredictorDeployment.bind(config.predictor_root, config.quantile, config.max_model_len)
+        predictor = PredictorDeployment.bind(config.predictor_root, config.quantile, config.max_model_len,
+                                             config.model)
     return build_router(config, redis_url, predictor)

@@ -1,4 +1,5 @@
-"""Two baselines a learned predictor must beat: the training mean, and a line in prompt length."""
+"""Two baselines a learned predictor must beat, the training mean and a line in prompt length, and the prior a
+service starts from for a model nobody has labelled (it knows only each request's max_tokens)."""
 
 from collections.abc import Sequence
 
@@ -170,3 +171,37 @@ class PromptLengthLinearPredictor(FittedLengthPredictor):
         predictor.residual_upper_tokens = float(params["residual_upper_tokens"])
         predictor.residual_quantiles = np.asarray(params["residual_quantiles"], dtype=np.float64)
         return predictor
+
+
+class MaxTokensPrior(FittedLengthPredictor):
+    """What is known of a model whose lengths were never measured: only each request's `max_tokens`. The bound is
+    the worst case (max_tokens, so nothing overruns it), the point half of it, and the buckets uniform up to it. Not
+    fitted and not saved: the service serves it until retraining on its own traffic promotes a learnt version.
+
+    Args:
+        max_len: longest sequence; the buckets span [0, max_len].
+    """
+
+    name = "prior"
+
+    def __init__(self, max_len: int = 1024) -> None:
+        super().__init__()
+        self.max_len = max_len
+
+    def fit(self, examples: Sequence[LengthExample], lengths: Sequence[int]) -> "MaxTokensPrior":
+        return self
+
+    def predict_examples(self, examples: Sequence[LengthExample]) -> list[LengthPrediction]:
+        predictions = []
+        for example in examples:
+            max_tokens = max(1, example.max_tokens)
+            spread = np.linspace(1, max_tokens, num=64)  # the lengths it may take, evenly
+            predictions.append(_prediction(max(1, max_tokens // 2), max_tokens, bucket_histogram(spread, self.max_len)))
+        return predictions
+
+    def to_params(self) -> dict:
+        return {"max_len": self.max_len}
+
+    @classmethod
+    def from_params(cls, params: dict) -> "MaxTokensPrior":
+        return cls(params["max_len"])

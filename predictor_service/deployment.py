@@ -16,8 +16,9 @@ class PredictorDeployment:
         quantile, max_len: settings of that baseline.
     """
 
-    def __init__(self, artifact_root: str | None = None, quantile: float = 0.9, max_len: int = 1024) -> None:
-        self.server = LengthPredictorServer(artifact_root, quantile, max_len)
+    def __init__(self, artifact_root: str | None = None, quantile: float = 0.9, max_len: int = 1024,
+                 model: str | None = None) -> None:
+        self.server = LengthPredictorServer(artifact_root, quantile, max_len, model=model)
 
     # A short wait: under load batches fill while the previous one runs; alone, a request should not wait.
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0005)
@@ -30,6 +31,6 @@ class PredictorDeployment:
 
 
 def build_predictor_app(config: dict):
-    """Application builder: {"artifact_root", "quantile", "max_len"} -> bound deployment."""
+    """Application builder: {"artifact_root", "quantile", "max_len", "model"} -> bound deployment."""
     return PredictorDeployment.bind(config.get("artifact_root"), config.get("quantile", 0.9),
-                                    config.get("max_len", 1024))
+                                    config.get("max_len", 1024), config.get("model"))

@@ -4,13 +4,16 @@ Plain Python (no Ray): `predictor_service.deployment` wraps it in a Ray Serve
 deployment. Until a version exists under the artifact root (or with no root), it
 serves the default artifact shipped in `predictor_service/default_artifact/`
 (LightGBM over hashed n-grams, fitted on the shipped greedy and sampled labels); if that cannot be
-loaded, the prompt-length baseline fitted on those labels. It logs which.
+loaded, the prompt-length baseline fitted on those labels. Both learnt SmolLM2's lengths: for another
+model it serves the model-independent prior (`MaxTokensPrior`: the bound is max_tokens) until
+retraining promotes a version learnt from that model's own answers. It logs which.
 """
 
 import logging
 from pathlib import Path
 
-from predictor_service.artifacts import load_predictor, read_manifest, resolve_version_dir
+from predictor_service.artifacts import load_predictor, read_manifest, resolve_version_dir, trained_for
+from predictor_service.baselines import MaxTokensPrior
 from predictor_service.length_example import FittedLengthPredictor, LengthExample
 from predictor_service.training import make_predictor, read_labels
 
@@ -23,6 +26,7 @@ SHIPPED_SAMPLED_LABELS = SHIPPED_LABELS.with_name("smollm2-135m-instruct.pool.sa
 SHIPPED_LABEL_FILES = (SHIPPED_LABELS, SHIPPED_SAMPLED_LABELS)
 DEFAULT_ARTIFACT_ROOT = Path(__file__).parent / "default_artifact"
 BASELINE_VERSION = "baseline:prompt-length"
+PRIOR_VERSION = "prior:max-tokens"
 DEFAULT_VERSION_PREFIX = "default:"
 
 
@@ -45,10 +49,14 @@ class LengthPredictorServer:
         max_len: bucket range of that baseline.
         labels_path: labels the baseline is fitted on.
         default_root: artifact served until `artifact_root` has a version; None skips it.
+        model: the served model; when the default artifact (and the shipped labels) are of another model, the
+            `MaxTokensPrior` is served until `artifact_root` has a version. None: whatever the default learnt.
     """
 
     def __init__(self, artifact_root: str | Path | None, quantile: float = 0.9, max_len: int = 1024,
-                 labels_path: Path = SHIPPED_LABELS, default_root: Path | None = DEFAULT_ARTIFACT_ROOT) -> None:
+                 labels_path: Path = SHIPPED_LABELS, default_root: Path | None = DEFAULT_ARTIFACT_ROOT,
+                 model: str | None = None) -> None:
+        self.model = model
         self.artifact_root = Path(artifact_root) if artifact_root is not None else None
         self.quantile = quantile
         self.max_len = max_len
@@ -80,7 +88,14 @@ class LengthPredictorServer:
         return True
 
     def _start_without_artifact(self) -> None:
-        """The shipped default artifact, else the prompt-length baseline; logged either way."""
+        """The shipped default artifact, else the prompt-length baseline; for another model the prior. Logged."""
+        if self.default_root is not None and self.model is not None and self._default_is_for_another_model():
+            self.predictor = MaxTokensPrior(self.max_len)
+            self.version = PRIOR_VERSION
+            logger.warning("no predictor artifact under %s, and the shipped one learnt another model's lengths than "
+                           "%s's: serving the prior (bound = max_tokens) until retraining promotes a version",
+                           self.artifact_root, self.model)
+            return
         if self.default_root is not None:
             try:
                 self.predictor = load_predictor(self.default_root)
@@ -94,6 +109,13 @@ class LengthPredictorServer:
         self.version = BASELINE_VERSION
         logger.warning("no predictor artifact under %s: serving the prompt-length baseline fitted on %s",
                        self.artifact_root, self.labels_path)
+
+    def _default_is_for_another_model(self) -> bool:
+        try:
+            learnt = trained_for(self.default_root)
+        except (ValueError, FileNotFoundError):
+            return False  # it does not load either; the baseline below says so
+        return learnt is not None and learnt != self.model
 
     def predict(self, payloads: list[dict]) -> list[dict]:
         """Payloads {"prompt_id", "prompt_text", "num_prompt_tokens", "max_tokens", "temperature"?} -> predictions."""

@@ -180,9 +180,14 @@ def predictor_warning(config: ServiceConfig) -> str | None:
         return None  # the router says what it serves instead
     if model is None or model == config.model:
         return None
+    calibrate = (f"`s3serve calibrate --model {config.model}` makes one for this model now (then pass "
+                 "--predictor-artifact DIR/predictor)")
+    if served == DEFAULT_ARTIFACT_ROOT:
+        return (f"note: no length predictor for {config.model} yet (the shipped one learnt {model}'s lengths): the "
+                "routers bound each request by its max_tokens until retraining on this service's traffic promotes "
+                f"one; {calibrate}")
     return (f"warning: the length predictor ({served}) learnt {model}'s output lengths, not {config.model}'s, so its "
-            "bounds are another model's until retraining on this service's traffic replaces it; `s3serve calibrate "
-            f"--model {config.model}` makes one for this model (then pass --predictor-artifact DIR/predictor)")
+            f"bounds are another model's until retraining on this service's traffic replaces it; {calibrate}")
 
 
 def _first_line(error: BaseException) -> str:

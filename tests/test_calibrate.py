@@ -12,9 +12,15 @@ from s3serve_cli.serve import predictor_warning
 
 def test_the_service_warns_when_its_predictor_learnt_another_models_lengths(tmp_path):
     assert predictor_warning(ServiceConfig(data_dir=str(tmp_path))) is None  # the shipped one, for SmolLM2
-    warning = predictor_warning(ServiceConfig(model="gemma3-270m", data_dir=str(tmp_path)))
+    note = predictor_warning(ServiceConfig(model="gemma3-270m", data_dir=str(tmp_path)))
+    assert "no length predictor for gemma3-270m yet" in note and "by its max_tokens" in note
+    assert "s3serve calibrate --model gemma3-270m" in note
+    other = tmp_path / "other" / "v0001"
+    other.mkdir(parents=True)
+    (other / "manifest.json").write_text(json.dumps({"format_version": 1, "kind": "mean", "version": "mean-v0001",
+                                                     "files": [], "model": "smollm2-135m-instruct"}))
+    warning = predictor_warning(ServiceConfig(model="gemma3-270m", predictor_artifact=str(other)))
     assert "learnt smollm2-135m-instruct's output lengths, not gemma3-270m's" in warning
-    assert "s3serve calibrate --model gemma3-270m" in warning
     own = tmp_path / "predictor" / "v0001"
     own.mkdir(parents=True)
     (own / "manifest.json").write_text(json.dumps({"format_version": 1, "kind": "mean", "version": "mean-v0001",

@@ -35,6 +35,19 @@ def test_server_starts_from_the_shipped_default_artifact_and_switches_to_a_promo
     assert re.match(r"mean-v0001-", server.version)
 
 
+def test_a_model_the_shipped_artifact_did_not_learn_starts_from_the_max_tokens_prior(tmp_path: Path):
+    from predictor_service.server import PRIOR_VERSION
+
+    server = LengthPredictorServer(tmp_path / "artifacts", max_len=1024, model="gemma3-270m")
+    assert server.version == PRIOR_VERSION
+    [answer] = server.predict([PAYLOAD])
+    assert answer["upper_bound_tokens"] == 900 and answer["point_tokens"] == 450  # nothing known but max_tokens
+    assert max(answer["bucket_probs"][9:]) < 0.05 and abs(sum(answer["bucket_probs"]) - 1.0) < 1e-6
+    save_predictor(fitted_mean(120), tmp_path / "artifacts", {}, {}, "gemma3-270m")  # retraining promotes one
+    assert server.reload_if_promoted() and server.predict([PAYLOAD])[0]["point_tokens"] == 120
+    assert LengthPredictorServer(tmp_path / "none", model="smollm2-135m-instruct").version.startswith("default:")
+
+
 def test_without_the_default_artifact_the_server_fits_the_prompt_length_baseline():
     server = LengthPredictorServer(None, default_root=None)
     assert server.version == BASELINE_VERSION

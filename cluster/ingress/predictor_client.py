@@ -35,12 +35,13 @@ class InRouterPredictor(PredictorClient):
     Args:
         artifact_root: the versions directory (LATEST), as the deployment would load it.
         quantile, max_len: settings of the fallback baseline when no artifact loads.
+        model: the served model (`LengthPredictorServer`: the prior when the shipped artifact is of another).
     """
 
-    def __init__(self, artifact_root: str | None, quantile: float, max_len: int) -> None:
+    def __init__(self, artifact_root: str | None, quantile: float, max_len: int, model: str | None = None) -> None:
         from predictor_service.server import LengthPredictorServer
 
-        self.server = LengthPredictorServer(artifact_root, quantile, max_len)
+        self.server = LengthPredictorServer(artifact_root, quantile, max_len, model=model)
         self._checked_s = time.monotonic()
 
     async def predict(self, payload: dict) -> dict:

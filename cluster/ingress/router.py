@@ -81,7 +81,7 @@ class Router:
         self.policy = make_policy(self.config.policy)  # which predicted length the workers plan by
         self.predictor = (DeploymentPredictor(predictor) if predictor is not None else
                           InRouterPredictor(self.config.predictor_root, self.config.quantile,
-                                            self.config.max_model_len))
+                                            self.config.max_model_len, self.config.model))
         model_dir = resolve_model_dir(self.config.model, self.config.model_cache_dir, self.config.revision)
         self.tokenizer = load_tokenizer(resolve_tokenizer_dir(self.config.tokenizer, model_dir,
                                                               self.config.model_cache_dir),
