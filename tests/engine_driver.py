@@ -1,7 +1,7 @@
 """The tiny-engine helpers the engine tests share: budgets in blocks, prompts, draining, HF's greedy tokens.
 
 Budgets are given in blocks: the tiny model's block of 4 tokens takes
-2 (K and V) * 2 layers * 4 tokens * 2 kv heads * 16 head_dim * 4 bytes = 1024 bytes.
+2 (K and V) * 2 layers * 4 tokens * 2 kv heads * 16 head_dim * 4 bytes = 2048 bytes.
 """
 
 import copy

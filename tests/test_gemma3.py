@@ -49,7 +49,7 @@ def test_greedy_answers_equal_hugging_face_generate_past_the_window(gemma3_dir):
     assert "Paris" in tokenizer.decode(got[0]) or "capital" in tokenizer.decode(got[0])
 
 
-BF16_LOGIT_TOLERANCE = 0.03  # of the largest |logit| of the row set (measured: 0.014-0.027)
+BF16_LOGIT_TOLERANCE = 0.03  # of the largest |logit| of the row set (measured: 0.013-0.027)
 
 
 def test_bf16_logits_stay_within_a_stated_tolerance_of_hugging_faces(gemma3_dir):
