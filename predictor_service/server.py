@@ -37,6 +37,13 @@ def fit_prompt_length_baseline(labels_path: Path, quantile: float, max_len: int)
     return make_predictor("linear", quantile, max_len).fit(examples, [r.num_output_tokens for r in rows])
 
 
+def latest_version_dir(artifact_root: Path | None) -> Path | None:
+    """The version LATEST names under `artifact_root`; None while there is none (the server serves the default)."""
+    if artifact_root is None or not (artifact_root / "LATEST").is_file():
+        return None
+    return resolve_version_dir(artifact_root)
+
+
 class LengthPredictorServer:
     """Answers prediction payloads with the active predictor version.
 
@@ -66,14 +73,9 @@ class LengthPredictorServer:
         self.predictor: FittedLengthPredictor | None = None
         self.reload_if_promoted()
 
-    def _latest_version_dir(self) -> Path | None:
-        if self.artifact_root is None or not (self.artifact_root / "LATEST").is_file():
-            return None
-        return resolve_version_dir(self.artifact_root)
-
     def reload_if_promoted(self) -> bool:
         """Switch to the version LATEST names if it changed; True when it switched."""
-        version_dir = self._latest_version_dir()
+        version_dir = latest_version_dir(self.artifact_root)
         if version_dir is None:
             if self.predictor is None:
                 self._start_without_artifact()

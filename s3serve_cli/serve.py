@@ -170,11 +170,10 @@ def check_model(config: ServiceConfig) -> None:
 def predictor_warning(config: ServiceConfig) -> str | None:
     """A line when the length predictor the routers serve learnt another model's output lengths, else None."""
     from predictor_service.artifacts import trained_for
-    from predictor_service.server import DEFAULT_ARTIFACT_ROOT
+    from predictor_service.server import DEFAULT_ARTIFACT_ROOT, latest_version_dir
 
-    root = Path(config.predictor_root)
-    served = root if (root / "LATEST").is_file() or (root / "manifest.json").is_file() else DEFAULT_ARTIFACT_ROOT
     try:
+        served = latest_version_dir(Path(config.predictor_root)) or DEFAULT_ARTIFACT_ROOT  # as the routers choose
         model = trained_for(served)
     except (ValueError, FileNotFoundError):
         return None  # the router says what it serves instead

@@ -10,21 +10,24 @@ from s3serve_cli.main import main
 from s3serve_cli.serve import predictor_warning
 
 
+def _artifact_root(root, model: str):
+    """An artifact root as training leaves it: LATEST naming a version whose manifest names `model`."""
+    (root / "v0001").mkdir(parents=True)
+    (root / "v0001" / "manifest.json").write_text(json.dumps({"format_version": 1, "kind": "mean",
+                                                              "version": "mean-v0001", "files": [], "model": model}))
+    (root / "LATEST").write_text("v0001\n")
+    return root
+
+
 def test_the_service_warns_when_its_predictor_learnt_another_models_lengths(tmp_path):
     assert predictor_warning(ServiceConfig(data_dir=str(tmp_path))) is None  # the shipped one, for SmolLM2
     note = predictor_warning(ServiceConfig(model="gemma3-270m", data_dir=str(tmp_path)))
     assert "no length predictor for gemma3-270m yet" in note and "by its max_tokens" in note
     assert "s3serve calibrate --model gemma3-270m" in note
-    other = tmp_path / "other" / "v0001"
-    other.mkdir(parents=True)
-    (other / "manifest.json").write_text(json.dumps({"format_version": 1, "kind": "mean", "version": "mean-v0001",
-                                                     "files": [], "model": "smollm2-135m-instruct"}))
+    other = _artifact_root(tmp_path / "other", "smollm2-135m-instruct")
     warning = predictor_warning(ServiceConfig(model="gemma3-270m", predictor_artifact=str(other)))
     assert "learnt smollm2-135m-instruct's output lengths, not gemma3-270m's" in warning
-    own = tmp_path / "predictor" / "v0001"
-    own.mkdir(parents=True)
-    (own / "manifest.json").write_text(json.dumps({"format_version": 1, "kind": "mean", "version": "mean-v0001",
-                                                   "files": [], "model": "gemma3-270m"}))
+    own = _artifact_root(tmp_path / "own", "gemma3-270m")
     assert predictor_warning(ServiceConfig(model="gemma3-270m", predictor_artifact=str(own))) is None
 
 
