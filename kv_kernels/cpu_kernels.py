@@ -90,7 +90,8 @@ def attention(query, key, value, k_cache, v_cache, meta: AttentionMetadata, scal
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm of rows x [T, hidden] -> new [T, hidden]."""
+    """RMSNorm of rows x [T, hidden] -> new [T, hidden]: LlamaRMSNorm's rounding with a weight in x's dtype,
+    Gemma3RMSNorm's with a float32 weight (1 + w)."""
     out = torch.empty_like(x)
     _ops().rms_norm(out, x, weight, eps)
     return out

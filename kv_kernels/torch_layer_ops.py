@@ -1,9 +1,9 @@
-"""A Llama layer's elementwise ops in plain torch, any device: the fast path's ops where no C++ kernels run.
+"""A decoder layer's elementwise ops in plain torch, any device: the fast path's ops where no C++ kernels run.
 
 The same four ops as `kv_kernels.cpu_kernels` (`rms_norm`, `fused_add_rms_norm`,
 `rotary_embedding`, `silu_and_mul`), with the same signatures and in-place
 contracts, written as the very torch ops Hugging Face's Llama modules run, in
-the same order, so they round where HF rounds. On CUDA they let `FastLlama` skip
+the same order, so they round where HF rounds. On CUDA they let `FastDecoder` skip
 HF's module stack (measured on an H100, LLaMA-7B shape, bf16: the HF stack took
 24 ms a step at one sequence, nearly all of it host-side dispatch).
 """
@@ -15,8 +15,12 @@ __all__ = ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm of rows x [T, hidden] -> new [T, hidden]: float32 inside, then x's dtype, then the weight."""
+    """RMSNorm of rows x [T, hidden] -> new [T, hidden], float32 inside. A weight in x's dtype: LlamaRMSNorm's
+    rounding (to x's dtype, then times the weight); a float32 weight (Gemma's 1 + w): times the weight, then
+    rounded once."""
     rows = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # [T, hidden] float32, HF's arithmetic in one op
+    if weight.dtype == torch.float32:
+        return (rows * weight).to(x.dtype)
     return weight * rows.to(x.dtype)
 
 

@@ -1,4 +1,4 @@
-"""Architectures other than Llama, through the engine's Hugging Face path with our paged attention.
+"""Architectures other than Llama, through the engine's fast path and its Hugging Face path with our paged attention.
 
 Tiny randomly initialised models built from transformers' own config classes (no download), fp32,
 weights redrawn at std 0.2 so that every token depends on its context. Each must answer exactly as
@@ -30,8 +30,9 @@ def test_the_sliding_window_is_read_as_the_model_applies_it():
     assert sliding_window(LlamaConfig()) is None
 
 
+@pytest.mark.parametrize("path", ["fast", "hf"])
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_greedy_answers_equal_hugging_face_generate(name):
+def test_greedy_answers_equal_hugging_face_generate(name, path):
     model = tiny_architecture(name)
     expect_window = None if name == "qwen3" else WINDOW
     assert sliding_window(model.config) == expect_window
@@ -42,8 +43,8 @@ def test_greedy_answers_equal_hugging_face_generate(name):
     bytes_per_block = pool_shape_for(model.config, 1, 4, torch.float32).bytes_per_block
     engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=24 * bytes_per_block, block_size=4,
                                                        max_num_seqs=4, max_num_batched_tokens=8,
-                                                       max_model_len=128))
-    assert engine.runner.path == "hf"
+                                                       max_model_len=128, use_fast_path=path == "fast"))
+    assert engine.runner.path == path
     outputs = run_engine(engine, requests, {0: list(requests)})
     for seq_id, (prompt, params) in requests.items():
         assert list(outputs[seq_id].output_token_ids) == hf_greedy(prompt, params.max_tokens), (name, seq_id)

@@ -43,6 +43,7 @@ def test_greedy_answers_equal_hugging_face_generate_past_the_window(gemma3_dir):
             want.append(out[0, len(prompt):].tolist())
     engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=128 * 1024**2, max_model_len=1024,
                                                        max_num_batched_tokens=256))  # the long prompt in chunks
+    assert engine.runner.path == "fast"
     got = engine.generate(ids, SamplingParams(max_tokens=16))
     for prompt, answer, expected in zip(ids, got, want):
         assert list(answer) == expected[:len(answer)] and len(answer) >= 1, tokenizer.decode(prompt[:12])
@@ -62,6 +63,7 @@ def test_bf16_logits_stay_within_a_stated_tolerance_of_hugging_faces(gemma3_dir)
     ids = [tokenizer(text)["input_ids"] for text in [*PROMPTS, long_prompt]]
     engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=128 * 1024**2, max_model_len=1024,
                                                        max_num_batched_tokens=256))
+    assert engine.runner.path == "fast"
     rows: dict[str, list[torch.Tensor]] = {}
     run = engine.runner.run
 

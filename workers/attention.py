@@ -8,7 +8,7 @@ sequence packed into one batch, prefill chunks first, then decodes:
 
 `StepAttention` holds what every layer of that step shares (the KV pool, the
 backend, the metadata validated once for the step) and attends for one layer
-per call. The fast path (`workers.fast_llama`) calls it directly; a Hugging Face
+per call. The fast path (`workers.fast_decoder`) calls it directly; a Hugging Face
 module stack reaches it through `AttentionInterface`, which hands the
 `s3_attention` keyword of the model's forward to the attention function of
 every layer.

@@ -22,7 +22,7 @@ class EngineConfig:
         tensor_parallel_size: ranks one engine runs over, DeepSpeed AutoTP in each; torch.distributed
             must run that many, the engine on rank 0 and `workers.tensor_parallel.follow_engine` on the
             others. Above 1 the Hugging Face stack runs (no fast path).
-        use_fast_path: run Llama-family models through `FastLlama` (on CPU fused C++ kernels and
+        use_fast_path: run the models `FastDecoder` serves through it (on CPU fused C++ kernels and
             packed bf16 weights, on CUDA torch's ops and concatenated projections); False keeps
             the Hugging Face module stack.
         enable_prefix_caching: share the KV of full blocks of tokens between requests with the

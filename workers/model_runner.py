@@ -1,4 +1,4 @@
-"""Runs one ragged forward over paged KV: the fast Llama path on CPU and CUDA, a DeepSpeed-wrapped HF model otherwise.
+"""Runs one ragged forward over paged KV: the fast path on CPU and CUDA, a DeepSpeed-wrapped HF model otherwise.
 
 Per step, `run()` builds the attention metadata once (validated once, on the
 host, before any tensor reaches the device), then runs one forward in which
@@ -6,7 +6,7 @@ each layer calls the backend's `attention()` with it: no per-layer checks, no
 per-layer `.tolist()`, no host syncs inside the forward.
 
 Which forward runs (`path`):
-- "fast": `FastLlama` (Llama-family model; on CPU with the C++ kernels: fused
+- "fast": `FastDecoder` (a model of its `ARCHITECTURES`; on CPU with the C++ kernels: fused
   ops, oneDNN-packed bf16 weights; on CUDA with torch's ops, the Triton
   attention and concatenated projections). DeepSpeed is not involved: with
   tensor_parallel_size 1 and no kernel injection its wrapper changes nothing but
@@ -118,7 +118,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         use_fast_path: bool = True,
     ) -> None:
-        from workers.fast_llama import FastLlama, unsupported_reason
+        from workers.fast_decoder import FastDecoder, unsupported_reason
 
         check_servable(model.config, getattr(model.config, "_name_or_path", "") or model.config.model_type)
         self.device = next(model.parameters()).device
@@ -138,7 +138,7 @@ class ModelRunner:
             self.fast_path_off_reason = unsupported_reason(model)
         self.fast = None
         if self.fast_path_off_reason is None:
-            self.fast = FastLlama(model, max_model_len or model.config.max_position_embeddings)
+            self.fast = FastDecoder(model, max_model_len or model.config.max_position_embeddings)
             self.model = model
         else:
             model.set_attn_implementation(register_paged_attention())
@@ -275,7 +275,8 @@ class ModelRunner:
         forward_start_s = time.perf_counter()
         if self.fast is not None:
             scale = self.fast.scale
-            logits, hidden = self.fast.forward(ids, pos, lambda i, q, k, v: attention(i, q, k, v, scale), keep)
+            logits, hidden = self.fast.forward(ids, pos, lambda i, q, k, v, w: attention(i, q, k, v, scale, w),
+                                              keep)
         else:
             outputs = self.model(input_ids=ids[None], position_ids=pos[None], logits_to_keep=keep, use_cache=False,
                                  s3_attention=attention, output_hidden_states=want_hidden)

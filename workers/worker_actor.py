@@ -57,7 +57,7 @@ class WorkerSettings:
         num_torch_threads: torch intra-op threads in the actor; None takes the cores it may use.
         dtype: weights and KV element type: "auto" (bf16 on CPUs with bf16 instructions, fp32 on
             others), float32, bfloat16 or float16.
-        use_fast_path: run Llama-family models through the fast path (EngineConfig.use_fast_path).
+        use_fast_path: run the models it serves through the fast path (EngineConfig.use_fast_path).
         enable_prefix_caching: share and keep the KV of common prefixes (EngineConfig.enable_prefix_caching).
         device: auto (CUDA when the actor was given a GPU and torch sees one, else CPU), cpu, cuda or
             cuda:N (`workers.device`).

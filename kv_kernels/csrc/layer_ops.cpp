@@ -1,5 +1,5 @@
-// The fused elementwise ops of a Llama decoder layer on CPU (workers/fast_llama.py):
-// RMSNorm, residual add + RMSNorm, rotary embedding, SiLU x up. Each rounds to the
+// The fused elementwise ops of a decoder layer on CPU (workers/fast_decoder.py):
+// RMSNorm (Llama's or Gemma's rounding), residual add + RMSNorm, rotary embedding, SiLU x up. Each rounds to the
 // tensor's dtype exactly where the Hugging Face modules do (every bf16 op rounds its
 // result), so bf16 outputs track HF's bf16 forward; in fp32 rounding is the identity.
 // Registered as torch ops `s3_cpu::rms_norm`, `fused_add_rms_norm`, `rotary_embedding`, `silu_and_mul`.
@@ -10,10 +10,15 @@ namespace s3_cpu {
 namespace {
 
 // ---------------------------------------------------------------------------
-// RMSNorm as LlamaRMSNorm computes it: y = weight * round(x * rsqrt(mean(x^2) + eps)).
+// RMSNorm, two roundings as two model families compute it:
+//   weight in x's dtype (LlamaRMSNorm):        y = weight * round(x * rsqrt(mean(x^2) + eps))
+//   weight float32 (Gemma3RMSNorm, weight = 1 + w, computed once in fp32):
+//                                              y = round(weight * (x * rsqrt(mean(x^2) + eps)))
+// In fp32 the two are the same arithmetic.
 
-template <typename scalar_t>
-inline void rms_norm_row(scalar_t* dst, const float* x, const scalar_t* weight, int64_t n, float eps) {
+template <typename scalar_t, typename weight_t>
+inline void rms_norm_row(scalar_t* dst, const float* x, const weight_t* weight, int64_t n, float eps) {
+  constexpr bool kGemma = std::is_same_v<weight_t, float> && !std::is_same_v<scalar_t, float>;
   float acc[kLanes] = {0.f};
   int64_t d = 0;
   for (; d + kLanes <= n; d += kLanes) {
@@ -28,21 +33,36 @@ inline void rms_norm_row(scalar_t* dst, const float* x, const scalar_t* weight, 
   if constexpr (kVectorElementwise<scalar_t>) {
     const __m512 scale = _mm512_set1_ps(inv_rms);
     for (; i + 16 <= n; i += 16) {
-      const __m512 normed = round_lanes<scalar_t>(_mm512_mul_ps(_mm512_loadu_ps(x + i), scale));
-      store_lanes(dst + i, _mm512_mul_ps(load_lanes(weight + i), normed));
+      const __m512 normed = _mm512_mul_ps(_mm512_loadu_ps(x + i), scale);
+      if constexpr (kGemma) {
+        store_lanes(dst + i, _mm512_mul_ps(_mm512_loadu_ps(weight + i), normed));
+      } else {
+        store_lanes(dst + i, _mm512_mul_ps(load_lanes(weight + i), round_lanes<scalar_t>(normed)));
+      }
     }
   }
 #endif
   for (; i < n; ++i) {
-    dst[i] = static_cast<scalar_t>(to_float(weight[i]) * rounded<scalar_t>(x[i] * inv_rms));
+    if constexpr (kGemma) {
+      dst[i] = static_cast<scalar_t>(weight[i] * (x[i] * inv_rms));
+    } else {
+      dst[i] = static_cast<scalar_t>(to_float(weight[i]) * rounded<scalar_t>(x[i] * inv_rms));
+    }
   }
 }
 
-template <typename scalar_t>
+// weight: x's dtype, or float32 for the Gemma rounding (see above)
+inline void check_norm_weight(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.is_contiguous(), "weight must be contiguous [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+              "weight must be float32 or x's dtype");
+}
+
+template <typename scalar_t, typename weight_t>
 void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), n = x.size(1);
   const scalar_t* x_ptr = x.data_ptr<scalar_t>();
-  const scalar_t* w_ptr = weight.data_ptr<scalar_t>();
+  const weight_t* w_ptr = weight.data_ptr<weight_t>();
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(n);
@@ -56,20 +76,26 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(out, "out");
-  TORCH_CHECK(out.sizes() == x.sizes() && weight.numel() == x.size(1) && weight.is_contiguous(), "shape mismatch");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type() && x.scalar_type() == weight.scalar_type(), "dtype mismatch");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm",
-                                  [&] { rms_norm_impl<scalar_t>(out, x, weight, eps); });
+  TORCH_CHECK(out.sizes() == x.sizes(), "shape mismatch");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "dtype mismatch");
+  check_norm_weight(x, weight);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    if (weight.scalar_type() == at::kFloat) {
+      rms_norm_impl<scalar_t, float>(out, x, weight, eps);
+    } else {
+      rms_norm_impl<scalar_t, scalar_t>(out, x, weight, eps);
+    }
+  });
 }
 
 // residual = round(x + residual); x = rms_norm(residual): the add that closes a sublayer
 // and the norm that opens the next one, in one pass.
-template <typename scalar_t>
+template <typename scalar_t, typename weight_t>
 void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), n = x.size(1);
   scalar_t* x_ptr = x.data_ptr<scalar_t>();
   scalar_t* r_ptr = residual.data_ptr<scalar_t>();
-  const scalar_t* w_ptr = weight.data_ptr<scalar_t>();
+  const weight_t* w_ptr = weight.data_ptr<weight_t>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(n);
     for (int64_t r = begin; r < end; ++r) {
@@ -98,12 +124,16 @@ void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tens
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(residual, "residual");
-  TORCH_CHECK(residual.sizes() == x.sizes() && weight.numel() == x.size(1) && weight.is_contiguous(),
-              "shape mismatch");
-  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && x.scalar_type() == weight.scalar_type(),
-              "dtype mismatch");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm",
-                                  [&] { fused_add_rms_norm_impl<scalar_t>(x, residual, weight, eps); });
+  TORCH_CHECK(residual.sizes() == x.sizes(), "shape mismatch");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type(), "dtype mismatch");
+  check_norm_weight(x, weight);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
+    if (weight.scalar_type() == at::kFloat) {
+      fused_add_rms_norm_impl<scalar_t, float>(x, residual, weight, eps);
+    } else {
+      fused_add_rms_norm_impl<scalar_t, scalar_t>(x, residual, weight, eps);
+    }
+  });
 }
 
 // ---------------------------------------------------------------------------

@@ -1,17 +1,22 @@
 """The fast path: its elementwise ops (the C++ CPU kernels and the torch ops CUDA runs) against Hugging Face's
-own modules, FastLlama against HF's forward, and the engine on the fast path against the engine on the HF module
-stack (tiny random Llama)."""
+own modules, FastDecoder against HF's forward (tiny random Llama, and each of the other architectures with the torch
+ops CUDA runs), and the engine on the fast path against the engine on the HF module stack (tiny random Llama; the
+other architectures against HF `generate` in test_architectures)."""
 
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Gemma3TextConfig, Phi3Config, Phi3ForCausalLM
+from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
+
+from engine_driver import ARCHITECTURES, SHAPE, tiny_architecture
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
 from workers.engine import Engine, EngineConfig
-from workers.fast_llama import FastLlama, unsupported_reason
+from workers.fast_decoder import FastDecoder, unsupported_reason
 from workers.models import make_tiny_model, tiny_llama_config
 from workers.sampling_params import SamplingParams
 
@@ -54,9 +59,32 @@ def test_rms_norm_and_fused_add_match_llama_rms_norm(dtype, ops):
 
 @OPS
 @DTYPES
+def test_a_float32_weight_norms_as_gemma3_rms_norm_does(dtype, ops):
+    """Gemma3RMSNorm multiplies by (1 + w) in float32 and rounds once; the ops do that given the float32 weight."""
+    gen = torch.Generator().manual_seed(7)
+    norm = modeling_gemma3.Gemma3RMSNorm(128, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(128, generator=gen) * 0.5)
+    norm = norm.to(dtype)
+    weight = 1.0 + norm.weight.float()
+    x = (torch.randn(9, 128, generator=gen) * 3).to(dtype)
+    residual = torch.randn(9, 128, generator=gen).to(dtype)
+    with torch.no_grad():
+        _close(ops.rms_norm(x, weight, 1e-6), norm(x), dtype)
+        fused_x, fused_residual = x.clone(), residual.clone()
+        ops.fused_add_rms_norm(fused_x, fused_residual, weight, 1e-6)
+        assert torch.equal(fused_residual, residual + x)
+        _close(fused_x, norm(residual + x), dtype)
+    if dtype == torch.bfloat16:  # the Llama rounding (normed rounded before the weight) is measurably different
+        llama_way = ops.rms_norm(x, weight.to(dtype), 1e-6)
+        assert not torch.equal(llama_way, ops.rms_norm(x, weight, 1e-6))
+
+
+@OPS
+@DTYPES
 def test_rotary_matches_apply_rotary_pos_emb_on_strided_qkv_slices(dtype, ops):
     model = make_tiny_model(seed=1).to(dtype)
-    fast = FastLlama(model, max_positions=64)
+    fast = FastDecoder(model, max_positions=64)
     head_dim, num_heads, num_kv_heads = fast.head_dim, fast.num_heads, fast.num_kv_heads
     gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(5, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
@@ -66,7 +94,7 @@ def test_rotary_matches_apply_rotary_pos_emb_on_strided_qkv_slices(dtype, ops):
     want_q, want_k = modeling_llama.apply_rotary_pos_emb(
         q.reshape(1, 5, num_heads, head_dim).transpose(1, 2), k.reshape(1, 5, num_kv_heads, head_dim).transpose(1, 2),
         cos, sin)
-    ops.rotary_embedding(positions, q, k, fast.cos_sin, head_dim)  # in place on the views
+    ops.rotary_embedding(positions, q, k, fast.cos_sin[0], head_dim)  # in place on the views
     _close(q.reshape(5, num_heads, head_dim), want_q[0].transpose(0, 1), dtype)
     _close(k.reshape(5, num_kv_heads, head_dim), want_k[0].transpose(0, 1), dtype)
 
@@ -83,21 +111,43 @@ def test_silu_and_mul_matches_llama_mlp_activation(dtype, ops):
 def test_fast_forward_with_the_torch_ops_matches_the_hf_forward(dtype):
     """What CUDA runs (torch's ops, one GEMM for q|k|v and one for gate|up), checked here on the CPU."""
     model = make_tiny_model(seed=3, init_std=0.2).to(dtype)
-    fast = FastLlama(model, max_positions=64, ops=torch_layer_ops)
+    fast = FastDecoder(model, max_positions=64, ops=torch_layer_ops)
     assert fast.ops is torch_layer_ops
     prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(3))
-    num_heads, num_kv_heads, head_dim = fast.num_heads, fast.num_kv_heads, fast.head_dim
-
-    def causal(index, q, k, v):  # q [T, H, D], k and v [T, KVH, D] -> [T, H, D]
-        group = num_heads // num_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                              is_causal=True, scale=fast.scale).transpose(0, 1).contiguous()
-
+    num_heads, head_dim = fast.num_heads, fast.head_dim
     with torch.inference_mode():
         want = model(prompt[None]).logits[0].float()  # [T, V]
-        got, _ = fast.forward(prompt, torch.arange(37), causal, torch.arange(37))
+        got, _ = fast.forward(prompt, torch.arange(37), _windowed_causal(fast), torch.arange(37))
     assert got.shape == (37, model.config.vocab_size) and head_dim * num_heads == model.config.hidden_size
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
+    else:
+        assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
+        assert (got.float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def _windowed_causal(fast: FastDecoder):
+    """Plain causal attention over one sequence, within `window` keys when > 0: the reference for a forward."""
+    def attend(index, q, k, v, window):  # q [T, H, D], k and v [T, KVH, D] -> [T, H, D]
+        group = fast.num_heads // fast.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        rows, cols = torch.arange(q.shape[0])[:, None], torch.arange(q.shape[0])[None]
+        allowed = (cols <= rows) & ((cols > rows - window) if window else True)  # [T, T]
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              attn_mask=allowed, scale=fast.scale).transpose(0, 1).contiguous()
+    return attend
+
+
+@DTYPES
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_each_architecture_forwards_as_hugging_face_with_the_torch_ops(name, dtype):
+    """What CUDA runs for every architecture, checked on the CPU: 37 tokens, past the tiny models' 8-token window."""
+    model = tiny_architecture(name).to(dtype)
+    fast = FastDecoder(model, max_positions=64, ops=torch_layer_ops)
+    prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        want = model(prompt[None]).logits[0].float()  # [T, V]
+        got, _ = fast.forward(prompt, torch.arange(37), _windowed_causal(fast), torch.arange(37))
     if dtype == torch.float32:
         torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
     else:
@@ -169,5 +219,18 @@ def test_models_the_fast_path_cannot_run_take_the_hf_path():
     assert "dynamic" in unsupported_reason(model)
     engine = _engine(model, use_fast_path=True)
     assert engine.runner.path == "hf" and "dynamic" in engine.runner.fast_path_off_reason
-    with pytest.raises(ValueError, match="FastLlama cannot run this model: rope_type 'dynamic'"):
-        FastLlama(model, 64)
+    with pytest.raises(ValueError, match="FastDecoder cannot run this model: rope_type 'dynamic'"):
+        FastDecoder(model, 64)
+
+
+def test_what_the_fast_path_does_not_compute_is_named():
+    phi3 = Phi3ForCausalLM(Phi3Config(**SHAPE, pad_token_id=0, partial_rotary_factor=0.5)).eval()
+    assert unsupported_reason(phi3) == "partial rotary embedding (8 of 16 dims)"
+    gemma = modeling_gemma3.Gemma3ForCausalLM(Gemma3TextConfig(**SHAPE, head_dim=16, pad_token_id=0,
+                                                               final_logit_softcapping=30.0)).eval()
+    assert unsupported_reason(gemma) == "final logit softcapping"
+    config = tiny_llama_config()
+    config.hidden_act = "relu"
+    assert "activation 'relu'" in unsupported_reason(modeling_llama.LlamaForCausalLM(config))
+    for name in ARCHITECTURES:
+        assert unsupported_reason(tiny_architecture(name)) is None, name
