@@ -8,18 +8,20 @@ deployment (`cluster/ingress/predictor_client.py` says when each fits).
 """
 
 from cluster.config import ServiceConfig
+from cluster.context_length import resolve_max_model_len
 from cluster.control.redis_host import ensure_redis
 from cluster.ingress.router import build_router
 from predictor_service.deployment import PredictorDeployment
+from workers.policies import length_range_tokens
 
 
 def build_app(args: dict):
     """Serve application for `args` (ServiceConfig fields); Redis from the config, $S3_REDIS_URL or embedded."""
-    config = ServiceConfig(**(args or {}))
+    config, _ = resolve_max_model_len(ServiceConfig(**(args or {})))  # one number for routers and workers
     redis_url = config.redis_url_resolved or ensure_redis(config.data_dir)
     # Until the root holds a version (configured, or retrained from traffic) the shipped default is served.
     predictor = None
     if config.predictor_mode == "deployment":
-        predictor = PredictorDeployment.bind(config.predictor_root, config.quantile, config.max_model_len,
-                                             config.model)
+        predictor = PredictorDeployment.bind(config.predictor_root, config.quantile,
+                                             length_range_tokens(config.max_model_len), config.model)
     return build_router(config, redis_url, predictor)

@@ -72,7 +72,10 @@ class ServiceConfig(BaseModel):
                             "at most 10% of the memory available), a share of the free memory such as 0.5, or a size "
                             "such as 4GiB, 512MiB or 268435456 (bytes)")
     block_size: int = Field(16, ge=1, description="tokens per KV block")
-    max_model_len: int = Field(2048, ge=2, description="longest sequence (prompt + output) in tokens")
+    max_model_len: int | None = Field(
+        None, ge=2, description="longest sequence (prompt + output) in tokens; default: the model's own limit "
+                                "(max_position_embeddings), capped at what one worker's KV cache holds where that is "
+                                "known at start (on the CPU, or kv_cache_memory in bytes)")
     max_num_seqs: int = Field(32, ge=1, description="most sequences a worker runs at once")
     max_num_batched_tokens: int = Field(512, ge=1, description="most tokens per forward (prefill chunk budget)")
     max_overtaken_steps: int = Field(
@@ -223,7 +226,7 @@ class ServiceConfig(BaseModel):
             raise ValueError(
                 f"need min_workers <= num_workers <= max_workers, got {self.min_workers_resolved} <= "
                 f"{self.num_workers} <= {self.max_workers_resolved}")
-        if self.default_max_tokens >= self.max_model_len:
+        if self.max_model_len is not None and self.default_max_tokens >= self.max_model_len:
             raise ValueError(
                 f"default_max_tokens {self.default_max_tokens} must be below max_model_len {self.max_model_len}")
         return self

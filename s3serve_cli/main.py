@@ -179,7 +179,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
                             "available). The ready message prints the KV tokens it gives")
     add_preemption_args(serve, "each worker's")
     serve.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output in tokens (default 2048)")
+                       help="longest prompt + output in tokens (default: the model's own limit, its "
+                            "max_position_embeddings, capped at what one worker's KV cache holds where that is known "
+                            "at start: on the CPU, or with --kv-cache-memory in bytes)")
     serve.add_argument("--predictor-artifact", type=Path, default=None, metavar="DIR",
                        help="length-predictor versions directory (default: the shipped artifact)")
     serve.add_argument("--length-probe", default=None, metavar="DIR",

@@ -89,6 +89,7 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
     from ray import serve
 
     from cluster.app import build_app
+    from cluster.context_length import resolve_max_model_len
     from cluster.control.redis_server import EmbeddedRedis
     from cluster.control.redis_supervisor import RedisSupervisor
 
@@ -97,6 +98,9 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
     redis = None
     try:  # before anything starts: nothing to stop when it fails
         check_model(config)
+        config, source = resolve_max_model_len(config)
+        if source != "configured":
+            progress(f"s3serve: max_model_len {config.max_model_len:,} ({source})")
     except (ValueError, FileNotFoundError):
         raise
     except Exception as error:  # e.g. a config.json transformers cannot read

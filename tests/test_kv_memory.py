@@ -2,7 +2,7 @@
 
 import pytest
 
-from workers.kv_memory import (AUTO_CPU_SHARE, AUTO_CUDA_SHARE, KvCacheMemory, kv_budget_bytes,
+from workers.kv_memory import (AUTO_CPU_SHARE, AUTO_CUDA_SHARE, KvCacheMemory, kv_budget_bytes, kv_token_room,
                                parse_kv_cache_memory)
 
 GIB = 1024**3
@@ -42,3 +42,12 @@ def test_auto_takes_most_of_a_gpu_and_a_bounded_room_on_the_cpu():
 def test_no_room_for_one_token_is_a_clear_error():
     with pytest.raises(ValueError, match="no room for one token's KV"):
         kv_budget_bytes(KvCacheMemory(share=0.1), "cuda", 50, 1000, 2048, 32)
+
+
+def test_the_room_known_before_workers_start_is_a_size_or_the_cpus_share():
+    assert kv_token_room(KvCacheMemory(num_bytes=23040 * 1000), on_cpu=False, free_bytes=0, bytes_per_token=23040) == 1000
+    assert kv_token_room(KvCacheMemory(), on_cpu=True, free_bytes=20 * GIB,
+                         bytes_per_token=23040) == int(20 * GIB * AUTO_CPU_SHARE) // 23040  # 93,206 tokens
+    assert kv_token_room(KvCacheMemory(share=0.5), on_cpu=True, free_bytes=GIB, bytes_per_token=1024) == 2**19
+    for memory in (KvCacheMemory(), KvCacheMemory(share=0.5)):  # a GPU's free memory is measured on the worker
+        assert kv_token_room(memory, on_cpu=False, free_bytes=100 * GIB, bytes_per_token=1024) is None

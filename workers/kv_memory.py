@@ -9,6 +9,9 @@ the worker's model is loaded, on the CPU and on CUDA alike:
     "0.3" (0 < share <= 1)          -> that share of the memory free after the model is loaded
     "512MiB", "4GiB", "2GB", "268435456", 268435456 -> that many bytes
 
+Before any worker starts, `kv_token_room` tells the service how many tokens that budget will hold where it can be
+told (the CPU's memory, or a size), which caps the default max_model_len (`cluster.context_length`).
+
 Pure functions of what they are told (the text, the device, its free memory, the model's KV bytes per token), so
 every rule is tested without a GPU; `workers.device.free_memory_bytes` measures the memory.
 """
@@ -92,3 +95,23 @@ def kv_budget_bytes(memory: KvCacheMemory, device: str, free_bytes: int, bytes_p
                          f"after loading the model, no room for one token's KV ({bytes_per_token} bytes): "
                          "give kv_cache_memory in bytes or free memory")
     return budget
+
+
+def kv_token_room(memory: KvCacheMemory, on_cpu: bool, free_bytes: int, bytes_per_token: int) -> int | None:
+    """Most tokens one worker's KV cache will hold, as far as it can be told before the worker starts; None where it
+    cannot (a share or auto on CUDA: the GPU's free memory is measured on the worker).
+
+    Args:
+        memory: the parsed setting.
+        on_cpu: whether the workers run on the CPU.
+        free_bytes: on the CPU, the memory a worker will find available once its model is loaded.
+        bytes_per_token: KV bytes one token takes across every layer (on one rank).
+    On the CPU auto's room grows with max_model_len until AUTO_CPU_SHARE of the memory binds, so that share is the
+    room a default max_model_len may take.
+    """
+    if memory.num_bytes is not None:
+        return memory.num_bytes // bytes_per_token
+    if not on_cpu:
+        return None
+    share = AUTO_CPU_SHARE if memory.share is None else memory.share
+    return int(free_bytes * share) // bytes_per_token

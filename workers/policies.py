@@ -326,12 +326,24 @@ def overcommit_options(name: str, overcommit_step: float | None) -> dict:
     return {"overcommit_step": overcommit_step} if name == "s3_peak" and overcommit_step is not None else {}
 
 
+#: Output lengths the s3 family's 10 buckets (and the length predictor's histogram) span at most: the paper's
+#: 10 buckets over a 2048-token context. A model's own, longer context (SmolLM2's 8,192, Gemma 3's 32,768, the
+#: service's default max_model_len) would make each bucket wider than most answers are long; a longer answer
+#: falls in the last bucket and outruns its bound as any other does.
+BUCKET_RANGE_TOKENS = 2048
+
+
+def length_range_tokens(max_model_len: int) -> int:
+    """The output lengths the buckets span for this context: max_model_len, at most BUCKET_RANGE_TOKENS."""
+    return min(max_model_len, BUCKET_RANGE_TOKENS)
+
+
 def make_policy(name: str, max_model_len: int | None = None, **kwargs) -> SchedulingPolicy:
-    """Build a policy by registry name. With `max_model_len`, the s3 family's length buckets are
-    max_model_len / 10 wide (the paper's), unless `bucket_tokens` is given."""
+    """Build a policy by registry name. With `max_model_len`, the s3 family's length buckets are a tenth of
+    `length_range_tokens(max_model_len)` wide (the paper's max_len / 10), unless `bucket_tokens` is given."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     cls = POLICIES[name]
     if issubclass(cls, S3Policy) and max_model_len is not None:
-        kwargs.setdefault("bucket_tokens", max(1, max_model_len // 10))
+        kwargs.setdefault("bucket_tokens", max(1, length_range_tokens(max_model_len) // 10))
     return cls(**kwargs)

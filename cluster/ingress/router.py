@@ -36,7 +36,7 @@ from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredic
 from cluster.ingress.text_stream import TextStream
 from predictor_service.length_example import join_messages
 from workers.models import NoChatTemplate, chat_token_ids, load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
-from workers.policies import make_policy
+from workers.policies import length_range_tokens, make_policy
 from workers.prefix_cache import block_hashes, prefix_cache_salt, salt_hash
 from workers.sampling_params import SamplingParams
 
@@ -81,7 +81,7 @@ class Router:
         self.policy = make_policy(self.config.policy)  # which predicted length the workers plan by
         self.predictor = (DeploymentPredictor(predictor) if predictor is not None else
                           InRouterPredictor(self.config.predictor_root, self.config.quantile,
-                                            self.config.max_model_len, self.config.model))
+                                            length_range_tokens(self.config.max_model_len), self.config.model))
         model_dir = resolve_model_dir(self.config.model, self.config.model_cache_dir, self.config.revision)
         self.tokenizer = load_tokenizer(resolve_tokenizer_dir(self.config.tokenizer, model_dir,
                                                               self.config.model_cache_dir),
