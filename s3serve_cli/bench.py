@@ -7,6 +7,7 @@ from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from workers.models import DEFAULT_MODEL
 from s3serve_cli.args import add_model_args, add_overcommit_arg, add_preemption_args, given
 from s3serve_cli.bench_cluster import add_cluster_parser
+from s3serve_cli.bench_coldstart import add_coldstart_parser
 from s3serve_cli.bench_peers import add_peers_parser
 from s3serve_cli.bench_predictor import add_predictor_parser
 from s3serve_cli.bench_remaining import add_remaining_parser
@@ -273,3 +274,4 @@ def add_bench_parser(commands) -> None:
 
     add_simulate_parser(benches)
     add_remaining_parser(benches)
+    add_coldstart_parser(benches)

@@ -333,9 +333,10 @@ def overcommit_options(name: str, overcommit_step: float | None) -> dict:
 BUCKET_RANGE_TOKENS = 2048
 
 
-def length_range_tokens(max_model_len: int) -> int:
-    """The output lengths the buckets span for this context: max_model_len, at most BUCKET_RANGE_TOKENS."""
-    return min(max_model_len, BUCKET_RANGE_TOKENS)
+def length_range_tokens(max_model_len: int | None) -> int:
+    """The output lengths the buckets span for this context: max_model_len, at most BUCKET_RANGE_TOKENS (that
+    with none given)."""
+    return BUCKET_RANGE_TOKENS if max_model_len is None else min(max_model_len, BUCKET_RANGE_TOKENS)
 
 
 def make_policy(name: str, max_model_len: int | None = None, **kwargs) -> SchedulingPolicy:

@@ -19,6 +19,7 @@ from cluster.control.messages import ClusterStatus, Placement, RequestOutcome
 from cluster.control.redis_server import connect_async
 from cluster.control.store import ControllerStore
 from cluster.control.worker_pool import RayWorkerBackend
+from workers.policies import length_range_tokens
 from workers.worker_actor import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class Controller:
             return
         retrain = RetrainConfig(min_new_samples=config.retrain_min_samples,
                                 max_interval_s=config.retrain_interval_s, quantile=config.quantile,
-                                model=config.model)
+                                max_len=length_range_tokens(config.max_model_len), model=config.model)
         ray.remote(RetrainerActor).options(
             name=RETRAINER_NAME, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0.1,
             max_restarts=-1).remote(self.redis_url, config.predictor_root, retrain)
