@@ -9,7 +9,8 @@ _ODD_TEXT = ["\ud800", "\udfff lone", "\x00\x01\x7f", "\u202eevil", "\U0001d518\
 _ODD_VALUES = [None, True, False, 0, -1, 1.5, 10**30, -10**30, 1e308, -1e308, 2**63, "", "7", "NaN", [], {}, ["x"],
                {"role": "user"}, [None], "\ud800"]
 _NUMBER_FIELDS = ["max_tokens", "temperature", "top_p", "seed", "n", "priority", "forced_output_tokens",
-                  "max_completion_tokens", "presence_penalty", "logprobs"]
+                  "max_completion_tokens", "presence_penalty", "logprobs", "frequency_penalty", "top_k", "min_p",
+                  "repetition_penalty", "min_tokens"]
 
 
 def fuzz_body(rng: random.Random, is_chat: bool, model: str) -> bytes:
@@ -20,7 +21,7 @@ def fuzz_body(rng: random.Random, is_chat: bool, model: str) -> bytes:
     else:
         body["prompt"] = "Say hi."
     kind = rng.choice(["type", "missing", "unknown", "unicode", "number", "broken", "nested", "constant"])
-    fields = list(body) + ["stream", "stop", "stream_options", "user"]
+    fields = list(body) + ["stream", "stop", "stream_options", "user", "logit_bias", "stop_token_ids"]
     if kind == "type":
         body[rng.choice(fields)] = rng.choice(_ODD_VALUES)
     elif kind == "missing":

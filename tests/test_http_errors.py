@@ -152,7 +152,7 @@ def test_unknown_model(client):
 
 def test_prompt_too_long(client):
     response = client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 101})
-    error = assert_error(response, 413, "prompt", "context_length_exceeded")
+    error = assert_error(response, 400, "prompt", "context_length_exceeded")
     assert "101" in error["message"] and "100" in error["message"]
 
 

@@ -68,7 +68,17 @@ def test_completion_request_defaults_and_prompt_forms():
         ({"echo": True}, "echo"),
         ({"logprobs": 2}, "logprobs"),
         ({"best_of": 3}, "best_of"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": "1"}, "frequency_penalty"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+        ({"logit_bias": {"50": 101}}, "logit_bias.50"),
+        ({"logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"model": 5}, "model"),
         ({"priority": 101}, "priority"),
         ({"priority": -101}, "priority"),
@@ -106,12 +116,24 @@ def test_null_means_the_default_where_openai_allows_null(build):
 
 
 @pytest.mark.parametrize("build", [completion, chat])
+def test_openai_penalties_and_vllm_sampling_extras_are_read(build):
+    req = build(top_k=5, min_p=0.1, repetition_penalty=1.2, min_tokens=4, stop_token_ids=[2, 7],
+                presence_penalty=0.5, frequency_penalty=-1, logit_bias={"17": -100, "3": 2.5})
+    assert (req.top_k, req.min_p, req.repetition_penalty, req.min_tokens, req.stop_token_ids) == (5, 0.1, 1.2, 4,
+                                                                                                 [2, 7])
+    assert (req.presence_penalty, req.frequency_penalty) == (0.5, -1.0)
+    assert req.logit_bias_pairs == ((3, 2.5), (17, -100.0))
+
+
+@pytest.mark.parametrize("build", [completion, chat])
 @pytest.mark.parametrize(
     "field, default, value",
-    [("top_k", -1, 5), ("min_p", 0.0, 0.1), ("repetition_penalty", 1.0, 1.2), ("min_tokens", 0, 4),
-     ("stop_token_ids", [], [2]), ("include_stop_str_in_output", False, True)],
+    [("include_stop_str_in_output", False, True), ("guided_json", None, {"type": "object"}),
+     ("guided_choice", None, ["a", "b"]), ("guided_regex", None, "[0-9]+"), ("guided_grammar", None, "root ::= x"),
+     ("structured_outputs", None, {"json": {}}), ("use_beam_search", False, True), ("prompt_logprobs", None, 1),
+     ("allowed_token_ids", None, [1, 2]), ("bad_words", [], ["x"]), ("skip_special_tokens", True, False)],
 )
-def test_vllm_sampling_extras_are_refused_unless_left_at_their_default(build, field, default, value):
+def test_vllm_extras_we_do_not_serve_are_refused_unless_left_at_their_default(build, field, default, value):
     # Clients moving from vLLM send these through extra_body: dropping them would change answers unnoticed.
     assert build(**{field: default})
     with pytest.raises(ValidationError, match=f"'{field}' is not supported") as exc_info:
@@ -208,6 +230,8 @@ def test_models_and_sse():
     body = proto.models_response([MODEL, "other"], CREATED_S)
     assert body["object"] == "list"
     assert [Model.model_validate(entry).id for entry in body["data"]] == [MODEL, "other"]
+    assert "max_model_len" not in body["data"][0]
+    assert proto.models_response([MODEL], CREATED_S, 8192)["data"][0]["max_model_len"] == 8192  # as vLLM's
     event = proto.sse_event({"text": "é\n"})
     assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"\n\n") == 1
     assert json.loads(event[len(b"data: ") : -2]) == {"text": "é\n"}

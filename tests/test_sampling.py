@@ -144,3 +144,20 @@ def test_a_tiny_positive_temperature_is_refused_or_acts_greedy():
     except ValueError:
         return
     assert Sampler().sample(logits, ["x"], [params]) == [0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"top_k": -2}, "top_k must be an integer >= -1"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"presence_penalty": 3.0}, r"presence_penalty must be in \[-2, 2\]"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0, 10\]"),
+        ({"min_tokens": 300}, r"min_tokens must be an integer in \[0, max_tokens=256\]"),
+        ({"stop_token_ids": [1]}, "stop_token_ids must be a tuple of token ids"),
+        ({"logit_bias": ((1, 200.0),)}, "logit_bias must be"),
+    ],
+)
+def test_sampling_extras_reject_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)

@@ -20,6 +20,7 @@ from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
 from cluster.control.redis_server import connect
 from fuzz_bodies import fuzz_body
 from s3serve_cli.serve import start_service, stop_service
+from workers.models import load_tokenizer, resolve_model_dir
 from workers.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -107,8 +108,29 @@ def test_completion_streaming_and_forced_length(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices)
 
 
+def test_penalties_bias_and_stop_token_ids_reach_the_engine(client, service, model_cache_dir):
+    prompt, tokens = "Count: one, two, three,", 12
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=tokens, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    tokenizer = load_tokenizer(resolve_model_dir(MODEL, model_cache_dir))
+    ids = tokenizer(plain.choices[0].text, add_special_tokens=False)["input_ids"]
+    stopped = client.completions.create(model=MODEL, prompt=prompt, max_tokens=tokens, temperature=0,
+                                        extra_body={"stop_token_ids": [ids[1]]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 2
+    biased = client.completions.create(model=MODEL, prompt=prompt, max_tokens=tokens, temperature=0,
+                                       logit_bias={str(ids[0]): -100}, frequency_penalty=1.5,
+                                       extra_body={"ignore_eos": True, "top_k": 5, "repetition_penalty": 1.3})
+    assert biased.choices[0].text != plain.choices[0].text and biased.usage.completion_tokens == tokens
+    outside = _post(service, "/v1/completions", json={"model": MODEL, "prompt": prompt, "logit_bias": {"999999": 1}})
+    assert _assert_openai_error(outside, 400)["param"] == "logit_bias"
+    guided = _post(service, "/v1/completions", json={"model": MODEL, "prompt": prompt, "guided_choice": ["a", "b"]})
+    assert _assert_openai_error(guided, 400)["param"] == "guided_choice"  # refused, never silently dropped
+
+
 def test_models_and_health(client, service):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{service.base_url}/v1/models",
+                     headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
     health = httpx.get(f"{service.base_url}/health").json()
     assert health["status"] == "ok" and health["workers_ready"] == 2
     assert len(health["kv_tokens"]) == 2 and all(tokens >= MAX_MODEL_LEN for tokens in health["kv_tokens"].values())
@@ -120,7 +142,7 @@ def test_models_and_health(client, service):
     ({"model": MODEL, "prompt": ""}, 400, None),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "word " * (MAX_MODEL_LEN + 10)}, 413, None),
+    ({"model": MODEL, "prompt": "word " * (MAX_MODEL_LEN + 10)}, 400, "prompt"),
     ({"model": "gpt-9", "prompt": "hi"}, 404, None),
     ({"model": MODEL, "prompt": "x" * (70 * 1024)}, 413, None),
 ])
@@ -131,10 +153,10 @@ def test_bad_input_is_a_shaped_4xx(service, body, status, param):
         assert error["param"] == param
 
 
-def test_chat_with_no_messages_is_a_400_and_too_long_messages_a_413(service):
+def test_chat_with_no_messages_or_too_long_messages_is_a_400(service):
     _assert_openai_error(_post(service, "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
     long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 10)}]}
-    error = _assert_openai_error(_post(service, "/v1/chat/completions", json=long_chat), 413)
+    error = _assert_openai_error(_post(service, "/v1/chat/completions", json=long_chat), 400)
     assert error["param"] == "messages" and error["code"] == "context_length_exceeded"
 
 

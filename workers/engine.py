@@ -100,11 +100,11 @@ class Engine:
         )
         # Tensor parallel: the other ranks repeat every runner call (`workers.tensor_parallel`).
         self.runner = LeadRunner(runner) if tensor_parallel_size > 1 else runner
-        self.sampler = Sampler()
+        self.eos_token_ids = _eos_ids(model)
+        self.sampler = Sampler(self.eos_token_ids)
         wanted = probe is not None and (self.scheduler.policy.reads_prediction or not probe.refines_bounds)
         self.probe = probe if wanted else None
         self.num_probe_reads = 0  # sequences the probe has read (prefill samples and re-predictions)
-        self.eos_token_ids = _eos_ids(model)
         self._sequences: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -156,6 +156,10 @@ class Engine:
             raise ValueError("prompt is empty: at least one token is required")
         if any(not 0 <= token < self.vocab_size for token in prompt):
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        named = [*params.stop_token_ids, *(token for token, _ in params.logit_bias)]
+        if any(token >= self.vocab_size for token in named):
+            raise ValueError(f"stop_token_ids and logit_bias name token ids outside the vocabulary [0, "
+                             f"{self.vocab_size})")
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens but the context holds {self.max_model_len} "
@@ -292,7 +296,8 @@ class Engine:
         logits, hidden, sampling_chunks = self.runner.run(chunks, self.allocator, want_hidden=want_hidden)
         forward_done_s = time.perf_counter()
         seqs = [chunk.seq for chunk in sampling_chunks]
-        token_ids = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])
+        token_ids = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs],
+                                        [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
         sampled_s = time.perf_counter()
         # Progress moves only once sampling succeeded: if it raised, the next
         # step recomputes the same chunks (rewriting the same KV slots).
@@ -358,10 +363,11 @@ class Engine:
         params = seq.params
         if params.forced_output_tokens is not None:
             return "length" if len(seq.output_token_ids) >= params.forced_output_tokens else None
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if params.stop and hits_stop_string(self.tokenizer, seq.output_token_ids, params.stop):
-            return "stop"
+        if len(seq.output_token_ids) >= params.min_tokens:  # before min_tokens nothing but the limit stops it
+            if not params.ignore_eos and token_id in self.eos_token_ids or token_id in params.stop_token_ids:
+                return "stop"
+            if params.stop and hits_stop_string(self.tokenizer, seq.output_token_ids, params.stop):
+                return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -2,23 +2,34 @@
 
 import torch
 
+from workers.logit_adjustments import adjust_logits
 from workers.sampling_params import SamplingParams
 
 
 class Sampler:
     """Picks one token per row of logits, each row with its own settings and generator.
 
-    Greedy rows share one argmax over the logits as they come (bf16 included: the
-    argmax of exactly upcast values is the same). Sampled rows are processed as one
-    batch (temperature, top-p, cumulative sums); each still draws its uniform number
-    from its own generator, so a request's tokens do not depend on its neighbours.
+    First each row's bias, bans and penalties (`workers.logit_adjustments`; untouched
+    logits when no row has any). Greedy rows share one argmax over the logits as they
+    come (bf16 included: the argmax of exactly upcast values is the same). Sampled rows
+    are processed as one batch (temperature, top-k, min-p, top-p, cumulative sums);
+    each still draws its uniform number from its own generator, so a request's tokens
+    do not depend on its neighbours.
+
+    Args:
+        eos_token_ids: the model's end tokens, which min_tokens bans.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self._generators: dict[object, torch.Generator] = {}
+        self.eos_token_ids = eos_token_ids
 
-    def sample(self, logits: torch.Tensor, seq_ids: list, params: list[SamplingParams]) -> list[int]:
-        """Sample from logits [num_seqs, vocab_size]; returns one token id per row."""
+    def sample(self, logits: torch.Tensor, seq_ids: list, params: list[SamplingParams],
+               histories: list[tuple[list[int], list[int]]] | None = None) -> list[int]:
+        """Sample from logits [num_seqs, vocab_size]; returns one token id per row. `histories`: each row's
+        (prompt token ids, output token ids), which the penalties and min_tokens read (None: no row has any)."""
+        if histories is not None:
+            logits = adjust_logits(logits, params, histories, self.eos_token_ids)
         token_ids = torch.max(logits, dim=-1).indices.tolist()  # 5x faster than argmax on bf16 here
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
@@ -50,6 +61,8 @@ class Sampler:
         # Inverse-CDF sampling over probabilities sorted high to low; top-p zeroes the tail
         # whose preceding mass already reaches p (the top token always survives).
         sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+        if any(p.truncates for p in params):
+            sorted_probs = _truncate(sorted_probs, params)
         top_p = torch.tensor([p.top_p for p in params])[:, None]
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_probs = torch.where(mass_before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
@@ -58,3 +71,14 @@ class Sampler:
         picks = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]  # [N]
         picks = torch.minimum(picks, (sorted_probs > 0).sum(dim=-1) - 1)  # float rounding at the top end
         return sorted_ids.gather(1, picks[:, None])[:, 0].tolist()
+
+
+def _truncate(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """top-k and min-p on probabilities sorted high to low [N, V]: zero what they drop, then renormalise, so top-p
+    reads the mass of what is left (vLLM's order)."""
+    vocab = sorted_probs.shape[1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]  # [N, 1]
+    min_p = torch.tensor([p.min_p for p in params], dtype=sorted_probs.dtype)[:, None]  # [N, 1]
+    keep = (torch.arange(vocab)[None] < top_k) & (sorted_probs >= min_p * sorted_probs[:, :1])  # [N, V]
+    kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+    return kept / kept.sum(dim=-1, keepdim=True)

@@ -22,6 +22,17 @@ class SamplingParams:
         forced_output_tokens: benchmarks only: finish after exactly this many
             tokens, ignoring EOS, while `max_tokens` still states the request's
             limit (what a worst-case reservation reserves).
+        top_k: sample among the k most likely tokens; 0 (or -1, vLLM's spelling) keeps every token.
+        min_p: drop tokens less likely than min_p times the most likely one; 0 keeps every token.
+        presence_penalty: subtracted once from the logit of every token the output already holds (OpenAI's,
+            in [-2, 2]).
+        frequency_penalty: subtracted from a token's logit once per time the output holds it (OpenAI's).
+        repetition_penalty: a token of the prompt or the output has its logit divided by this when positive
+            and multiplied by it when negative (vLLM's and Hugging Face's); 1 changes nothing.
+        min_tokens: no EOS and no `stop_token_ids` token is picked, and no stop ends the output, before this
+            many tokens.
+        stop_token_ids: tokens that end the output (finish reason "stop") besides EOS; the token is kept.
+        logit_bias: (token id, bias) pairs added to those logits before anything else (OpenAI's, in [-100, 100]).
     """
 
     max_tokens: int = 256
@@ -31,6 +42,14 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     forced_output_tokens: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -45,7 +64,40 @@ class SamplingParams:
             )
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 and -1 keep every token), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+        if not isinstance(self.stop_token_ids, tuple) or any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a tuple of token ids >= 0, got {self.stop_token_ids!r}")
+        if not isinstance(self.logit_bias, tuple) or any(
+                len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0 or not -100.0 <= pair[1] <= 100.0
+                for pair in self.logit_bias):
+            raise ValueError(f"logit_bias must be (token id >= 0, bias in [-100, 100]) pairs, got {self.logit_bias!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before a token is picked (bias, penalties, or min_tokens' bans)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
+
+    @property
+    def truncates(self) -> bool:
+        """Whether sampling keeps only part of the distribution beyond top_p (top_k or min_p)."""
+        return self.top_k > 0 or self.min_p > 0.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

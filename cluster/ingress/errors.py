@@ -80,9 +80,10 @@ def not_found_model(model: str) -> APIError:
 
 
 def prompt_too_long(num_tokens: int, max_tokens: int, param: str = "prompt") -> APIError:
-    """413: the prompt has more tokens than the model accepts (param "messages" for chat)."""
+    """400 with OpenAI's code context_length_exceeded, as OpenAI and vLLM answer: the prompt has more tokens than
+    the model accepts (param "messages" for chat)."""
     return APIError(
-        413,
+        400,
         f"The prompt has {num_tokens} tokens, more than the {max_tokens} this model accepts.",
         param=param,
         code="context_length_exceeded",

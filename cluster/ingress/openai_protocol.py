@@ -4,10 +4,12 @@ Requests are pydantic models (the HTTP edge): strict types, so `"max_tokens": "1
 `true` is a 400 rather than a silent coercion; `null` means the default wherever OpenAI's
 spec makes a field nullable (openai-python sends `"temperature": null` for
 `temperature=None`); unknown fields are ignored because the official clients send some we
-do not use; parameters we do not implement (echo, logprobs, penalties, tools, and vLLM's
-sampling extras such as top_k or repetition_penalty) are rejected when set to anything but
-their default, never silently dropped. The response builders live in `cluster/ingress/openai_responses.py`
-and are re-exported here, so the router imports the whole protocol from one place.
+do not use; parameters we do not implement (echo, logprobs, tools, structured output and
+vLLM's guided decoding, beam search) are rejected when set to anything but their default,
+never silently dropped. OpenAI's logit_bias and penalties and vLLM's sampling extras (top_k,
+min_p, repetition_penalty, min_tokens, stop_token_ids) are served. The response builders live
+in `cluster/ingress/openai_responses.py` and are re-exported here, so the router imports the
+whole protocol from one place.
 """
 
 from typing import Annotated, Any, ClassVar, Literal
@@ -57,18 +59,26 @@ MAX_STOP_SEQUENCES = 4
 _SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}
 
 # Parameters we accept only at their default: field -> values that mean "not used".
-# On both endpoints: OpenAI's logit bias and penalties, and vLLM's sampling extras (clients moving from
-# vLLM send them through `extra_body`).
+# On both endpoints: vLLM's extras that change the output and that we do not implement (clients moving from
+# vLLM send them through `extra_body`): guided decoding and structured outputs, beam search, prompt logprobs.
 _SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "top_k": (None, -1, 0),
-    "min_p": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
-    "stop_token_ids": (None, []),
     "include_stop_str_in_output": (None, False),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False),
 }
 # OpenAI's nullable fields that we type strictly: null means the field's default.
 _NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream")
@@ -77,6 +87,7 @@ _COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None,),
     "best_of": (None, 1),
     "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
 }
 _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logprobs": (None, False),
@@ -86,6 +97,16 @@ _CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, True),
+    "continue_final_message": (None, False),
+    "add_generation_prompt": (None, True),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "reasoning_effort": (None,),
 }
 
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
@@ -93,6 +114,8 @@ Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
 TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 Seed = Annotated[StrictInt, Field(**_SEED_BOUNDS)]
 Priority = Annotated[StrictInt, Field(ge=-100, le=100)]  # lower is more urgent
+Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 def _reject_non_default(value: Any, info: ValidationInfo, table: dict[str, tuple[Any, ...]]) -> Any:
@@ -143,15 +166,31 @@ class _SamplingRequest(BaseModel):
     ignore_eos: StrictBool = False
     forced_output_tokens: MaxTokens | None = None
     priority: Priority = 0
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    top_k: Any = None
-    min_p: Any = None
-    repetition_penalty: Any = None
-    min_tokens: Any = None
-    stop_token_ids: Any = None
+    logit_bias: dict[StrictStr, Annotated[StrictFloat, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=10.0)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    truncate_prompt_tokens: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
 
     @field_validator(*_NULL_MEANS_DEFAULT, mode="before")
     @classmethod
@@ -178,6 +217,18 @@ class _SamplingRequest(BaseModel):
     @classmethod
     def _valid_stop(cls, value: Any) -> Any:
         return _check_stop(value)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict | None) -> dict | None:
+        if value is not None and any(not key.isdigit() for key in value):
+            raise ValueError("logit_bias keys must be token ids (decimal strings such as \"50256\")")
+        return value
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs, sorted by token id."""
+        return tuple(sorted((int(key), float(value)) for key, value in (self.logit_bias or {}).items()))
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -218,6 +269,8 @@ class CompletionRequest(_SamplingRequest):
         priority: extension: the request's class, an integer in [-100, 100], lower is more urgent
             (default 0): admitted first, preempted last, placed first.
         user: end-user id, recorded only.
+        logit_bias, presence_penalty, frequency_penalty: OpenAI's; top_k, min_p, repetition_penalty,
+            min_tokens, stop_token_ids: vLLM's (see `workers.sampling_params.SamplingParams`).
     """
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**_SHARED_UNSUPPORTED, **_COMPLETION_UNSUPPORTED}
@@ -227,6 +280,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: Any = None
     best_of: Any = None
     suffix: Any = None
+    response_format: Any = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -292,6 +346,16 @@ class ChatCompletionRequest(_SamplingRequest):
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
+    parallel_tool_calls: Any = None
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: Any = None
+    reasoning_effort: Any = None
 
     @model_validator(mode="after")
     def _one_max_tokens(self):

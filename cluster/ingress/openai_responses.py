@@ -158,7 +158,9 @@ def sse_event(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-def models_response(model_ids: list[str], created_s: int) -> dict:
-    """The body of `GET /v1/models`."""
-    data = [{"id": model_id, "object": "model", "created": created_s, "owned_by": OWNED_BY} for model_id in model_ids]
+def models_response(model_ids: list[str], created_s: int, max_model_len: int | None = None) -> dict:
+    """The body of `GET /v1/models`; with `max_model_len`, each model says it (as vLLM's does)."""
+    extra = {} if max_model_len is None else {"max_model_len": max_model_len}
+    data = [{"id": model_id, "object": "model", "created": created_s, "owned_by": OWNED_BY, **extra}
+            for model_id in model_ids]
     return {"object": "list", "data": data}

@@ -28,11 +28,12 @@ from cluster.control.messages import PlacementTimeoutError, QueueFullError
 from cluster.ingress.dashboard import (DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data,
                                generated_tokens_by_worker)
 from cluster.ingress.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
-                            not_found_model, prompt_too_long, queue_full, unavailable, validation_error)
+                            not_found_model, queue_full, unavailable, validation_error)
 from cluster.ingress.event_stream import EventStream
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
+from cluster.ingress.request_sampling import sampling_params
 from cluster.ingress.text_stream import TextStream
 from predictor_service.length_example import join_messages
 from workers.models import NoChatTemplate, chat_token_ids, load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
@@ -155,21 +156,8 @@ class Router:
         return text, ids
 
     def _sampling(self, req, num_prompt_tokens: int, is_chat: bool) -> SamplingParams:
-        limit = self.config.max_model_len
-        if num_prompt_tokens >= limit:
-            raise prompt_too_long(num_prompt_tokens, limit, "messages" if is_chat else "prompt")
-        max_tokens = protocol.requested_max_tokens(req)
-        if max_tokens is None:
-            max_tokens = min(self.config.default_max_tokens, limit - num_prompt_tokens)
-        if num_prompt_tokens + max_tokens > limit:
-            raise bad_request(
-                f"max_tokens {max_tokens} + prompt of {num_prompt_tokens} tokens exceeds the context of {limit} "
-                f"tokens; lower max_tokens to at most {limit - num_prompt_tokens}", "max_tokens")
-        forced = req.forced_output_tokens
-        if forced is not None and forced > max_tokens:
-            raise bad_request(f"forced_output_tokens {forced} exceeds max_tokens {max_tokens}", "forced_output_tokens")
-        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                              stop=req.stop_sequences, ignore_eos=req.ignore_eos, forced_output_tokens=forced)
+        return sampling_params(req, num_prompt_tokens, is_chat, self.config.max_model_len,
+                               self.config.default_max_tokens, len(self.tokenizer))
 
     async def _predict(self, request_id: str, text: str, num_prompt_tokens: int, params: SamplingParams):
         payload = {"prompt_id": request_id, "prompt_text": text, "num_prompt_tokens": num_prompt_tokens,
@@ -345,7 +333,7 @@ class Router:
     @app.get("/v1/models")
     async def models(self, request: Request):
         self._check_key(request)
-        return protocol.models_response([self.config.model_id], self.started_s)
+        return protocol.models_response([self.config.model_id], self.started_s, self.config.max_model_len)
 
     @app.get("/health")
     async def health(self):
