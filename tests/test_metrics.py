@@ -133,3 +133,21 @@ def test_latency_is_also_kept_per_priority_class():
     assert values[("s3_class_request_latency_seconds_sum", (("priority", "5"),))] == pytest.approx(10.0)
     assert values[("s3_class_ttft_seconds_sum", (("priority", "0"),))] == pytest.approx(0.1)
     assert values[("s3_request_latency_seconds_count", ())] == 3  # the all-classes series is unchanged
+
+
+def test_vllm_names_a_vllm_users_dashboards_read_are_exported_beside_ours():
+    metrics = ServiceMetrics(model_name="smollm2")
+    metrics.set_cluster(ClusterSnapshot(workers=(make_worker("w0", num_used_blocks=30), make_worker("w1")),
+                                        num_queued=3))
+    metrics.observe_finished(0.2, 0.01, 1.5, 40, 37, num_prompt_tokens=12)
+    metrics.observe_finished(0.4, None, 0.4, None, 1, num_prompt_tokens=5)
+    values = samples(metrics)
+    label = (("model_name", "smollm2"),)
+    assert values[("vllm:num_requests_running", label)] == 4  # 2 running on each worker
+    assert values[("vllm:num_requests_waiting", label)] == 3 + 2  # placement queue + each worker's one waiting
+    assert values[("vllm:kv_cache_usage_perc", label)] == pytest.approx(40 / 200)  # a fraction, as vLLM's
+    assert values[("vllm:prompt_tokens_total", label)] == 17
+    assert values[("vllm:generation_tokens_total", label)] == 38
+    assert values[("vllm:time_to_first_token_seconds_count", label)] == 2
+    assert values[("vllm:e2e_request_latency_seconds_sum", label)] == pytest.approx(1.9)
+    assert values[("vllm:e2e_request_latency_seconds_bucket", (("le", "0.5"), *label))] == 1

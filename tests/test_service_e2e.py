@@ -127,6 +127,18 @@ def test_penalties_bias_and_stop_token_ids_reach_the_engine(client, service, mod
     assert _assert_openai_error(guided, 400)["param"] == "guided_choice"  # refused, never silently dropped
 
 
+def test_tokenize_and_detokenize_round_trip_as_vllms(service):
+    text = "The capital of France is"
+    tokens = _post(service, "/tokenize", json={"model": MODEL, "prompt": text}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
+    assert _post(service, "/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json() == {"prompt": text}
+    chat = _post(service, "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": text}]}).json()
+    usage = _post(service, "/v1/chat/completions", json={"model": MODEL, "max_tokens": 1,
+                                                          "messages": [{"role": "user", "content": text}]})
+    assert chat["count"] == usage.json()["usage"]["prompt_tokens"]  # as the chat endpoint counts the prompt
+    assert _post(service, "/tokenize", json={"model": "gpt-9", "prompt": text}).status_code == 404
+
+
 def test_models_and_health(client, service):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{service.base_url}/v1/models",
@@ -200,6 +212,10 @@ def test_metrics_are_prometheus_text(service, client):
     assert {"s3_ttft_seconds", "s3_request_latency_seconds", "s3_kv_blocks_total", "s3_queue_depth"} <= set(families)
     workers = {s.labels["worker"] for s in families["s3_kv_blocks_total"].samples}
     assert len(workers) >= 2
+    vllm = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens",
+            "vllm:generation_tokens", "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"}
+    assert vllm <= set(families)  # what a vLLM user's dashboards read, labelled with the served model's name
+    assert all(sample.labels["model_name"] == MODEL for name in vllm for sample in families[name].samples)
 
 
 def test_finished_requests_feed_the_retraining_stream(service, client):

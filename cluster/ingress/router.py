@@ -35,6 +35,7 @@ from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.request_sampling import sampling_params
 from cluster.ingress.text_stream import TextStream
+from cluster.ingress.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
 from predictor_service.length_example import join_messages
 from workers.models import NoChatTemplate, chat_token_ids, load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
 from workers.policies import length_range_tokens, make_policy
@@ -93,7 +94,7 @@ class Router:
         # A running controller keeps the config it was created with; a rollout brings the new one.
         self.controller.reconfigure.remote(self.config.model_dump())
         self.workers = WorkerHandles()
-        self.metrics = ServiceMetrics()
+        self.metrics = ServiceMetrics(model_name=self.config.model_id)
         self.api_keys = frozenset(self.config.api_keys)
         self.num_in_flight = 0
         self.started_s = int(time.time())
@@ -169,10 +170,8 @@ class Router:
     # -- generation ----------------------------------------------------------------
 
     async def _generate(self, request: Request, is_chat: bool):
-        self._check_key(request)
-        req = await self._parse(request, protocol.ChatCompletionRequest if is_chat else protocol.CompletionRequest)
-        if req.model not in self.config.accepted_model_ids:
-            raise not_found_model(req.model)
+        req = await self._model_request(request, protocol.ChatCompletionRequest if is_chat
+                                        else protocol.CompletionRequest)
         start_s = time.monotonic()
         text, prompt_ids = self._encode_prompt(req, is_chat)
         params = self._sampling(req, len(prompt_ids), is_chat)
@@ -241,7 +240,7 @@ class Router:
         first_s = result.first_token_s or finish_s
         tpot = (finish_s - first_s) / (num_out - 1) if num_out > 1 else None
         self.metrics.observe_finished(first_s - start_s, tpot, finish_s - start_s, job.point_output_tokens, num_out,
-                                      job.priority)
+                                      job.priority, len(job.prompt_token_ids))
         self.metrics.observe_status("ok")
 
     async def _collect(self, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,
@@ -329,6 +328,23 @@ class Router:
         except Exception:
             self.metrics.observe_status("500")  # our bug: the app's handler answers it as internal_error
             raise
+
+    async def _model_request(self, request: Request, model_cls):
+        """A request body for the served model, its API key checked, parsed."""
+        self._check_key(request)
+        req = await self._parse(request, model_cls)
+        if req.model not in self.config.accepted_model_ids:
+            raise not_found_model(req.model)
+        return req
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request):
+        req = await self._model_request(request, TokenizeRequest)
+        return tokenize_answer(req, self.tokenizer, self.config.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return detokenize_answer(await self._model_request(request, DetokenizeRequest), self.tokenizer)
 
     @app.get("/v1/models")
     async def models(self, request: Request):

@@ -1,0 +1,65 @@
+"""vLLM's `/tokenize` and `/detokenize`: request bodies and answers (no Serve: the caller passes the tokenizer).
+
+    POST /tokenize    {"model", "prompt", "add_special_tokens": true}                -> {"count", "max_model_len",
+                      {"model", "messages", "add_generation_prompt": true}             "tokens"}
+    POST /detokenize  {"model", "tokens": [ids]}                                     -> {"prompt"}
+
+A chat is tokenized as `/v1/chat/completions` tokenizes it (the model's chat template, ready for the assistant's
+turn); a prompt as `/v1/completions` does unless `add_special_tokens` asks for the tokenizer's own special tokens.
+"""
+
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+
+from cluster.ingress.errors import bad_request
+from cluster.ingress.openai_protocol import ChatMessage
+from workers.models import NoChatTemplate, chat_token_ids
+
+
+class TokenizeRequest(BaseModel):
+    """Body of `POST /tokenize`: a prompt or chat messages, not both."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: StrictStr
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: StrictBool = False
+    add_generation_prompt: StrictBool = True
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        if self.messages is not None and not self.add_generation_prompt:
+            raise ValueError("add_generation_prompt false is not supported; leave it unset")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of `POST /detokenize`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: StrictStr
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
+def tokenize_answer(req: TokenizeRequest, tokenizer, max_model_len: int) -> dict:
+    """The answer to `/tokenize`; a 400 for chat messages to a model without a chat template."""
+    if req.messages is not None:
+        try:
+            ids = chat_token_ids(tokenizer, [{"role": m.role, "content": m.content} for m in req.messages])
+        except NoChatTemplate as error:
+            raise bad_request(str(error), "messages") from None
+    else:
+        ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": list(ids)}
+
+
+def detokenize_answer(req: DetokenizeRequest, tokenizer) -> dict:
+    """The answer to `/detokenize`; a 400 for ids past the tokenizer's vocabulary."""
+    if any(token >= len(tokenizer) for token in req.tokens):
+        raise bad_request(f"tokens must be ids below the vocabulary size {len(tokenizer)}", "tokens")
+    return {"prompt": tokenizer.decode(req.tokens)}
