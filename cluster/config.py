@@ -123,6 +123,9 @@ class ServiceConfig(BaseModel):
         None, description=f"Redis for controller state (default: ${REDIS_URL_ENV}, else an embedded redis-server)")
     data_dir: str = Field(".s3serve", description="where the embedded Redis keeps its data")
     api_keys: tuple[str, ...] = Field((), description="accepted Bearer keys; empty means no authentication")
+    allowed_origins: tuple[str, ...] = Field(
+        (), description="browser origins allowed to call the API across sites (CORS), such as "
+                        "https://app.example.com, or * for any; empty (the default) means CORS is off")
     max_concurrent_requests: int = Field(
         256, ge=1, description="requests a router replica holds at once; beyond it clients get 429")
     max_pending_placements: int = Field(

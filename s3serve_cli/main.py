@@ -109,6 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device,
         "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
         "api_keys": tuple(args.api_key) if args.api_key else None, "length_probe": args.length_probe,
+        "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,
         "tensor_parallel_size": args.tensor_parallel_size, "preemption_mode": args.preemption_mode,
         "swap_space_bytes": args.swap_space_bytes, "routing": args.routing,
         "served_model_name": tuple(args.served_model_name) if args.served_model_name else None,
@@ -199,6 +200,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="accept this Bearer key (repeat for several); without it, no authentication. The "
                             "/dashboard page then reads its data with the key given as /dashboard#key=KEY or typed in")
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="browser origins allowed to call the API from their pages (CORS), such as "
+                            "https://app.example.com, or * for any (default: none, CORS off)")
     serve.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray cluster")
     serve.add_argument("--start-timeout", type=_positive_seconds, default=900.0, metavar="SECONDS",
                        help="how long start-up may take (Ray, Redis, HTTP proxy, model loading) before giving up "

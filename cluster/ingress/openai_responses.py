@@ -14,6 +14,7 @@ Streaming follows OpenAI: one `data: {json}` event per chunk, then `data: [DONE]
 """
 
 import json
+import time
 import uuid
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -164,3 +165,13 @@ def models_response(model_ids: list[str], created_s: int, max_model_len: int | N
     data = [{"id": model_id, "object": "model", "created": created_s, "owned_by": OWNED_BY, **extra}
             for model_id in model_ids]
     return {"object": "list", "data": data}
+
+
+def openai_finish_reason(reason: str | None) -> str:
+    """The engine's finish reason as OpenAI's: "length", else "stop"."""
+    return "length" if reason == "length" else "stop"
+
+
+def created_unix_s(start_s: float) -> int:
+    """Unix time of a request that started at monotonic `start_s` (a response's `created`)."""
+    return int(time.time() - (time.monotonic() - start_s))

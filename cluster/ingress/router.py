@@ -25,6 +25,7 @@ from cluster.ingress import openai_protocol as protocol
 from cluster.config import ServiceConfig, worker_actor_name
 from cluster.control.controller import get_or_create_controller
 from cluster.control.messages import PlacementTimeoutError, QueueFullError
+from cluster.ingress.cors import install_cors
 from cluster.ingress.dashboard import (DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data,
                                generated_tokens_by_worker)
 from cluster.ingress.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
@@ -32,6 +33,7 @@ from cluster.ingress.errors import (APIError, bad_request, body_too_large, check
 from cluster.ingress.event_stream import EventStream
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
+from cluster.ingress.openai_responses import created_unix_s, openai_finish_reason
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.request_sampling import sampling_params
 from cluster.ingress.text_stream import TextStream
@@ -51,15 +53,7 @@ PLACE_HEADER = "x-s3-place-ms"  # the controller call, without time queued for K
 
 app = FastAPI(title="S3 Serve", docs_url=None, redoc_url=None)
 install_error_handlers(app)
-
-
-def _openai_reason(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
-
-
-def _wall_s(start_s: float) -> int:
-    """Unix time of a request that started at monotonic `start_s` (a response's `created`)."""
-    return int(time.time() - (time.monotonic() - start_s))
+install_cors(app)  # off until the router sets app.state.allowed_origins
 
 
 # Generations outlive Serve's 20 s default drain: a rollout lets the old replica finish its streams.
@@ -95,6 +89,7 @@ class Router:
         self.controller.reconfigure.remote(self.config.model_dump())
         self.workers = WorkerHandles()
         self.metrics = ServiceMetrics(model_name=self.config.model_id)
+        app.state.allowed_origins = self.config.allowed_origins
         self.api_keys = frozenset(self.config.api_keys)
         self.num_in_flight = 0
         self.started_s = int(time.time())
@@ -261,13 +256,13 @@ class Router:
         texts.finish(result.finish_reason == "stop")
         self._observe(job, result, start_s)
         build = protocol.chat_response if is_chat else protocol.completion_response
-        return build(job.request_id, self.config.model_id, texts.text, _openai_reason(result.finish_reason),
-                     len(job.prompt_token_ids), len(result.output_token_ids), _wall_s(start_s))
+        return build(job.request_id, self.config.model_id, texts.text, openai_finish_reason(result.finish_reason),
+                     len(job.prompt_token_ids), len(result.output_token_ids), created_unix_s(start_s))
 
     async def _sse(self, req, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,
                    start_s: float):
         texts = TextStream(self.tokenizer, job.params.stop)
-        model_id, created_s = self.config.model_id, _wall_s(start_s)
+        model_id, created_s = self.config.model_id, created_unix_s(start_s)
         include_usage = req.include_usage
 
         def chunk(delta: str | None, reason: str | None, role: str | None = None) -> bytes:
@@ -291,7 +286,7 @@ class Router:
             tail = texts.finish(result.finish_reason == "stop")
             if tail:
                 yield chunk(tail, None)
-            yield chunk(None if is_chat else "", _openai_reason(result.finish_reason))
+            yield chunk(None if is_chat else "", openai_finish_reason(result.finish_reason))
             if include_usage:
                 usage = protocol.usage(len(job.prompt_token_ids), len(result.output_token_ids))
                 builder = protocol.chat_usage_chunk if is_chat else protocol.completion_usage_chunk
