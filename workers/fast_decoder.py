@@ -54,7 +54,7 @@ from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
 # -> [T, H, D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
-# model_type -> the family's layer shape, all read from the modules themselves
+# the model_types the fast path serves; each family's layer shape is read from its own modules
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
 # longrope and dynamic change the frequencies with the sequence's length; a table built once cannot
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
