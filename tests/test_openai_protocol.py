@@ -37,6 +37,10 @@ def test_completion_request_defaults_and_prompt_forms():
     assert (req.stop_sequences, req.seed, req.ignore_eos, req.include_usage) == ((), None, False, False)
     assert proto.prompt_text(req) == "Hello"
     assert proto.prompt_text(completion(prompt=["Only one"])) == "Only one"
+    assert proto.prompt_token_ids(req) is None
+    for prompt in ([5, 0, 17], [[5, 0, 17]]):  # token ids, alone or as the one prompt of a list (OpenAI's forms)
+        assert proto.prompt_token_ids(completion(prompt=prompt)) == [5, 0, 17]
+        assert proto.prompt_text(completion(prompt=prompt)) is None
     assert proto.requested_max_tokens(completion(max_tokens=7)) == 7
 
 
@@ -47,7 +51,10 @@ def test_completion_request_defaults_and_prompt_forms():
         ({"prompt": []}, "prompt"),
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": [""]}, "prompt"),
-        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"prompt": [1, -2, 3]}, "prompt"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": "10"}, "max_tokens"),

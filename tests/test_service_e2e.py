@@ -127,6 +127,17 @@ def test_penalties_bias_and_stop_token_ids_reach_the_engine(client, service, mod
     assert _assert_openai_error(guided, 400)["param"] == "guided_choice"  # refused, never silently dropped
 
 
+def test_a_prompt_sent_as_token_ids_answers_as_its_text(service, client):
+    text = "The capital of France is"
+    ids = _post(service, "/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]
+    as_text = client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0)
+    for prompt in (ids, [ids]):
+        as_ids = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert as_ids.choices[0].text == as_text.choices[0].text and as_ids.usage.prompt_tokens == len(ids)
+    outside = _post(service, "/v1/completions", json={"model": MODEL, "prompt": [1, 10**7]})
+    assert _assert_openai_error(outside, 400)["param"] == "prompt"
+
+
 def test_tokenize_and_detokenize_round_trip_as_vllms(service):
     text = "The capital of France is"
     tokens = _post(service, "/tokenize", json={"model": MODEL, "prompt": text}).json()

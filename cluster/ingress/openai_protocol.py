@@ -48,6 +48,7 @@ __all__ = [
     "models_response",
     "new_request_id",
     "prompt_text",
+    "prompt_token_ids",
     "requested_max_tokens",
     "sse_event",
     "usage",
@@ -254,7 +255,8 @@ class CompletionRequest(_SamplingRequest):
 
     Attributes:
         model: id of a served model (an unknown id is a 404, decided by the router).
-        prompt: the prompt, or a list holding exactly one prompt (we serve n=1).
+        prompt: the prompt as text or as token ids, or a list holding exactly one of those (we serve one
+            prompt per request).
         max_tokens: most tokens to generate; None means the service default.
         temperature: sampling temperature in [0, 2]; 0 is greedy.
         top_p: nucleus mass in (0, 1].
@@ -274,7 +276,7 @@ class CompletionRequest(_SamplingRequest):
     """
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**_SHARED_UNSUPPORTED, **_COMPLETION_UNSUPPORTED}
-    prompt: StrictStr | list[StrictStr]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: MaxTokens | None = None
     echo: Any = None
     logprobs: Any = None
@@ -289,7 +291,12 @@ class CompletionRequest(_SamplingRequest):
             return value
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0]:
             return value
-        raise ValueError("prompt must be a non-empty string, or a list holding exactly one non-empty string")
+        if _is_token_ids(value):
+            return value
+        if isinstance(value, list) and len(value) == 1 and _is_token_ids(value[0]):
+            return value
+        raise ValueError("prompt must be a non-empty string or non-empty list of token ids (>= 0), or a list "
+                         "holding exactly one of those (several prompts in one request are not served)")
 
 
 class ChatMessage(BaseModel):
@@ -368,9 +375,22 @@ class ChatCompletionRequest(_SamplingRequest):
         return self
 
 
-def prompt_text(req: CompletionRequest) -> str:
-    """The single prompt of a completion request."""
-    return req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+def _is_token_ids(value: Any) -> bool:
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in value))
+
+
+def prompt_text(req: CompletionRequest) -> str | None:
+    """The single text prompt of a completion request; None when it was sent as token ids."""
+    prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+    return prompt if isinstance(prompt, str) else None
+
+
+def prompt_token_ids(req: CompletionRequest) -> list[int] | None:
+    """The single prompt of a completion request when it was sent as token ids (vLLM and OpenAI take them),
+    else None."""
+    prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+    return list(prompt) if isinstance(prompt, list) else None
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:

@@ -143,6 +143,10 @@ class Router:
             except NoChatTemplate as error:
                 raise bad_request(str(error), "messages") from None
             text = join_messages(messages)  # as the predictor was trained
+        elif (ids := protocol.prompt_token_ids(req)) is not None:  # the text only feeds the length predictor
+            if max(ids) >= len(self.tokenizer):
+                raise bad_request(f"prompt token ids must be below the vocabulary size {len(self.tokenizer)}", "prompt")
+            text = self.tokenizer.decode(ids)
         else:
             text = protocol.prompt_text(req)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
