@@ -30,11 +30,12 @@ def workers_on_cpu(config: ServiceConfig) -> bool:
     return config.device == "cpu" or (config.device == "auto" and config.worker_num_gpus == 0)
 
 
-def kv_bytes_per_token(text_config, dtype_bytes: int, tensor_parallel_size: int) -> int:
-    """KV bytes one token takes on one rank: K and V of every layer, 1/tp of the KV heads."""
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    kv_heads = max(1, text_config.num_key_value_heads // tensor_parallel_size)
-    return 2 * text_config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+def kv_bytes_per_token(text_config, dtype, tensor_parallel_size: int) -> int:
+    """KV bytes one token takes on one rank (K and V of every layer, 1/tp of the KV heads), as the worker's block pool
+    lays them out (`workers.model_runner.pool_shape_for`, a block of one token); `dtype` a torch dtype."""
+    from workers.model_runner import pool_shape_for
+
+    return pool_shape_for(text_config, 1, 1, dtype, tensor_parallel_size).bytes_per_block
 
 
 def weight_bytes(model_dir: Path) -> int:
@@ -47,6 +48,7 @@ def resolve_max_model_len(config: ServiceConfig) -> tuple[ServiceConfig, str]:
     result leaves no room for default_max_tokens."""
     if config.max_model_len is not None:
         return config, "configured"
+    import torch
     from transformers import AutoConfig
 
     from workers.models import config_dtype, resolve_model_dir
@@ -61,10 +63,10 @@ def resolve_max_model_len(config: ServiceConfig) -> tuple[ServiceConfig, str]:
     room = None
     if on_cpu or memory.num_bytes is not None:
         if on_cpu:
-            dtype_bytes = resolve_dtype(config.dtype, "cpu", config_dtype(model_dir)).itemsize
+            dtype = resolve_dtype(config.dtype, "cpu", config_dtype(model_dir))
         else:  # auto on a GPU is a half type
-            dtype_bytes = 4 if config.dtype == "float32" else 2
-        per_token = kv_bytes_per_token(text_config, dtype_bytes, config.tensor_parallel_size)
+            dtype = torch.float32 if config.dtype == "float32" else torch.float16
+        per_token = kv_bytes_per_token(text_config, dtype, config.tensor_parallel_size)
         free = max(0, free_memory_bytes("cpu") - weight_bytes(model_dir)) if on_cpu else 0
         room = kv_token_room(memory, on_cpu, free, per_token)
     value = default_max_model_len(model_limit, room)

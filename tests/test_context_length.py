@@ -1,6 +1,7 @@
 """The service's default max_model_len: the model's own limit, capped by the KV room known at start."""
 
 import pytest
+import torch
 from transformers import Gemma3TextConfig
 
 from cluster.config import ServiceConfig
@@ -25,12 +26,12 @@ def test_workers_run_on_the_cpu_unless_given_gpus():
 
 def test_kv_bytes_per_token_count_k_and_v_of_every_layer_on_one_rank():
     gemma = Gemma3TextConfig(num_hidden_layers=18, num_key_value_heads=1, head_dim=256)
-    assert kv_bytes_per_token(gemma, 2, 1) == 2 * 18 * 1 * 256 * 2  # 18,432: Gemma 3 270M in bf16
+    assert kv_bytes_per_token(gemma, torch.bfloat16, 1) == 2 * 18 * 1 * 256 * 2  # 18,432: Gemma 3 270M in bf16
     smollm2_like = tiny_llama_config()
     smollm2_like.num_hidden_layers, smollm2_like.num_key_value_heads, smollm2_like.head_dim = 30, 3, 64
-    assert kv_bytes_per_token(smollm2_like, 2, 1) == 23040
+    assert kv_bytes_per_token(smollm2_like, torch.bfloat16, 1) == 23040
     smollm2_like.num_key_value_heads = 4
-    assert kv_bytes_per_token(smollm2_like, 4, 2) == 2 * 30 * 2 * 64 * 4
+    assert kv_bytes_per_token(smollm2_like, torch.float32, 2) == 2 * 30 * 2 * 64 * 4
 
 
 @pytest.fixture
