@@ -30,6 +30,8 @@ from cluster.ingress.openai_responses import (
     sse_event,
     usage,
 )
+from cluster.ingress.unsupported_params import (CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, SHARED_UNSUPPORTED,
+                                                 reject_non_default)
 
 __all__ = [
     "MAX_STOP_SEQUENCES",
@@ -59,56 +61,8 @@ MAX_STOP_SEQUENCES = 4
 # torch.Generator.manual_seed takes 64-bit seeds; anything wider would fail deep in a worker.
 _SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}
 
-# Parameters we accept only at their default: field -> values that mean "not used".
-# On both endpoints: vLLM's extras that change the output and that we do not implement (clients moving from
-# vLLM send them through `extra_body`): guided decoding and structured outputs, beam search, prompt logprobs.
-_SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "include_stop_str_in_output": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
-    "guided_whitespace_pattern": (None,),
-    "structured_outputs": (None,),
-    "use_beam_search": (None, False),
-    "length_penalty": (None, 1, 1.0),
-    "prompt_logprobs": (None,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,),
-    "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True),
-    "return_tokens_as_token_ids": (None, False),
-}
 # OpenAI's nullable fields that we type strictly: null means the field's default.
 _NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream")
-_COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
-    "logprobs": (None,),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
-}
-_CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "parallel_tool_calls": (None, True),
-    "continue_final_message": (None, False),
-    "add_generation_prompt": (None, True),
-    "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
-    "documents": (None,),
-    "prediction": (None,),
-    "audio": (None,),
-    "modalities": (None, ["text"]),
-    "reasoning_effort": (None,),
-}
 
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
 Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
@@ -117,13 +71,6 @@ Seed = Annotated[StrictInt, Field(**_SEED_BOUNDS)]
 Priority = Annotated[StrictInt, Field(ge=-100, le=100)]  # lower is more urgent
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
-
-
-def _reject_non_default(value: Any, info: ValidationInfo, table: dict[str, tuple[Any, ...]]) -> Any:
-    # `in` on a tuple compares with ==, and True == 1, so compare types too.
-    if not any(value == allowed and type(value) is type(allowed) for allowed in table[info.field_name]):
-        raise ValueError(f"'{info.field_name}' is not supported by this server; leave it unset")
-    return value
 
 
 def _check_stop(value: Any) -> Any:
@@ -199,13 +146,13 @@ class _SamplingRequest(BaseModel):
         return cls.model_fields[info.field_name].default if value is None else value
 
     # The endpoint's parameters accepted only at their default (each subclass adds its own).
-    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = _SHARED_UNSUPPORTED
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = SHARED_UNSUPPORTED
 
-    @field_validator(*{**_SHARED_UNSUPPORTED, **_COMPLETION_UNSUPPORTED, **_CHAT_UNSUPPORTED}, mode="before",
+    @field_validator(*{**SHARED_UNSUPPORTED, **COMPLETION_UNSUPPORTED, **CHAT_UNSUPPORTED}, mode="before",
                      check_fields=False)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        return _reject_non_default(value, info, cls.unsupported)
+        return reject_non_default(value, info, cls.unsupported)
 
     @field_validator("n")
     @classmethod
@@ -275,7 +222,7 @@ class CompletionRequest(_SamplingRequest):
             min_tokens, stop_token_ids: vLLM's (see `workers.sampling_params.SamplingParams`).
     """
 
-    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**_SHARED_UNSUPPORTED, **_COMPLETION_UNSUPPORTED}
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**SHARED_UNSUPPORTED, **COMPLETION_UNSUPPORTED}
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: MaxTokens | None = None
     echo: Any = None
@@ -342,7 +289,7 @@ class ChatCompletionRequest(_SamplingRequest):
         The remaining fields mean what they mean in `CompletionRequest`.
     """
 
-    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**_SHARED_UNSUPPORTED, **_CHAT_UNSUPPORTED}
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**SHARED_UNSUPPORTED, **CHAT_UNSUPPORTED}
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
@@ -380,16 +327,21 @@ def _is_token_ids(value: Any) -> bool:
             and all(isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in value))
 
 
+def _single_prompt(req: CompletionRequest) -> str | list[int]:
+    """The request's one prompt, out of the one-element list it may come in."""
+    return req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+
+
 def prompt_text(req: CompletionRequest) -> str | None:
     """The single text prompt of a completion request; None when it was sent as token ids."""
-    prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+    prompt = _single_prompt(req)
     return prompt if isinstance(prompt, str) else None
 
 
 def prompt_token_ids(req: CompletionRequest) -> list[int] | None:
     """The single prompt of a completion request when it was sent as token ids (vLLM and OpenAI take them),
     else None."""
-    prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
+    prompt = _single_prompt(req)
     return list(prompt) if isinstance(prompt, list) else None
 
 
