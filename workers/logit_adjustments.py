@@ -56,7 +56,7 @@ def adjust_logits(logits: torch.Tensor, params: list[SamplingParams],
     repeated = [row for row in rows if params[row].repetition_penalty != 1.0]
     if repeated:
         index = torch.unique(positions([(row, histories[row][0] + histories[row][1]) for row in repeated]))
-        penalty = _per_row([params[row].repetition_penalty for row in range(len(params))], device)[index // vocab]
+        penalty = _per_row([p.repetition_penalty for p in params], device)[index // vocab]
         values = flat[index]
         flat[index] = torch.where(values > 0, values / penalty, values * penalty)
     counted = [row for row in rows if params[row].presence_penalty or params[row].frequency_penalty]
