@@ -24,10 +24,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _one_line(error: BaseException) -> str:
-    """An exception's message on one line (pydantic and others span several)."""
-    from pydantic import ValidationError
-
-    if isinstance(error, ValidationError):
+    """An exception's message on one line (pydantic and others span several). pydantic is looked up, not imported:
+    a ValidationError means it is loaded, and the benches run where it is not installed (the GPU image)."""
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(error, pydantic.ValidationError):
         return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']} (got {e.get('input')!r})"
                          for e in error.errors())
     return "; ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__

@@ -83,6 +83,15 @@ def test_missing_input_file_is_one_line_and_a_hint(tmp_path, capsys):
                      "hint: run `s3serve label --help` for the options"]
 
 
+def test_errors_are_reported_where_pydantic_is_not_installed(tmp_path, capsys, monkeypatch):
+    """The GPU image has no pydantic; a bench's error must still come out as one line, not an ImportError."""
+    monkeypatch.setitem(sys.modules, "pydantic", None)  # `import pydantic` now raises ImportError
+    missing = tmp_path / "nope.jsonl"
+    code = main(["label", "--prompts", str(missing), "--out", str(tmp_path / "labels.jsonl")])
+    assert code == 2
+    assert capsys.readouterr().err.splitlines()[0] == f"s3serve label: error: prompt file {missing} does not exist"
+
+
 def test_installed_script_exits_2_on_a_bad_argument():
     result = subprocess.run([str(S3SERVE), "serve", "--num-workers", "two"], capture_output=True, text=True,
                             timeout=120)

@@ -136,8 +136,9 @@ def test_the_length_probe_reads_hidden_states_where_the_engine_runs(device, synt
 @DEVICES
 @pytest.mark.parametrize("name", ["mistral", "gemma3"])
 def test_sliding_window_models_answer_as_hf_where_the_engine_runs(device, name):
-    """Mistral's window on every layer and Gemma 3's sliding layers between global ones, through the Triton kernels on
-    CUDA (prefill chunks and decodes, preemption), token for token as HF's sdpa on the same device."""
+    """Mistral's window on every layer and Gemma 3's sliding layers between global ones, through the fast path
+    and, on CUDA, the Triton kernels (prefill chunks and decodes, preemption), token for token as HF's sdpa on
+    the same device."""
     model = tiny_architecture(name).to(device)
     hf_greedy = hf_greedy_runner(model)
     requests = {f"r{i}": (make_prompt(6 + 5 * i, seed=200 + i), SamplingParams(max_tokens=32, ignore_eos=True))
@@ -146,6 +147,7 @@ def test_sliding_window_models_answer_as_hf_where_the_engine_runs(device, name):
     engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=20 * bytes_per_block, block_size=BLOCK_SIZE,
                                                        max_num_seqs=3, max_num_batched_tokens=8, max_model_len=128))
     assert engine.runner.backend.name == ("triton" if device == "cuda" else "cpu")
+    assert engine.runner.path == "fast", engine.runner.fast_path_off_reason
     outputs = run_engine(engine, requests, {0: list(requests)})
     for seq_id, (prompt, params) in requests.items():
         assert list(outputs[seq_id].output_token_ids) == hf_greedy(prompt, params.max_tokens), (name, seq_id)
