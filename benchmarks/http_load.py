@@ -37,7 +37,8 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-OVERHEAD_HEADER = "x-s3-overhead-ms"  # cluster.ingress.router.OVERHEAD_HEADER; not imported: this process stays light
+# cluster.ingress.completions.OVERHEAD_HEADER; not imported: this process stays light
+OVERHEAD_HEADER = "x-s3-overhead-ms"
 MAX_ERROR_CHARS = 300
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

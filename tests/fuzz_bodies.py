@@ -10,7 +10,7 @@ _ODD_VALUES = [None, True, False, 0, -1, 1.5, 10**30, -10**30, 1e308, -1e308, 2*
                {"role": "user"}, [None], "\ud800"]
 _NUMBER_FIELDS = ["max_tokens", "temperature", "top_p", "seed", "n", "priority", "forced_output_tokens",
                   "max_completion_tokens", "presence_penalty", "logprobs", "frequency_penalty", "top_k", "min_p",
-                  "repetition_penalty", "min_tokens"]
+                  "repetition_penalty", "min_tokens", "best_of", "top_logprobs"]
 
 
 def fuzz_body(rng: random.Random, is_chat: bool, model: str) -> bytes:
@@ -20,8 +20,9 @@ def fuzz_body(rng: random.Random, is_chat: bool, model: str) -> bytes:
         body["messages"] = [{"role": "user", "content": "Say hi."}]
     else:
         body["prompt"] = "Say hi."
-    kind = rng.choice(["type", "missing", "unknown", "unicode", "number", "broken", "nested", "constant"])
-    fields = list(body) + ["stream", "stop", "stream_options", "user", "logit_bias", "stop_token_ids"]
+    kind = rng.choice(["type", "missing", "unknown", "unicode", "number", "broken", "nested", "constant", "choices"])
+    fields = list(body) + ["stream", "stop", "stream_options", "user", "logit_bias", "stop_token_ids", "n", "echo",
+                           "logprobs", "best_of", "top_logprobs"]
     if kind == "type":
         body[rng.choice(fields)] = rng.choice(_ODD_VALUES)
     elif kind == "missing":
@@ -36,6 +37,14 @@ def fuzz_body(rng: random.Random, is_chat: bool, model: str) -> bytes:
             body["prompt"] = rng.choice([text, [text], [[1, 2, 3]], [text, 5]])
     elif kind == "number":
         body[rng.choice(_NUMBER_FIELDS)] = rng.choice([10**30, -10**30, 1e308, -1e308, 2**63, -1, 0, 1e-300])
+    elif kind == "choices":  # scoring and several choices, combined in ways valid and not
+        body.update({"n": rng.choice([1, 2, 3]), "stream": rng.random() < 0.3})
+        if is_chat:
+            body.update({"logprobs": rng.choice([True, False, None]), "top_logprobs": rng.choice([None, 0, 2, 20, 21])})
+        else:
+            body.update({"echo": rng.choice([True, False]), "logprobs": rng.choice([None, 0, 3, 20, 21]),
+                         "best_of": rng.choice([None, 1, 2, 4]), "max_tokens": rng.choice([0, 1, 2]),
+                         "prompt": rng.choice(["Say hi.", ["a", "b"], [[1, 2], [3]], [[5] * 3] * 30])})
     elif kind == "nested":
         deep = "x"
         for _ in range(rng.choice([10, 200, 500])):

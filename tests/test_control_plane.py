@@ -259,6 +259,21 @@ def test_a_request_goes_where_its_prefix_is_cached_and_by_room_when_that_is_off(
     run(check)
 
 
+def test_a_sibling_choice_goes_beside_its_leader_while_that_worker_has_room(run):
+    """Choices of one `n` share their prompt's cached blocks only on one worker: a sibling follows its leader there,
+    even to the fuller worker, and is routed as usual when it does not fit there or its leader is unknown."""
+    async def check(plane, sim):
+        leader = await plane.place("cmpl-0-0", 20, 200, 40)  # 4 blocks: the other worker is now the roomier
+        sibling = await plane.place("cmpl-0-1", 20, 200, 40, sibling_of="cmpl-0-0")
+        assert sibling.worker_id == leader.worker_id
+        free = plane.rooms.free()[leader.worker_id]  # 2 of 10 blocks
+        too_big = await plane.place("cmpl-0-2", 20, 200, free * BLOCK_SIZE, sibling_of="cmpl-0-0")
+        assert too_big.worker_id != leader.worker_id  # no room beside the leader: where it fits
+        orphan = await plane.place("orphan", 20, 200, 20, sibling_of="never-placed")
+        assert orphan.worker_id != leader.worker_id  # an unknown leader: by room
+    run(check)
+
+
 def test_a_bound_the_workers_probe_lowers_frees_room_for_a_waiting_request(run):
     async def check(plane, sim):
         big = [await plane.place(f"big{i}", 20, 200, 140) for i in range(2)]  # 20 + 140 tokens: 10 blocks each

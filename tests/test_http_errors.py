@@ -113,8 +113,9 @@ def test_missing_body(client):
         ({"model": MODEL, "prompt": "x", "max_tokens": -1}, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": "10"}, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "max_tokens": True}, "max_tokens"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, "n"),
-        ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
+        ({"model": MODEL, "prompt": "x", "echo": "yes"}, "echo"),
+        ({"model": MODEL, "prompt": "x", "n": 2, "best_of": 1}, "best_of"),
         ({"model": MODEL, "prompt": "x", "temperature": 9}, "temperature"),
     ],
 )
@@ -137,7 +138,7 @@ def test_bad_chat_messages(client, messages, param):
 
 
 def test_several_problems_in_one_message(client):
-    error = assert_error(client.post("/v1/completions", json={"model": 1, "prompt": "", "n": 3}), 400, param="model")
+    error = assert_error(client.post("/v1/completions", json={"model": 1, "prompt": "", "n": 0}), 400, param="model")
     assert "prompt:" in error["message"] and "n:" in error["message"]
 
 

@@ -30,6 +30,7 @@ PURE_MODULES = [
     "workers.sampling_params",
     "workers.engine_config",
     "workers.work_types",
+    "workers.step_output",
     "workers.model_support",
     "cluster.control.placement",
     "cluster.control.routing",

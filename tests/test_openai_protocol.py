@@ -35,12 +35,12 @@ def test_completion_request_defaults_and_prompt_forms():
     req = completion()
     assert (req.max_tokens, req.temperature, req.top_p, req.n, req.stream) == (None, 1.0, 1.0, 1, False)
     assert (req.stop_sequences, req.seed, req.ignore_eos, req.include_usage) == ((), None, False, False)
-    assert proto.prompt_text(req) == "Hello"
-    assert proto.prompt_text(completion(prompt=["Only one"])) == "Only one"
-    assert proto.prompt_token_ids(req) is None
-    for prompt in ([5, 0, 17], [[5, 0, 17]]):  # token ids, alone or as the one prompt of a list (OpenAI's forms)
-        assert proto.prompt_token_ids(completion(prompt=prompt)) == [5, 0, 17]
-        assert proto.prompt_text(completion(prompt=prompt)) is None
+    assert proto.prompts(req) == ["Hello"]
+    assert proto.prompts(completion(prompt=["Only one"])) == ["Only one"]
+    assert proto.prompts(completion(prompt=["a", "b"])) == ["a", "b"]  # several prompts, each with n choices
+    for prompt in ([5, 0, 17], [[5, 0, 17]]):  # token ids, alone or in a list (OpenAI's forms)
+        assert proto.prompts(completion(prompt=prompt)) == [[5, 0, 17]]
+    assert proto.prompts(completion(prompt=[[5], [6, 7]])) == [[5], [6, 7]]
     assert proto.requested_max_tokens(completion(max_tokens=7)) == 7
 
 
@@ -49,13 +49,13 @@ def test_completion_request_defaults_and_prompt_forms():
     [
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", [1]]}, "prompt"),
+        ({"prompt": ["a"] * 65}, "prompt"),
         ({"prompt": [""]}, "prompt"),
         ({"prompt": [1, -2, 3]}, "prompt"),
         ({"prompt": [1, True]}, "prompt"),
-        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"prompt": [[1, 2], []]}, "prompt"),
         ({"prompt": [[]]}, "prompt"),
-        ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": "10"}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
@@ -66,15 +66,17 @@ def test_completion_request_defaults_and_prompt_forms():
         ({"temperature": float("nan")}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.01}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 65}, "n"),
         ({"stream": "yes"}, "stream"),
         ({"stop": ""}, "stop"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": [3]}, "stop"),
         ({"seed": 2**64}, "seed"),
-        ({"echo": True}, "echo"),
-        ({"logprobs": 2}, "logprobs"),
-        ({"best_of": 3}, "best_of"),
+        ({"echo": "yes"}, "echo"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"best_of": 0}, "best_of"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": "1"}, "frequency_penalty"),
         ({"top_k": -2}, "top_k"),
@@ -97,6 +99,28 @@ def test_completion_request_rejects(fields, field):
     with pytest.raises(ValidationError) as exc_info:
         completion(**fields)
     assert error_fields(exc_info)[0] == field
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"max_tokens": 0}, "max_tokens 0 is only allowed with echo"),
+    ({"n": 3, "best_of": 2}, "best_of \\(2\\) must be at least n \\(3\\)"),
+    ({"best_of": 2, "stream": True}, "best_of above n cannot be streamed"),
+    ({"prompt": ["a", "b", "c"], "n": 22}, "over 64 sequences per request"),
+    ({"prompt": ["a", "b"], "n": 2, "best_of": 40}, "over 64 sequences per request"),
+])
+def test_choices_that_cannot_be_served_are_refused(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        completion(**fields)
+
+
+def test_scoring_and_choices_are_read():
+    req = completion(prompt=["a", "b"], max_tokens=0, echo=True, logprobs=3, n=2, best_of=4)
+    assert (req.max_tokens, req.echo, req.logprobs, req.n, req.best_of) == (0, True, 3, 2, 4)
+    assert (chat(logprobs=True, top_logprobs=5).top_logprobs, chat(logprobs=None).logprobs) == (5, False)
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs set to true"):
+        chat(top_logprobs=2)
+    assert completion(n=2, best_of=2, stream=True).best_of == 2  # nothing to rank: streamed as n
+    assert chat(top_logprobs=0).top_logprobs == 0  # the default, sent alone
 
 
 def test_stream_options_need_stream():
@@ -179,9 +203,10 @@ def test_chat_request_messages_and_max_tokens():
         ({"messages": "hi"}, "messages"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"top_logprobs": 21}, "top_logprobs"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
@@ -197,13 +222,14 @@ def test_chat_rejects_conflicting_max_tokens():
 
 
 def test_completion_payloads_parse_as_openai_types():
-    body = proto.completion_response("abc", MODEL, "Hi there", "length", 4, 2, CREATED_S)
+    choices = [proto.completion_choice(0, "Hi there", "length")]
+    body = proto.completion_response("abc", MODEL, choices, proto.usage(4, 2), CREATED_S)
     parsed = Completion.model_validate(body)
     assert parsed.id == "cmpl-abc" and parsed.object == "text_completion"
     assert parsed.choices[0].text == "Hi there" and parsed.choices[0].finish_reason == "length"
     assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens, parsed.usage.total_tokens) == (4, 2, 6)
     # An id that already has the prefix keeps it once.
-    assert proto.completion_response("cmpl-x", MODEL, "", "stop", 1, 0, CREATED_S)["id"] == "cmpl-x"
+    assert proto.completion_response("cmpl-x", MODEL, [], proto.usage(1, 0), CREATED_S)["id"] == "cmpl-x"
     final = Completion.model_validate(proto.completion_chunk("abc", MODEL, "!", "stop", CREATED_S))
     assert final.choices[0].text == "!" and final.choices[0].finish_reason == "stop" and final.usage is None
     # OpenAI streams finish_reason null until the last chunk, although openai.types.Completion
@@ -219,7 +245,8 @@ def test_completion_payloads_parse_as_openai_types():
 
 
 def test_chat_payloads_parse_as_openai_types():
-    parsed = ChatCompletion.model_validate(proto.chat_response("abc", MODEL, "Hello!", "stop", 9, 3, CREATED_S))
+    body = proto.chat_response("abc", MODEL, [proto.chat_choice(0, "Hello!", "stop")], proto.usage(9, 3), CREATED_S)
+    parsed = ChatCompletion.model_validate(body)
     assert parsed.id == "chatcmpl-abc" and parsed.object == "chat.completion"
     assert parsed.choices[0].message.role == "assistant" and parsed.choices[0].message.content == "Hello!"
     assert parsed.usage.total_tokens == 12
@@ -257,10 +284,10 @@ def make_echo_app() -> fastapi.FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: proto.CompletionRequest):
-        tokens, finish_reason = words(proto.prompt_text(req), proto.requested_max_tokens(req))
+        tokens, finish_reason = words(proto.prompts(req)[0], proto.requested_max_tokens(req))
         if not req.stream:
-            text = "".join(tokens)
-            return proto.completion_response("r1", req.model, text, finish_reason, 3, len(tokens), CREATED_S)
+            choice = proto.completion_choice(0, "".join(tokens), finish_reason)
+            return proto.completion_response("r1", req.model, [choice], proto.usage(3, len(tokens)), CREATED_S)
 
         async def events():
             for index, token in enumerate(tokens):
@@ -278,7 +305,8 @@ def make_echo_app() -> fastapi.FastAPI:
     async def chat_completions(req: proto.ChatCompletionRequest):
         tokens, finish_reason = words(proto.chat_messages(req)[-1]["content"], proto.requested_max_tokens(req))
         if not req.stream:
-            return proto.chat_response("r2", req.model, "".join(tokens), finish_reason, 5, len(tokens), CREATED_S)
+            choice = proto.chat_choice(0, "".join(tokens), finish_reason)
+            return proto.chat_response("r2", req.model, [choice], proto.usage(5, len(tokens)), CREATED_S)
 
         async def events():
             yield proto.sse_event(proto.chat_chunk("r2", req.model, "", None, CREATED_S, role="assistant"))
@@ -331,7 +359,7 @@ def test_official_client_chat(client):
 
 def test_official_client_sees_bad_request(client):
     with pytest.raises(openai.BadRequestError) as exc_info:
-        client.completions.create(model=MODEL, prompt="x", n=2)
+        client.completions.create(model=MODEL, prompt="x", n=0)
     assert exc_info.value.status_code == 400
     assert exc_info.value.body["param"] == "n"
 

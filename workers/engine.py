@@ -18,16 +18,18 @@ from workers.engine_config import EngineConfig
 from workers.kv_cache_manager import BlockAllocator
 from workers.kv_transfer import ExportedKV
 from workers.length_probe import LengthProbe
+from workers.logprobs import record_prompt_scores, sampled_logprobs, score_prompts, take_prompt_logprobs
 from workers.model_runner import ModelRunner, pool_shape_for
 from workers.preemption import PreemptionRule
 from workers.repetition import LOOP_CHECK_EVERY, flag_loop
+from workers.request_checks import check_plan, check_request
 from workers.reprobe import reprobe
 from workers.sampling import Sampler
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
 from workers.scheduling_policy import SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
-from workers.step_output import RequestMetrics, StepOutput, StepShape, StepTimes, step_shape
+from workers.step_output import RequestMetrics, StepOutput, StepShape, StepTimes, TokenLogprob, step_shape
 from workers.tensor_parallel import LeadRunner, check_ranks, send_config
 
 logger = logging.getLogger(__name__)
@@ -145,55 +147,22 @@ class Engine:
         the KV of the first prompt + resumed tokens, exported by another engine;
         the sequence enters as if swapped out here, so admission copies it in
         instead of recomputing it (a tensor-parallel engine hands each rank its
-        heads). `priority` is the request's class: lower is more urgent
+        heads), unless it scores its prompt (`prompt_logprobs`) and has no output
+        yet: then it needs the prompt's logits and recomputes. `priority` is the request's class: lower is more urgent
         (admitted first, preempted last; see `workers.scheduler`).
         """
         seq_id = seq_id if seq_id is not None else f"seq-{next(self._ids)}"
         if seq_id in self._sequences:
             raise ValueError(f"request id {seq_id!r} is already in use")
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt is empty: at least one token is required")
-        if any(not 0 <= token < self.vocab_size for token in prompt):
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        named = [*params.stop_token_ids, *(token for token, _ in params.logit_bias)]
-        if any(token >= self.vocab_size for token in named):
-            raise ValueError(f"stop_token_ids and logit_bias name token ids outside the vocabulary [0, "
-                             f"{self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens but the context holds {self.max_model_len} "
-                "(prompt plus at least one generated token)"
-            )
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the context of "
-                f"{self.max_model_len} tokens; lower max_tokens to at most {self.max_model_len - len(prompt)}"
-            )
-        needed_blocks = self.allocator.blocks_for(len(prompt) + params.max_tokens)
-        if needed_blocks > self.allocator.num_blocks:
-            raise ValueError(
-                f"request needs {needed_blocks} KV blocks ({len(prompt)} prompt + {params.max_tokens} max_tokens) "
-                f"but kv_cache_bytes={self.config.kv_cache_bytes} holds only {self.allocator.num_blocks} blocks"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need an engine built with a tokenizer")
-        resumed = list(resumed_output_token_ids or ())
-        if any(not 0 <= token < self.vocab_size for token in resumed):
-            raise ValueError(f"resumed output token ids must lie in [0, {self.vocab_size})")
-        limit = params.max_tokens if params.forced_output_tokens is None else params.forced_output_tokens
-        if len(resumed) >= limit:
-            raise ValueError(f"{len(resumed)} resumed output tokens leave nothing to generate (limit {limit})")
+        prompt, resumed = list(prompt_token_ids), list(resumed_output_token_ids or ())
+        check_request(prompt, params, resumed, self.vocab_size, self.max_model_len, self.allocator,
+                      self.config.kv_cache_bytes, has_tokenizer=self.tokenizer is not None)
+        scores_prompt = params.prompt_logprobs is not None and not resumed  # else they were handed out already
+        if scores_prompt:
+            kv = None  # the prompt's logits are needed, not only its KV
         if kv is not None:
             kv.check_fits(self.runner.transfer_shape)
-        if predicted_output_tokens is not None and (
-            isinstance(predicted_output_tokens, bool)
-            or not isinstance(predicted_output_tokens, int)
-            or predicted_output_tokens < 1
-        ):
-            raise ValueError(f"predicted_output_tokens must be an integer >= 1 or None, got {predicted_output_tokens!r}")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer (lower is more urgent), got {priority!r}")
+        check_plan(predicted_output_tokens, priority)
         seq = Sequence(
             seq_id=seq_id,
             priority=priority,
@@ -203,6 +172,7 @@ class Engine:
             predicted_output_tokens=predicted_output_tokens,
             predicted_center_tokens=predicted_output_tokens,
             output_token_ids=resumed,
+            prompt_logprobs=[] if scores_prompt else None,
         )
         # The policy's own needs (e.g. oracle wants the true length): fail here,
         # not inside a later step where it would stall every request.
@@ -293,24 +263,29 @@ class Engine:
         self.last_shape = step_shape(chunks)
         want_hidden = self.probe is not None and any(
             c.completes_sequence_tokens and self.probe.is_due(c.seq.num_output_tokens) for c in chunks)
-        logits, hidden, sampling_chunks = self.runner.run(chunks, self.allocator, want_hidden=want_hidden)
+        logits, hidden, sampling_chunks, scores = self.runner.run(chunks, self.allocator, want_hidden=want_hidden)
         forward_done_s = time.perf_counter()
         seqs = [chunk.seq for chunk in sampling_chunks]
         token_ids = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs],
                                         [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
+        logprobs = sampled_logprobs(logits, seqs, token_ids)
+        prompt_scores = None if scores is None else score_prompts(scores)
         sampled_s = time.perf_counter()
         # Progress moves only once sampling succeeded: if it raised, the next
         # step recomputes the same chunks (rewriting the same KV slots).
         for chunk in chunks:
             chunk.seq.num_computed_tokens += chunk.num_tokens
             self.scheduler.commit(chunk.seq)
+        if scores is not None:
+            record_prompt_scores(scores, prompt_scores)
         # KV as this step left it, before finished sequences give blocks back.
         self.last_used_blocks = self.used_blocks()
         self.last_reserved_blocks = self.allocator.num_reserved_blocks
         self.num_steps += 1
         if want_hidden:
             self.num_probe_reads += reprobe(self.probe, self.scheduler, seqs, hidden)
-        outputs = [self._append_token(seq, token_id) for seq, token_id in zip(seqs, token_ids)]
+        outputs = [self._append_token(seq, token_id, logprob)
+                   for seq, token_id, logprob in zip(seqs, token_ids, logprobs)]
         forward = self.runner.last_times
         self.last_times = StepTimes(
             schedule_s=scheduled_s - start_s, prepare_s=forward.prepare_s, forward_s=forward.forward_s,
@@ -333,8 +308,9 @@ class Engine:
                     outputs[out.seq_id] = list(out.output_token_ids)
         return [outputs[seq_id] for seq_id in ids]
 
-    def _append_token(self, seq: Sequence, token_id: int) -> StepOutput:
+    def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> StepOutput:
         seq.output_token_ids.append(token_id)
+        prompt_logprobs = take_prompt_logprobs(seq)
         now_s = time.monotonic()
         if seq.first_token_s is None:
             seq.first_token_s = now_s
@@ -342,7 +318,7 @@ class Engine:
         if reason is None:
             if seq.num_output_tokens % LOOP_CHECK_EVERY == 0:
                 flag_loop(seq)
-            return StepOutput(seq.seq_id, token_id, None)
+            return StepOutput(seq.seq_id, token_id, None, logprob=logprob, prompt_logprobs=prompt_logprobs)
         seq.finish_s = now_s
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -357,7 +333,7 @@ class Engine:
             num_output_tokens=seq.num_output_tokens,
             num_preemptions=seq.num_preemptions,
         )
-        return StepOutput(seq.seq_id, token_id, reason, tuple(seq.output_token_ids), metrics)
+        return StepOutput(seq.seq_id, token_id, reason, tuple(seq.output_token_ids), metrics, logprob, prompt_logprobs)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 from workers.engine import Engine
 from workers.kv_transfer import ExportedKV
+from workers.step_output import TokenLogprob
 from workers.work_types import OverrunReport, WorkEvent, WorkerStats, WorkMetrics, WorkRequest
 from workers.worker_snapshot import LoopCounters, snapshot
 
@@ -83,6 +84,8 @@ class _Tick:
 
     adds: list[tuple[_Add, Exception | None]] = field(default_factory=list)
     tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # of the requests that ask
+    prompt_logprobs: dict[str, tuple[TokenLogprob | None, ...]] = field(default_factory=dict)
     finished: dict[str, tuple[str, int]] = field(default_factory=dict)  # id -> (reason, num_preemptions)
     ended: list[_Ended] = field(default_factory=list)
     done_s: float = 0.0
@@ -240,7 +243,10 @@ class EngineLoop:
             stream.num_output_tokens += len(token_ids)
             stream.num_generated_tokens += len(token_ids)
             reason, num_preemptions = tick.finished.get(request_id, (None, 0))
-            self._push(stream, tuple(token_ids), reason, num_preemptions, tick.done_s)
+            logprobs = tick.logprobs.get(request_id)
+            self._push(stream, tuple(token_ids), reason, num_preemptions, tick.done_s,
+                       logprobs=None if logprobs is None else tuple(logprobs),
+                       prompt_logprobs=tick.prompt_logprobs.get(request_id))
         for ended in tick.ended:
             stream = self._streams.get(ended.request_id)
             if stream is not None:
@@ -290,6 +296,10 @@ class EngineLoop:
                 self._num_generated_tokens += len(outputs)
                 for out in outputs:
                     tick.tokens.setdefault(out.seq_id, []).append(out.token_id)
+                    if out.logprob is not None:
+                        tick.logprobs.setdefault(out.seq_id, []).append(out.logprob)
+                    if out.prompt_logprobs is not None:
+                        tick.prompt_logprobs[out.seq_id] = out.prompt_logprobs
                     if out.is_finished:
                         tick.finished[out.seq_id] = (out.finish_reason, out.metrics.num_preemptions)
         tick.done_s = time.monotonic()
@@ -376,4 +386,6 @@ async def _resolve_kv(request: WorkRequest) -> ExportedKV | None:
 
 def _merge(first: WorkEvent, second: WorkEvent) -> WorkEvent:
     """One event for two consecutive ones of a request (the consumer fell behind)."""
-    return replace(second, token_ids=first.token_ids + second.token_ids)
+    logprobs = second.logprobs if first.logprobs is None else first.logprobs + (second.logprobs or ())
+    return replace(second, token_ids=first.token_ids + second.token_ids, logprobs=logprobs,
+                   prompt_logprobs=first.prompt_logprobs or second.prompt_logprobs)

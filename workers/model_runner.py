@@ -23,8 +23,10 @@ import torch
 from kv_kernels import BlockPoolShape, CpuKVKernels, KVKernelBackend, allocate_block_pool, build_attention_metadata
 from workers.attention import StepAttention, register_paged_attention
 from workers.kv_cache_manager import BlockAllocator
+from workers.logprobs import PromptScores, scored_positions, split_scores
 from workers.model_support import check_servable
 from workers.scheduler import ScheduledChunk
+from workers.sequence import Sequence
 
 
 def pool_shape_for(model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -56,7 +58,8 @@ class ForwardInputs:
     """One step's forward in plain host values (what tensor-parallel ranks are sent).
 
     Tokens are packed prefill chunks first (longest first), then decodes; `sample_rows` are the
-    packed rows whose logits the step samples from.
+    packed rows whose logits the step samples from, `score_rows` the prompt rows it scores
+    (`workers.logprobs`), whose logits follow the sampled ones.
     """
 
     input_ids: list[int]
@@ -67,6 +70,7 @@ class ForwardInputs:
     seq_lens: list[int]
     num_prefills: int
     sample_rows: list[int]
+    score_rows: tuple[int, ...] = ()
 
 
 def wrap_with_deepspeed(model: torch.nn.Module, tensor_parallel_size: int) -> torch.nn.Module:
@@ -206,24 +210,25 @@ class ModelRunner:
 
     # -- forward ------------------------------------------------------------
 
-    def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator,
-            want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk]]:
+    def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator, want_hidden: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk], PromptScores | None]:
         """Forward the chunks; return logits [num_sampling, vocab], the final-norm hidden states of the same rows
-        [num_sampling, hidden] (model dtype) and the chunks they belong to.
+        [num_sampling, hidden] (model dtype), the chunks they belong to and the prompt rows scored (None: none).
 
         The fast path returns the hidden rows always (they are the lm_head's input); the HF path
         only with `want_hidden` (it then keeps every layer's states for the step), else None.
         """
         start_s = time.perf_counter()
-        inputs, sampling_chunks = self.prepare(chunks, allocator)
+        inputs, sampling_chunks, spans = self.prepare(chunks, allocator)
         packed_s = time.perf_counter() - start_s
         logits, hidden = self.forward(inputs, want_hidden)
         self.last_times.prepare_s += packed_s  # forward() timed building the tensors and metadata
-        return logits, hidden, sampling_chunks
+        return split_scores(logits, hidden, sampling_chunks, spans)
 
-    def prepare(self, chunks: list[ScheduledChunk],
-                allocator: BlockAllocator) -> tuple[ForwardInputs, list[ScheduledChunk]]:
-        """Pack the chunks into one forward's inputs; also the chunks that sample, in their rows' order."""
+    def prepare(self, chunks: list[ScheduledChunk], allocator: BlockAllocator
+                ) -> tuple[ForwardInputs, list[ScheduledChunk], list[tuple[Sequence, int, int]]]:
+        """Pack the chunks into one forward's inputs; also the chunks that sample, in their rows' order, and the
+        prompt spans scored (`PromptScores.spans`)."""
         # Prefill chunks first, longest first (backends may route the longest to GEMM attention), then decodes.
         prefills = sorted((c for c in chunks if c.num_tokens > 1), key=lambda c: c.num_tokens, reverse=True)
         ordered = prefills + [c for c in chunks if c.num_tokens == 1]
@@ -236,10 +241,16 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_rows: list[int] = []
         sampling_chunks: list[ScheduledChunk] = []
+        score_rows: list[int] = []
+        spans: list[tuple[Sequence, int, int]] = []
         for chunk in ordered:
             seq = chunk.seq
             start = seq.num_computed_tokens
             end = start + chunk.num_tokens
+            scored = scored_positions(seq, start, end)
+            if scored:
+                score_rows.extend(len(input_ids) + p - start for p in scored)
+                spans.append((seq, scored.start, len(scored)))
             table = allocator.block_table(seq.seq_id)
             if chunk.num_tokens == 1:
                 input_ids.append(seq.token_at(start))
@@ -255,13 +266,14 @@ class ModelRunner:
             if chunk.completes_sequence_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling_chunks.append(chunk)
-        inputs = ForwardInputs(input_ids, positions, slots, tables, query_lens, seq_lens, len(prefills), sample_rows)
-        return inputs, sampling_chunks
+        inputs = ForwardInputs(input_ids, positions, slots, tables, query_lens, seq_lens, len(prefills), sample_rows,
+                               tuple(score_rows))
+        return inputs, sampling_chunks, spans
 
     @torch.inference_mode()
     def forward(self, inputs: ForwardInputs, want_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward over packed inputs: logits [len(sample_rows), vocab] and, on the fast path or with
-        `want_hidden`, the final-norm hidden states of the same rows (else None)."""
+        """One forward over packed inputs: logits [len(sample_rows) + len(score_rows), vocab] and, on the fast path
+        or with `want_hidden`, the final-norm hidden states of the sampled rows (else None)."""
         start_s = time.perf_counter()
         device = self.device
         meta = build_attention_metadata(inputs.query_lens, inputs.seq_lens, inputs.block_tables, inputs.slots,
@@ -269,7 +281,8 @@ class ModelRunner:
         attention = StepAttention(self.kv_caches, self.backend, meta)
         # An all-partial-prefill step samples nothing; keep one row so
         # logits_to_keep is never empty (an int 0 would mean "keep all").
-        keep = torch.tensor(inputs.sample_rows or [len(inputs.input_ids) - 1], dtype=torch.long, device=device)
+        rows = [*inputs.sample_rows, *inputs.score_rows] or [len(inputs.input_ids) - 1]
+        keep = torch.tensor(rows, dtype=torch.long, device=device)
         ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=device)
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=device)
         forward_start_s = time.perf_counter()
@@ -286,4 +299,4 @@ class ModelRunner:
         end_s = time.perf_counter()
         self.last_times = ForwardTimes(forward_start_s - start_s, end_s - forward_start_s, attention.elapsed_s)
         num_sampling = len(inputs.sample_rows)
-        return logits[:num_sampling], None if hidden is None else hidden[:num_sampling]
+        return logits[:num_sampling + len(inputs.score_rows)], None if hidden is None else hidden[:num_sampling]

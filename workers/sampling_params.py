@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,11 @@ class SamplingParams:
             many tokens.
         stop_token_ids: tokens that end the output (finish reason "stop") besides EOS; the token is kept.
         logit_bias: (token id, bias) pairs added to those logits before anything else (OpenAI's, in [-100, 100]).
+        logprobs: each output token comes with its log-probability and this many most likely alternatives
+            (0 to MAX_LOGPROBS); None: none. The model's raw distribution (log-softmax of its logits, before
+            bias, penalties and temperature), as vLLM reports by default.
+        prompt_logprobs: the same for every prompt token after the first (scoring, OpenAI's `echo`); None: none.
+            Such a request computes its whole prompt (no prefix-cache hits, no KV brought along by a move).
     """
 
     max_tokens: int = 256
@@ -50,6 +56,8 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -82,6 +90,10 @@ class SamplingParams:
                 len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0 or not -100.0 <= pair[1] <= 100.0
                 for pair in self.logit_bias):
             raise ValueError(f"logit_bias must be (token id >= 0, bias in [-100, 100]) pairs, got {self.logit_bias!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @property
     def is_greedy(self) -> bool:

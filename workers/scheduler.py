@@ -303,8 +303,9 @@ class Scheduler:
         return 0
 
     def _first_block_in_progress(self, seq: Sequence) -> bool:
-        """A running sequence is computing the (uncached) first block `seq` would share."""
-        if seq.is_swapped:
+        """A running sequence is computing the (uncached) first block `seq` would share (a sequence that scores its
+        prompt shares nothing, so never waits)."""
+        if seq.is_swapped or seq.prompt_logprobs is not None:
             return False
         first = self.allocator.first_block_hash(seq.prompt_token_ids)
         if first is None or self.allocator.is_cached(first):
@@ -329,9 +330,10 @@ class Scheduler:
         return self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq), hashes)
 
     def _shareable_hashes(self, seq: Sequence) -> list[int] | None:
-        """The block hashes waiting `seq` could share; None when it brings its own KV back (swapped in)
-        or caching is off. Hashed once per length while it waits, not at every admission attempt."""
-        if seq.is_swapped or not self.allocator.enable_prefix_caching:
+        """The block hashes waiting `seq` could share; None when it brings its own KV back (swapped in), must
+        compute its prompt to score it (`prompt_logprobs`) or caching is off. Hashed once per length while it
+        waits, not at every admission attempt."""
+        if seq.is_swapped or seq.prompt_logprobs is not None or not self.allocator.enable_prefix_caching:
             return None
         known = self._prefix_hashes.get(seq.seq_id)
         if known is None or known[0] != seq.num_tokens:

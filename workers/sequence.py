@@ -42,6 +42,9 @@ class Sequence:
     first_passed_step: int | None = None  # scheduler step a later one was first admitted past it, waiting
     first_token_s: float | None = None
     finish_s: float | None = None
+    # Scored prompt tokens (from the second) while SamplingParams.prompt_logprobs asks for them; None when it
+    # does not, or once they were handed out with the first output token.
+    prompt_logprobs: list | None = None
 
     @property
     def length_center_tokens(self) -> int | None:

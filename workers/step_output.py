@@ -5,6 +5,16 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability under the model's raw next-token distribution (log-softmax of the logits),
+    with the most likely tokens of that distribution, most likely first: (token id, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestMetrics:
     """Timings of a finished request, in `time.monotonic()` seconds."""
 
@@ -57,6 +67,9 @@ class StepOutput:
     finish_reason: str | None
     output_token_ids: tuple[int, ...] | None = None  # all of them, on the last token only
     metrics: RequestMetrics | None = None  # on the last token only
+    logprob: TokenLogprob | None = None  # with SamplingParams.logprobs
+    # with SamplingParams.prompt_logprobs, on the first token: one per prompt token, None for the first
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.sampling_params import SamplingParams
+from workers.step_output import TokenLogprob
 
 KVHandle = Any  # ExportedKV, or an awaitable (Ray ObjectRef) resolving to one
 
@@ -103,6 +104,9 @@ class WorkEvent:
             overruns), so that the target plans with it instead of the first prediction.
         error: with "error", what went wrong.
         metrics: on the last event, the request's timings on this worker.
+        logprobs: with SamplingParams.logprobs, one per token of `token_ids`.
+        prompt_logprobs: with SamplingParams.prompt_logprobs, on the event of the first output token: one per
+            prompt token (None for the first).
     """
 
     request_id: str
@@ -115,6 +119,8 @@ class WorkEvent:
     predicted_output_tokens: int | None = None
     error: str | None = None
     metrics: WorkMetrics | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,8 @@ from cluster.config import ServiceConfig
 from cluster.control.ledger import Ledger
 from cluster.control.messages import (ClusterStatus, Placement, PlacementTimeoutError, QueueFullError, RequestOutcome,
                                       RequestRecord)
-from cluster.control.placement import PendingRequest, RoomIndex, blocks_for, first_fit_decreasing, prefix_affinity
+from cluster.control.affinity import Affinity
+from cluster.control.placement import PendingRequest, RoomIndex, blocks_for, first_fit_decreasing
 from cluster.control.mover import Mover
 from cluster.control.rebound import rebounded_records
 from cluster.control.routing import expected_tokens, route_among
@@ -77,7 +78,7 @@ class ControlPlane:
         self.mover = Mover(self.ledger, self.pool, self._incr)
         self.counters: dict[str, int] = {}
         self._placed_s: dict[str, float] = {}  # request id -> when this controller placed it
-        self._prefix_sets: dict[str, tuple[WorkerStats, frozenset[int]]] = {}  # reported hashes, as sets
+        self.affinity = Affinity(self.ledger, self.rooms, self.pool.latest)
         self._last_reconcile_s = time.monotonic()
         self._idle_since_s = time.monotonic()
         self._tasks: set[asyncio.Task] = set()
@@ -113,7 +114,7 @@ class ControlPlane:
     async def place(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                     predicted_output_tokens: int | None, num_resumed_tokens: int = 0,
                     exclude_worker_id: str | None = None, priority: int = 0,
-                    prefix_hashes: tuple[int, ...] = ()) -> Placement:
+                    prefix_hashes: tuple[int, ...] = (), sibling_of: str | None = None) -> Placement:
         """Reserve KV for a request on a worker (waiting for room); idempotent per request id.
 
         `exclude_worker_id`: the worker a router lost the request's stream from; the request is
@@ -121,6 +122,8 @@ class ControlPlane:
         `priority`: the request's class; while requests wait for room, more urgent ones go first.
         `prefix_hashes`: the prompt's chained block hashes; with nobody waiting, the request goes
         where its longest prefix is cached unless that worker is much fuller (`prefix_affinity`).
+        `sibling_of`: a request of the same prompt placed before (a choice of one `n`); with nobody waiting, this
+        one goes to the same worker when it has room there, to share the prompt's KV blocks.
         """
         existing = self.ledger.get(request_id)
         if (existing is not None and existing.state == "placed" and existing.worker_id in self.pool.handles
@@ -144,7 +147,8 @@ class ControlPlane:
         pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority,
                                  expected if self.policy.admits_at_worker else None)
         if not self.waiting:  # fast path: nobody queued ahead, one write if it fits now
-            worker_id = (self._prefix_target(prefix_hashes, num_blocks, exclude_worker_id)
+            worker_id = (self.affinity.target(sibling_of, prefix_hashes if self.config.prefix_aware_placement else (),
+                                              num_blocks, exclude_worker_id)
                          or route_among(self.config.routing, num_blocks, expected, exclude_worker_id,
                                         self.rooms, self.ledger.records, self.pool.latest))
             if worker_id is not None:
@@ -164,24 +168,6 @@ class ControlPlane:
                 await self.ledger.remove(request_id)
             raise PlacementTimeoutError(
                 f"no worker had {num_blocks} free KV blocks within {self.config.placement_timeout_s:.0f} s") from None
-
-    def _prefix_target(self, prefix_hashes: tuple[int, ...], num_blocks: int, exclude: str | None) -> str | None:
-        """Prefix-aware choice among ready workers (O(workers): only for requests that carry hashes)."""
-        if not prefix_hashes or not self.config.prefix_aware_placement:
-            return None
-        free = {w: f for w, f in self.rooms.free().items() if w != exclude}
-        total, cached = {}, {}
-        for worker_id in list(free):
-            stats = self.pool.latest.get(worker_id)
-            if stats is None:
-                del free[worker_id]
-                continue
-            total[worker_id] = stats.num_total_blocks
-            known = self._prefix_sets.get(worker_id)
-            if known is None or known[0] is not stats:  # rebuilt once per stats report
-                known = self._prefix_sets[worker_id] = (stats, frozenset(stats.prefix_hashes))
-            cached[worker_id] = known[1]
-        return prefix_affinity(prefix_hashes, num_blocks, free, total, cached)
 
     def _placement(self, record: RequestRecord, queued_s: float) -> Placement:
         self._placed_s[record.request_id] = time.monotonic()
@@ -292,7 +278,7 @@ class ControlPlane:
     async def _worker_died(self, worker_id: str) -> None:
         await self.pool.mark_dead(worker_id)
         self.rooms.remove(worker_id)
-        self._prefix_sets.pop(worker_id, None)
+        self.affinity.forget(worker_id)
         requeued = 0
         for record in self.ledger.on_worker(worker_id):
             if record.state == "placed":

@@ -94,10 +94,10 @@ class Controller:
     async def place(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                     predicted_output_tokens: int | None, num_resumed_tokens: int = 0,
                     exclude_worker_id: str | None = None, priority: int = 0,
-                    prefix_hashes: tuple[int, ...] = ()) -> Placement:
+                    prefix_hashes: tuple[int, ...] = (), sibling_of: str | None = None) -> Placement:
         plane = await self._started()
         return await plane.place(request_id, num_prompt_tokens, max_tokens, predicted_output_tokens,
-                                 num_resumed_tokens, exclude_worker_id, priority, prefix_hashes)
+                                 num_resumed_tokens, exclude_worker_id, priority, prefix_hashes, sibling_of)
 
     async def finish(self, request_id: str, outcome: RequestOutcome | None = None) -> None:
         await (await self._started()).finish(request_id, outcome)

@@ -3,7 +3,8 @@
     predict (Serve handle) -> controller.place -> worker.generate (Ray streaming generator)
         event "moved"      -> continue on event.moved_to with the tokens so far, the bound the
                               sequence left with, and a handle to its KV (an object ref: the
-                              target fetches the bytes from the source; they never pass here)
+                              target fetches the bytes from the source; they never pass here; a
+                              target drops it when the request scores a prompt it has not finished)
         worker died        -> controller.place(exclude=dead worker) -> continue with the tokens so far
         client went away   -> worker.abort, controller.finish
     the tokens already sent are never generated again: a continuation starts after them.
@@ -38,6 +39,7 @@ class GenerationJob:
     point_output_tokens: int | None
     priority: int = 0  # lower is more urgent
     prefix_hashes: tuple[int, ...] = ()  # leading prompt block hashes, for prefix-aware placement
+    sibling_of: str | None = None  # a request of the same prompt placed before (one of `n` choices)
 
 
 @dataclass(slots=True)
@@ -71,15 +73,16 @@ class WorkerHandles:
 
 
 async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result: GenerationResult,
-                  worker_name_of) -> AsyncIterator[list[int]]:
-    """Yield new output token ids as they come; fill `result`; always release the reservation.
+                  worker_name_of) -> AsyncIterator[WorkEvent]:
+    """Yield the worker's events that bring new output tokens (with their logprobs, if asked) as they come; fill
+    `result`; always release the reservation.
 
     `worker_name_of(worker_id)` gives a worker's actor name (moves carry only the id).
     """
     asked_s = time.monotonic()
     placing = controller.place.remote(job.request_id, len(job.prompt_token_ids), job.params.max_tokens,
                                       job.predicted_output_tokens, priority=job.priority,
-                                      prefix_hashes=job.prefix_hashes)
+                                      prefix_hashes=job.prefix_hashes, sibling_of=job.sibling_of)
     try:
         placement = await placing
     except asyncio.CancelledError:
@@ -109,7 +112,7 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
                         if result.first_token_s is None:
                             result.first_token_s = time.monotonic()
                         result.output_token_ids.extend(event.token_ids)
-                        yield list(event.token_ids)
+                        yield event
                     if event.finish_reason == "moved":
                         result.num_moves += 1
                         worker_id, actor_name, kv = event.moved_to, worker_name_of(event.moved_to), event.kv

@@ -4,10 +4,11 @@ Requests are pydantic models (the HTTP edge): strict types, so `"max_tokens": "1
 `true` is a 400 rather than a silent coercion; `null` means the default wherever OpenAI's
 spec makes a field nullable (openai-python sends `"temperature": null` for
 `temperature=None`); unknown fields are ignored because the official clients send some we
-do not use; parameters we do not implement (echo, logprobs, tools, structured output and
-vLLM's guided decoding, beam search) are rejected when set to anything but their default,
-never silently dropped. OpenAI's logit_bias and penalties and vLLM's sampling extras (top_k,
-min_p, repetition_penalty, min_tokens, stop_token_ids) are served. The response builders live
+do not use; parameters we do not implement (tools, structured output and vLLM's guided
+decoding, beam search) are rejected when set to anything but their default, never silently
+dropped. OpenAI's logit_bias, penalties, logprobs, echo, n and best_of, several prompts per
+completion request, and vLLM's sampling extras (top_k, min_p, repetition_penalty, min_tokens,
+stop_token_ids) are served. The response builders live
 in `cluster/ingress/openai_responses.py` and are re-exported here, so the router imports the
 whole protocol from one place.
 """
@@ -19,9 +20,11 @@ from pydantic import field_validator, model_validator
 
 from cluster.ingress.openai_responses import (
     SSE_DONE,
+    chat_choice,
     chat_chunk,
     chat_response,
     chat_usage_chunk,
+    completion_choice,
     completion_chunk,
     completion_response,
     completion_usage_chunk,
@@ -32,6 +35,7 @@ from cluster.ingress.openai_responses import (
 )
 from cluster.ingress.unsupported_params import (CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, SHARED_UNSUPPORTED,
                                                  reject_non_default)
+from workers.sampling_params import MAX_LOGPROBS
 
 __all__ = [
     "MAX_STOP_SEQUENCES",
@@ -40,17 +44,18 @@ __all__ = [
     "ChatMessage",
     "CompletionRequest",
     "StreamOptions",
+    "chat_choice",
     "chat_chunk",
     "chat_messages",
     "chat_response",
     "chat_usage_chunk",
+    "completion_choice",
     "completion_chunk",
     "completion_response",
     "completion_usage_chunk",
     "models_response",
     "new_request_id",
-    "prompt_text",
-    "prompt_token_ids",
+    "prompts",
     "requested_max_tokens",
     "sse_event",
     "usage",
@@ -58,6 +63,8 @@ __all__ = [
 
 # OpenAI accepts at most 4 stop sequences; more would only slow down stop matching.
 MAX_STOP_SEQUENCES = 4
+# Sequences one request may start (prompts x max(n, best_of)): each is its own placement and KV reservation.
+MAX_CHOICES = 64
 # torch.Generator.manual_seed takes 64-bit seeds; anything wider would fail deep in a worker.
 _SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}
 
@@ -65,6 +72,8 @@ _SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}
 _NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream")
 
 MaxTokens = Annotated[StrictInt, Field(ge=1)]
+Logprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
+NumChoices = Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)]
 Temperature = Annotated[StrictFloat, Field(ge=0.0, le=2.0)]
 TopP = Annotated[StrictFloat, Field(gt=0.0, le=1.0)]
 Seed = Annotated[StrictInt, Field(**_SEED_BOUNDS)]
@@ -105,7 +114,7 @@ class _SamplingRequest(BaseModel):
     model: StrictStr
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    n: StrictInt = 1
+    n: NumChoices = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = None
@@ -154,13 +163,6 @@ class _SamplingRequest(BaseModel):
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         return reject_non_default(value, info, cls.unsupported)
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"n must be 1 (one choice per request is served), got {value}")
-        return value
-
     @field_validator("stop", mode="before")
     @classmethod
     def _valid_stop(cls, value: Any) -> Any:
@@ -202,12 +204,16 @@ class CompletionRequest(_SamplingRequest):
 
     Attributes:
         model: id of a served model (an unknown id is a 404, decided by the router).
-        prompt: the prompt as text or as token ids, or a list holding exactly one of those (we serve one
-            prompt per request).
-        max_tokens: most tokens to generate; None means the service default.
+        prompt: the prompt as text or as token ids, or a list of those (each prompt gets n choices, indexed
+            prompt by prompt).
+        max_tokens: most tokens to generate; None means the service default; 0 only with echo (score the prompt).
         temperature: sampling temperature in [0, 2]; 0 is greedy.
         top_p: nucleus mass in (0, 1].
-        n: number of choices; only 1.
+        n: choices per prompt, each its own sequence (its own placement and length prediction; on one worker
+            they share the prompt's cached KV blocks).
+        best_of: generate this many per prompt (>= n, not with stream) and return the n of highest mean logprob.
+        echo: the answer text starts with the prompt (with logprobs: the prompt tokens' logprobs too).
+        logprobs: each token's logprob and the logprobs most likely tokens (0 to 20).
         stream: answer with server-sent events.
         stream_options: streaming options (only with stream).
         stop: up to 4 stop strings; the output ends before the first match.
@@ -224,26 +230,51 @@ class CompletionRequest(_SamplingRequest):
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**SHARED_UNSUPPORTED, **COMPLETION_UNSUPPORTED}
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    max_tokens: MaxTokens | None = None
-    echo: Any = None
-    logprobs: Any = None
-    best_of: Any = None
+    echo: StrictBool = False  # before max_tokens and best_of, whose checks read it
+    logprobs: Logprobs | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    best_of: NumChoices | None = None
     suffix: Any = None
     response_format: Any = None
 
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_is_no_echo(cls, value: Any) -> Any:
+        return False if value is None else value
+
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_non_empty_prompt(cls, value: Any) -> Any:
-        if isinstance(value, str) and value:
+    def _non_empty_prompts(cls, value: Any) -> Any:
+        if isinstance(value, str) and value or _is_token_ids(value):
             return value
-        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str) and value[0]:
+        if (isinstance(value, list) and 0 < len(value) <= MAX_CHOICES
+                and (all(isinstance(item, str) and item for item in value) or all(map(_is_token_ids, value)))):
             return value
-        if _is_token_ids(value):
-            return value
-        if isinstance(value, list) and len(value) == 1 and _is_token_ids(value[0]):
-            return value
-        raise ValueError("prompt must be a non-empty string or non-empty list of token ids (>= 0), or a list "
-                         "holding exactly one of those (several prompts in one request are not served)")
+        raise ValueError(f"prompt must be a non-empty string or non-empty list of token ids (>= 0), or a list of "
+                         f"1 to {MAX_CHOICES} of one of those")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_to_score(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens 0 is only allowed with echo (scoring the prompt)")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _at_least_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value < n:
+            raise ValueError(f"best_of ({value}) must be at least n ({n})")
+        if value is not None and value > n and info.data.get("stream"):
+            raise ValueError("best_of above n cannot be streamed (the best are known only at the end)")
+        return value
+
+    @model_validator(mode="after")
+    def _choices(self):
+        if len(prompts(self)) * max(self.n, self.best_of or 1) > MAX_CHOICES:
+            raise ValueError(f"prompts x max(n, best_of) is over {MAX_CHOICES} sequences per request")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -286,6 +317,7 @@ class ChatCompletionRequest(_SamplingRequest):
         messages: the conversation, at least one message.
         max_tokens: most tokens to generate (older name); None means the service default.
         max_completion_tokens: same as max_tokens (newer name); set one, or both equal.
+        logprobs: each answer token's logprob; top_logprobs (0 to 20, needs logprobs): the most likely tokens too.
         The remaining fields mean what they mean in `CompletionRequest`.
     """
 
@@ -293,8 +325,8 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: StrictBool = False
+    top_logprobs: Logprobs | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -311,8 +343,15 @@ class ChatCompletionRequest(_SamplingRequest):
     modalities: Any = None
     reasoning_effort: Any = None
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _null_is_no_logprobs(cls, value: Any) -> Any:
+        return False if value is None else value
+
     @model_validator(mode="after")
     def _one_max_tokens(self):
+        if self.top_logprobs and not self.logprobs:  # 0 is the default, as vLLM reads it
+            raise ValueError("top_logprobs needs logprobs set to true")
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError(
@@ -327,22 +366,11 @@ def _is_token_ids(value: Any) -> bool:
             and all(isinstance(token, int) and not isinstance(token, bool) and token >= 0 for token in value))
 
 
-def _single_prompt(req: CompletionRequest) -> str | list[int]:
-    """The request's one prompt, out of the one-element list it may come in."""
-    return req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 else req.prompt
-
-
-def prompt_text(req: CompletionRequest) -> str | None:
-    """The single text prompt of a completion request; None when it was sent as token ids."""
-    prompt = _single_prompt(req)
-    return prompt if isinstance(prompt, str) else None
-
-
-def prompt_token_ids(req: CompletionRequest) -> list[int] | None:
-    """The single prompt of a completion request when it was sent as token ids (vLLM and OpenAI take them),
-    else None."""
-    prompt = _single_prompt(req)
-    return list(prompt) if isinstance(prompt, list) else None
+def prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """A completion request's prompts, each a text or a list of token ids (vLLM and OpenAI take both)."""
+    if isinstance(req.prompt, str) or _is_token_ids(req.prompt):
+        return [req.prompt]
+    return list(req.prompt)
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:

@@ -39,23 +39,21 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     }
 
 
-def completion_response(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str,
-    num_prompt_tokens: int,
-    num_completion_tokens: int,
-    created_s: int,
-) -> dict:
-    """A non-streamed `text_completion` (id `cmpl-<request_id>`); finish_reason "stop" or "length"."""
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    """One choice of a `text_completion` (finish_reason "stop" or "length"; None in a streamed chunk before the
+    end); `logprobs` in OpenAI's completion form (`cluster.ingress.logprob_format`)."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(request_id: str, model: str, choices: list[dict], usage: dict, created_s: int) -> dict:
+    """A non-streamed `text_completion` (id `cmpl-<request_id>`) of `completion_choice`s."""
     return {
         "id": _response_id("cmpl-", request_id),
         "object": "text_completion",
         "created": created_s,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage(num_prompt_tokens, num_completion_tokens),
+        "choices": choices,
+        "usage": usage,
     }
 
 
@@ -66,6 +64,8 @@ def completion_chunk(
     finish_reason: str | None,
     created_s: int,
     usage: dict | None = None,
+    index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
     """One streamed `text_completion` chunk.
 
@@ -76,7 +76,7 @@ def completion_chunk(
     if usage is not None and not text and finish_reason is None:
         chunk["choices"] = []
     else:
-        chunk["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+        chunk["choices"] = [completion_choice(index, text or "", finish_reason, logprobs)]
     if usage is not None:
         chunk["usage"] = usage
     return chunk
@@ -87,30 +87,21 @@ def completion_usage_chunk(request_id: str, model: str, created_s: int, usage: d
     return completion_chunk(request_id, model, None, None, created_s, usage=usage)
 
 
-def chat_response(
-    request_id: str,
-    model: str,
-    text: str,
-    finish_reason: str,
-    num_prompt_tokens: int,
-    num_completion_tokens: int,
-    created_s: int,
-) -> dict:
-    """A non-streamed `chat.completion` (id `chatcmpl-<request_id>`) with one assistant message."""
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
+    """One assistant message of a `chat.completion`; `logprobs` in OpenAI's chat form ({"content": [...]})."""
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def chat_response(request_id: str, model: str, choices: list[dict], usage: dict, created_s: int) -> dict:
+    """A non-streamed `chat.completion` (id `chatcmpl-<request_id>`) of `chat_choice`s."""
     return {
         "id": _response_id("chatcmpl-", request_id),
         "object": "chat.completion",
         "created": created_s,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage(num_prompt_tokens, num_completion_tokens),
+        "choices": choices,
+        "usage": usage,
     }
 
 
@@ -122,8 +113,10 @@ def chat_chunk(
     created_s: int,
     role: str | None = None,
     usage: dict | None = None,
+    index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
-    """One `chat.completion.chunk`.
+    """One `chat.completion.chunk` (of choice `index`).
 
     The first chunk of a stream carries `role="assistant"` (and usually `delta_text=""`),
     the last one a finish_reason with an empty delta. With `usage` and no delta, role or
@@ -143,7 +136,7 @@ def chat_chunk(
             delta["role"] = role
         if delta_text is not None:
             delta["content"] = delta_text
-        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        chunk["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     if usage is not None:
         chunk["usage"] = usage
     return chunk

@@ -13,7 +13,8 @@ def sampling_params(req, num_prompt_tokens: int, is_chat: bool, max_model_len: i
                     vocab_size: int) -> SamplingParams:
     """`req` (a Completion or ChatCompletion request) as SamplingParams; APIError (400) for what cannot be served:
     a prompt that fills the context, max_tokens past it, forced or minimum lengths past max_tokens, token ids
-    outside the vocabulary."""
+    outside the vocabulary. max_tokens 0 (completions with echo: score the prompt) is 1 here; the answer drops
+    the token."""
     if num_prompt_tokens >= max_model_len:
         raise prompt_too_long(num_prompt_tokens, max_model_len, "messages" if is_chat else "prompt")
     max_tokens = protocol.requested_max_tokens(req)
@@ -33,6 +34,21 @@ def sampling_params(req, num_prompt_tokens: int, is_chat: bool, max_model_len: i
         if any(token >= vocab_size for token in tokens):
             raise bad_request(f"{field} names token ids outside the vocabulary of {vocab_size} tokens", field)
     extras = {name: getattr(req, name) for name in _EXTRAS if getattr(req, name) is not None}
-    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+    extras.update(_logprobs(req, is_chat))
+    return SamplingParams(max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                           stop=req.stop_sequences, ignore_eos=req.ignore_eos, forced_output_tokens=forced,
                           stop_token_ids=tuple(req.stop_token_ids or ()), logit_bias=req.logit_bias_pairs, **extras)
+
+
+def _logprobs(req, is_chat: bool) -> dict:
+    """The logprob counts the engine computes: for the answer (chat: top_logprobs when logprobs is true; completions:
+    logprobs, and at least 0 when best_of ranks the candidates by their logprobs) and, with echo, for the prompt."""
+    if is_chat:
+        return {"logprobs": req.top_logprobs or 0} if req.logprobs else {}
+    answer = req.logprobs
+    if answer is None and req.best_of is not None and req.best_of > req.n:
+        answer = 0
+    extras = {} if answer is None else {"logprobs": answer}
+    if req.echo and req.logprobs is not None:
+        extras["prompt_logprobs"] = req.logprobs
+    return extras

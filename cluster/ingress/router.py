@@ -1,8 +1,9 @@
 """The router: Ray Serve ingress with an OpenAI-compatible HTTP API.
 
-Validates, applies the chat template, asks the predictor for a length bound, asks the
-controller for a worker with room, and streams the worker's tokens back (SSE or one JSON
-body). Bad input is a 4xx with OpenAI's error shape, never a 500.
+Checks API keys and parses bodies; the generation endpoints then go to `completions.py` (chat
+template, length prediction, placement through the controller, the answer as SSE or one JSON
+body). Also tokenize, models, health, metrics and the dashboard. Bad input is a 4xx with
+OpenAI's error shape, never a 500.
 
 The FastAPI app is module-level because `serve.ingress` binds routes to a class at
 import time; every replica builds its own state in `Router.__init__`.
@@ -12,44 +13,32 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 
-import ray
-import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 
-from cluster.ingress import openai_protocol as protocol
 from cluster.config import ServiceConfig, worker_actor_name
 from cluster.control.controller import get_or_create_controller
-from cluster.control.messages import PlacementTimeoutError, QueueFullError
+from cluster.ingress import openai_protocol as protocol
+from cluster.ingress.completions import Completions
 from cluster.ingress.cors import install_cors
 from cluster.ingress.dashboard import (DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data,
-                               generated_tokens_by_worker)
+                                       generated_tokens_by_worker)
 from cluster.ingress.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
-                            not_found_model, queue_full, unavailable, validation_error)
-from cluster.ingress.event_stream import EventStream
+                                    not_found_model, unavailable, validation_error)
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
-from cluster.ingress.openai_responses import created_unix_s, openai_finish_reason
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
-from cluster.ingress.request_sampling import sampling_params
-from cluster.ingress.text_stream import TextStream
 from cluster.ingress.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
-from predictor_service.length_example import join_messages
-from workers.models import NoChatTemplate, chat_token_ids, load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
+from workers.models import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
 from workers.policies import length_range_tokens, make_policy
-from workers.prefix_cache import block_hashes, prefix_cache_salt, salt_hash
+from workers.prefix_cache import prefix_cache_salt, salt_hash
 from workers.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_PLACEMENT_PREFIX_BLOCKS = 64  # leading prompt blocks whose hashes go with a placement
-OVERHEAD_HEADER = "x-s3-overhead-ms"  # router + predictor + placement, without time queued for KV room
-PREDICT_HEADER = "x-s3-predict-ms"  # the predictor call
-PLACE_HEADER = "x-s3-place-ms"  # the controller call, without time queued for KV room
 
 app = FastAPI(title="S3 Serve", docs_url=None, redoc_url=None)
 install_error_handlers(app)
@@ -91,7 +80,8 @@ class Router:
         self.metrics = ServiceMetrics(model_name=self.config.model_id)
         app.state.allowed_origins = self.config.allowed_origins
         self.api_keys = frozenset(self.config.api_keys)
-        self.num_in_flight = 0
+        self.completions = Completions(self.config, self.tokenizer, self.metrics, self._predict, self._start_job,
+                                       self._prefix_root)
         self.started_s = int(time.time())
         self.throughput = ThroughputMeter()
 
@@ -135,29 +125,8 @@ class Router:
         except ValidationError as error:
             raise validation_error(list(error.errors())) from None
 
-    def _encode_prompt(self, req, is_chat: bool) -> tuple[str, list[int]]:
-        if is_chat:
-            messages = protocol.chat_messages(req)
-            try:
-                ids = chat_token_ids(self.tokenizer, messages)
-            except NoChatTemplate as error:
-                raise bad_request(str(error), "messages") from None
-            text = join_messages(messages)  # as the predictor was trained
-        elif (ids := protocol.prompt_token_ids(req)) is not None:  # the text only feeds the length predictor
-            if max(ids) >= len(self.tokenizer):
-                raise bad_request(f"prompt token ids must be below the vocabulary size {len(self.tokenizer)}", "prompt")
-            text = self.tokenizer.decode(ids)
-        else:
-            text = protocol.prompt_text(req)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids = list(ids)
-        if not ids:
-            raise bad_request("the prompt is empty after tokenization", "prompt" if not is_chat else "messages")
-        return text, ids
-
-    def _sampling(self, req, num_prompt_tokens: int, is_chat: bool) -> SamplingParams:
-        return sampling_params(req, num_prompt_tokens, is_chat, self.config.max_model_len,
-                               self.config.default_max_tokens, len(self.tokenizer))
+    def _start_job(self, job: GenerationJob, result: GenerationResult):
+        return run_job(job, self.controller, self.workers, result, worker_actor_name)
 
     async def _predict(self, request_id: str, text: str, num_prompt_tokens: int, params: SamplingParams):
         payload = {"prompt_id": request_id, "prompt_text": text, "num_prompt_tokens": num_prompt_tokens,
@@ -165,144 +134,6 @@ class Router:
         prediction = await self.predictor.predict(payload)
         point = prediction["point_tokens"]
         return self.policy.prediction_from(point, prediction["upper_bound_tokens"]), point
-
-    # -- generation ----------------------------------------------------------------
-
-    async def _generate(self, request: Request, is_chat: bool):
-        req = await self._model_request(request, protocol.ChatCompletionRequest if is_chat
-                                        else protocol.CompletionRequest)
-        start_s = time.monotonic()
-        text, prompt_ids = self._encode_prompt(req, is_chat)
-        params = self._sampling(req, len(prompt_ids), is_chat)
-        if self.num_in_flight >= self.config.max_concurrent_requests:
-            raise queue_full(retry_after_s=1)
-        # The slot is taken before any await, so a burst cannot slip past the limit.
-        self.num_in_flight += 1
-        request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = None
-        try:
-            try:
-                predict_start_s = time.monotonic()
-                bound, point = await self._predict(request_id, text, len(prompt_ids), params)
-                predict_s = time.monotonic() - predict_start_s
-            except Exception as error:  # noqa: BLE001 - any predictor failure is an outage, not bad input
-                logger.exception("predictor failed")
-                raise unavailable(f"length predictor ({type(error).__name__})") from None
-            job = GenerationJob(request_id, text, tuple(prompt_ids), params, min(bound, params.max_tokens), point,
-                                req.priority, self._prefix_hashes(prompt_ids))
-            result = GenerationResult([])
-            stream = run_job(job, self.controller, self.workers, result, worker_actor_name)
-            first = await self._first_chunk(stream)
-        except BaseException:
-            self.num_in_flight -= 1
-            if stream is not None:
-                await stream.aclose()
-            raise
-        overhead_s = (result.placed_s or time.monotonic()) - start_s - result.queued_s
-        self.metrics.observe_overhead(overhead_s)
-        # Router + predictor + placement time, for load generators measuring the service's own cost.
-        headers = {OVERHEAD_HEADER: f"{overhead_s * 1000:.3f}", PREDICT_HEADER: f"{predict_s * 1000:.3f}",
-                   PLACE_HEADER: f"{result.place_call_s * 1000:.3f}"}
-        if req.stream:
-            async def release() -> None:  # when the response ends, however it ends (the body may never have run)
-                self.num_in_flight -= 1
-                await stream.aclose()  # a no-op once the generation finished
-
-            return EventStream(self._sse(req, is_chat, job, stream, first, result, start_s), headers=headers,
-                               on_close=release)
-        return JSONResponse(await self._collect(is_chat, job, stream, first, result, start_s), headers=headers)
-
-    def _prefix_hashes(self, prompt_ids: list[int]) -> tuple[int, ...]:
-        """The prompt's leading block hashes, for prefix-aware placement (none when it is off)."""
-        if not (self.config.prefix_caching and self.config.prefix_aware_placement):
-            return ()
-        return tuple(block_hashes(prompt_ids, self.config.block_size, self._prefix_root, MAX_PLACEMENT_PREFIX_BLOCKS))
-
-    async def _first_chunk(self, stream) -> list[int] | None:
-        """Wait for placement and the first tokens, so admission errors are HTTP errors, not broken streams."""
-        try:
-            return await stream.__anext__()
-        except StopAsyncIteration:
-            return None
-        except QueueFullError:
-            raise queue_full(retry_after_s=2) from None
-        except PlacementTimeoutError as error:
-            raise unavailable(str(error)) from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ConnectionError) as error:
-            raise unavailable(f"controller ({type(error).__name__})") from None
-        except redis.exceptions.RedisError as error:  # the controller's state store is down
-            raise unavailable(f"controller state store ({type(error).__name__})") from None
-
-    def _observe(self, job: GenerationJob, result: GenerationResult, start_s: float) -> None:
-        num_out = len(result.output_token_ids)
-        finish_s = result.finish_s or time.monotonic()
-        first_s = result.first_token_s or finish_s
-        tpot = (finish_s - first_s) / (num_out - 1) if num_out > 1 else None
-        self.metrics.observe_finished(first_s - start_s, tpot, finish_s - start_s, job.point_output_tokens, num_out,
-                                      job.priority, len(job.prompt_token_ids))
-        self.metrics.observe_status("ok")
-
-    async def _collect(self, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,
-                       start_s: float) -> dict:
-        chunks = [] if first is None else [first]
-        try:
-            async for token_ids in stream:
-                chunks.append(token_ids)
-        except Exception as error:  # noqa: BLE001 - nothing is sent yet: a 503 to retry, as a stream reports in-band
-            logger.exception("generation of %s failed", job.request_id)
-            raise unavailable(f"worker serving the request ({type(error).__name__})") from None
-        finally:
-            self.num_in_flight -= 1
-        # Decoded once the generation is in: a detokenizer error is our bug (a 500), not a worker's to retry.
-        texts = TextStream(self.tokenizer, job.params.stop)
-        for token_ids in chunks:
-            texts.push(token_ids)
-        texts.finish(result.finish_reason == "stop")
-        self._observe(job, result, start_s)
-        build = protocol.chat_response if is_chat else protocol.completion_response
-        return build(job.request_id, self.config.model_id, texts.text, openai_finish_reason(result.finish_reason),
-                     len(job.prompt_token_ids), len(result.output_token_ids), created_unix_s(start_s))
-
-    async def _sse(self, req, is_chat: bool, job: GenerationJob, stream, first, result: GenerationResult,
-                   start_s: float):
-        texts = TextStream(self.tokenizer, job.params.stop)
-        model_id, created_s = self.config.model_id, created_unix_s(start_s)
-        include_usage = req.include_usage
-
-        def chunk(delta: str | None, reason: str | None, role: str | None = None) -> bytes:
-            if is_chat:
-                return protocol.sse_event(protocol.chat_chunk(job.request_id, model_id, delta, reason, created_s,
-                                                              role=role))
-            return protocol.sse_event(protocol.completion_chunk(job.request_id, model_id, delta or "", reason,
-                                                                created_s))
-
-        try:
-            if is_chat:
-                yield chunk("", None, role="assistant")
-            if first is not None:
-                delta = texts.push(first)
-                if delta:
-                    yield chunk(delta, None)
-            async for token_ids in stream:
-                delta = texts.push(token_ids)
-                if delta:
-                    yield chunk(delta, None)
-            tail = texts.finish(result.finish_reason == "stop")
-            if tail:
-                yield chunk(tail, None)
-            yield chunk(None if is_chat else "", openai_finish_reason(result.finish_reason))
-            if include_usage:
-                usage = protocol.usage(len(job.prompt_token_ids), len(result.output_token_ids))
-                builder = protocol.chat_usage_chunk if is_chat else protocol.completion_usage_chunk
-                yield protocol.sse_event(builder(job.request_id, model_id, created_s, usage))
-            yield protocol.SSE_DONE
-            self._observe(job, result, start_s)
-        except Exception as error:  # noqa: BLE001 - headers are sent: report in-band, OpenAI style
-            # (a detokenizer error, our bug, reads the same here: the client already has part of the answer)
-            logger.exception("stream of %s failed", job.request_id)
-            self.metrics.observe_status("error")
-            yield protocol.sse_event(APIError(503, f"generation failed ({type(error).__name__}); retry the request",
-                                              "server_error").body())
 
     # -- routes --------------------------------------------------------------------------
 
@@ -313,6 +144,11 @@ class Router:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await self._counted(self._generate(request, is_chat=True))
+
+    async def _generate(self, request: Request, is_chat: bool):
+        req = await self._model_request(request, protocol.ChatCompletionRequest if is_chat
+                                        else protocol.CompletionRequest)
+        return await self.completions.answer(req, is_chat)
 
     async def _counted(self, handling):
         """Count refused requests by status code (finished ones are counted where they finish)."""
@@ -388,7 +224,7 @@ class Router:
         except Exception as error:  # noqa: BLE001 - the page shows the outage instead of a 500
             raise unavailable(f"controller ({type(error).__name__})") from None
         tokens_per_s = self.throughput.update(time.monotonic(), generated_tokens_by_worker(status))
-        numbers = RouterNumbers(self.config.model_id, self.config.policy, self.num_in_flight,
+        numbers = RouterNumbers(self.config.model_id, self.config.policy, self.completions.num_in_flight,
                                 self.config.max_concurrent_requests, time.time() - self.started_s, tokens_per_s)
         return JSONResponse(dashboard_data(status, numbers), headers={"Cache-Control": "no-store"})
 

@@ -29,18 +29,13 @@ SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False),
 }
-# On /v1/completions: OpenAI's scoring and suffix, and structured output.
+# On /v1/completions: OpenAI's suffix, and structured output.
 COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False),
-    "logprobs": (None,),
-    "best_of": (None, 1),
     "suffix": (None, ""),
     "response_format": (None, {"type": "text"}),
 }
-# On /v1/chat/completions: logprobs, tools and structured output, and chat-template controls.
+# On /v1/chat/completions: tools and structured output, and chat-template controls.
 CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),

@@ -1,0 +1,108 @@
+"""One choice's answer as its worker events come: text deltas (stop strings cut out) and logprobs in the
+endpoint's form, with the prompt in front under `echo` (pure: a tokenizer is passed in)."""
+
+from dataclasses import dataclass
+
+from cluster.ingress.logprob_format import CompletionLogprobs, chat_logprobs, join_completion_logprobs
+from cluster.ingress.text_stream import TextStream
+from workers.step_output import TokenLogprob
+from workers.work_types import WorkEvent
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerShape:
+    """What a request asks of every choice's answer.
+
+    Attributes:
+        is_chat: chat form (message, {"content": [...]} logprobs) or completion form.
+        stop: stop strings, cut from the text.
+        logprobs: whether the answer carries its tokens' logprobs.
+        echo: completions: the prompt's text (and, with logprobs, its tokens' logprobs) comes first.
+        score_only: completions with max_tokens 0: the answer is the echoed prompt alone; the token the worker
+            generated (it always generates one) is dropped.
+    """
+
+    is_chat: bool
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    echo: bool = False
+    score_only: bool = False
+
+
+class ChoiceAnswer:
+    """Accumulates one choice; `push` and `finish` return what a stream sends, `text` and `logprobs` the whole."""
+
+    def __init__(self, tokenizer, shape: AnswerShape, prompt_text: str, prompt_token_ids: tuple[int, ...]) -> None:
+        self._tokenizer = tokenizer
+        self.shape = shape
+        self._prompt_text = prompt_text
+        self._prompt_ids = prompt_token_ids
+        self._texts = TextStream(tokenizer, shape.stop)
+        self._offsets = CompletionLogprobs(tokenizer)
+        self._parts: list[dict] = []  # completion form, piece by piece
+        self._token_logprobs: list[TokenLogprob] = []
+        self._started = False
+        self.text = ""
+        self.num_tokens = 0
+
+    def push(self, event: WorkEvent) -> tuple[str, dict | None]:
+        """The text delta and the logprobs (this event's tokens) to send for one worker event."""
+        head, head_logprobs = self._start(event)
+        if self.shape.score_only:
+            return head, head_logprobs
+        self.num_tokens += len(event.token_ids)
+        delta = head + self._texts.push(event.token_ids)
+        self.text += delta[len(head):]
+        self._token_logprobs.extend(event.logprobs or ())  # best_of ranks by them, asked for or not
+        logprobs = None
+        if self.shape.logprobs:
+            logprobs = self._form(event.logprobs or (), event.token_ids, head_logprobs)
+        return delta, logprobs
+
+    def finish(self, finish_reason: str | None) -> str:
+        """The rest of the text once the choice ended."""
+        if self.shape.score_only:
+            return ""
+        tail = self._texts.finish(finish_reason == "stop")
+        self.text += tail
+        return tail
+
+    @property
+    def whole_text(self) -> str:
+        return (self._prompt_text if self.shape.echo else "") + self.text
+
+    @property
+    def logprobs(self) -> dict | None:
+        """The whole answer's logprobs in the endpoint's form (None when not asked for)."""
+        if not self.shape.logprobs:
+            return None
+        if self.shape.is_chat:
+            return chat_logprobs(self._tokenizer, self._token_logprobs)
+        return join_completion_logprobs(self._parts)
+
+    @property
+    def mean_logprob(self) -> float:
+        """Mean logprob per answer token (best_of ranks by it); -inf without tokens."""
+        if not self._token_logprobs:
+            return float("-inf")
+        return sum(logprob.logprob for logprob in self._token_logprobs) / len(self._token_logprobs)
+
+    def _start(self, event: WorkEvent) -> tuple[str, dict | None]:
+        """On the first event: the echoed prompt's text and logprobs (empty and None otherwise)."""
+        if self._started or not self.shape.echo:
+            self._started = True
+            return "", None
+        self._started = True
+        if not self.shape.logprobs:
+            return self._prompt_text, None
+        scored = event.prompt_logprobs or (None,) * len(self._prompt_ids)
+        part = self._offsets.entries(scored, self._prompt_ids)
+        self._parts.append(part)
+        return self._prompt_text, part
+
+    def _form(self, logprobs, token_ids, head: dict | None) -> dict:
+        if self.shape.is_chat:
+            return chat_logprobs(self._tokenizer, logprobs)
+        part = self._offsets.entries(logprobs, token_ids)
+        self._parts.append(part)
+        return part if head is None else join_completion_logprobs([head, part])

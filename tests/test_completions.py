@@ -1,0 +1,248 @@
+"""Both generation endpoints from parsed request to response body, over scripted worker streams (no Ray): choices
+(`n`, `best_of`, several prompts), logprobs and echo in OpenAI's shapes (checked with the openai package's own
+types), `created`, and failures (a worker failing after its first tokens is a 503 to retry; a detokenizer failing
+is our bug, a 500)."""
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from cluster.ingress import openai_protocol as protocol
+from cluster.ingress.completions import Completions
+from cluster.ingress.errors import APIError
+from workers.step_output import TokenLogprob
+from workers.work_types import WorkEvent
+
+MODEL_ID = "smollm2"
+
+
+class ScriptedWorkers:
+    """A `start_job` whose jobs answer `answer_ids` (two tokens per event; with `vary`, the k-th job started skips
+    the first k - 1), logprob -0.1 * k per token (or `logprob_of(k)`), and record when each job started and which
+    sibling it was placed beside."""
+
+    def __init__(self, answer_ids: list[int], fail_after_first: bool = False, first_delay_s: float = 0.0,
+                 vary: bool = False, logprob_of=lambda k: -0.1 * k) -> None:
+        self.answer_ids = answer_ids
+        self.vary = vary
+        self.logprob_of = logprob_of
+        self.first_delay_s = first_delay_s
+        self.fail_after_first = fail_after_first
+        self.started: list[tuple[str, str | None]] = []
+        self.first_event_of: set[str] = set()
+
+    async def __call__(self, job, result):
+        self.started.append((job.request_id, job.sibling_of))
+        if job.sibling_of is not None:
+            assert job.sibling_of in self.first_event_of  # the leader brought its first tokens before
+        position = len(self.started)
+        await asyncio.sleep(self.first_delay_s)
+        tokens = self.answer_ids[position - 1 if self.vary else 0:][:job.params.max_tokens]
+        for start in range(0, len(tokens), 2):
+            chunk = tuple(tokens[start:start + 2])
+            logprobs = None
+            if job.params.logprobs is not None:
+                top = tuple((token, -0.01 * (k + 1)) for k, token in enumerate(range(job.params.logprobs)))
+                logprobs = tuple(TokenLogprob(token, self.logprob_of(position), top) for token in chunk)
+            prompt_logprobs = None
+            if start == 0 and job.params.prompt_logprobs is not None:
+                prompt_logprobs = (None,) + tuple(TokenLogprob(t, -1.0) for t in job.prompt_token_ids[1:])
+            result.output_token_ids.extend(chunk)
+            await asyncio.sleep(0)
+            self.first_event_of.add(job.request_id)
+            yield WorkEvent(job.request_id, chunk, None, len(job.prompt_token_ids), len(result.output_token_ids),
+                            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            if self.fail_after_first:
+                raise RuntimeError("the worker reported an error")
+        result.finish_reason = "length" if len(tokens) == job.params.max_tokens else "stop"
+
+
+def make_completions(tokenizer, workers: ScriptedWorkers, prefix_caching: bool = True) -> tuple[Completions, list]:
+    observed = []
+    config = SimpleNamespace(model_id=MODEL_ID, max_model_len=2048, default_max_tokens=64, max_concurrent_requests=8,
+                             prefix_caching=prefix_caching, prefix_aware_placement=False, block_size=16)
+    metrics = SimpleNamespace(observe_status=observed.append, observe_overhead=lambda s: None,
+                              observe_finished=lambda *args: observed.append("finished"))
+
+    async def predict(request_id, text, num_prompt_tokens, params):
+        return 32, 16
+
+    return Completions(config, tokenizer, metrics, predict, workers, prefix_root=0), observed
+
+
+def answer(completions: Completions, body: dict, is_chat: bool = False):
+    model_cls = protocol.ChatCompletionRequest if is_chat else protocol.CompletionRequest
+    req = model_cls.model_validate({"model": MODEL_ID, **body})
+    response = asyncio.run(completions.answer(req, is_chat))
+    return json.loads(response.body)
+
+
+def stream(completions: Completions, body: dict, is_chat: bool = False) -> list[dict]:
+    model_cls = protocol.ChatCompletionRequest if is_chat else protocol.CompletionRequest
+    req = model_cls.model_validate({"model": MODEL_ID, "stream": True, **body})
+
+    async def run() -> list[bytes]:
+        response = await completions.answer(req, is_chat)
+        events = [event async for event in response.body_iterator]
+        await response.on_close()
+        return events
+
+    events = asyncio.run(run())
+    assert events[-1] == protocol.SSE_DONE
+    return [json.loads(event[len(b"data: "):]) for event in events[:-1]]
+
+
+@pytest.fixture
+def answer_ids(smollm2_tokenizer) -> list[int]:
+    return smollm2_tokenizer.encode(" Paris is the capital of France.")
+
+
+def test_a_collected_response_is_created_when_its_request_started(smollm2_tokenizer, answer_ids):
+    workers = ScriptedWorkers(answer_ids, first_delay_s=2.0)
+    completions, observed = make_completions(smollm2_tokenizer, workers)
+    before_s = time.time()
+    body = answer(completions, {"prompt": "The capital of France?"})
+    Completion.model_validate(body)
+    assert body["choices"][0]["text"] == " Paris is the capital of France."
+    assert int(before_s) <= body["created"] <= before_s + 1 and time.time() - body["created"] >= 2
+    assert completions.num_in_flight == 0 and observed == ["finished", "ok"]
+
+
+def test_n_choices_are_sequences_of_their_own_placed_beside_the_first(smollm2_tokenizer, answer_ids):
+    workers = ScriptedWorkers(answer_ids)
+    completions, _ = make_completions(smollm2_tokenizer, workers)
+    body = answer(completions, {"prompt": ["One?", "Two?"], "n": 3, "max_tokens": 4})
+    parsed = Completion.model_validate(body)
+    assert [choice.index for choice in parsed.choices] == list(range(6))
+    assert {choice.text for choice in parsed.choices} == {smollm2_tokenizer.decode(answer_ids[:4])}
+    leaders = [request_id for request_id, sibling in workers.started if sibling is None]
+    assert len(leaders) == 2 and len(workers.started) == 6
+    assert sorted(sibling for _, sibling in workers.started if sibling) == sorted(leaders * 2)
+    one, two = (len(smollm2_tokenizer.encode(p)) for p in ("One?", "Two?"))
+    assert (parsed.usage.prompt_tokens, parsed.usage.completion_tokens) == (one + two, 6 * 4)
+
+
+def test_best_of_returns_the_n_of_highest_mean_logprob(smollm2_tokenizer, answer_ids):
+    workers = ScriptedWorkers(answer_ids)
+    completions, _ = make_completions(smollm2_tokenizer, workers)
+    body = answer(completions, {"prompt": "Hi", "best_of": 3, "n": 2, "max_tokens": 4})
+    assert len(workers.started) == 3 and len(body["choices"]) == 2
+    assert [choice["logprobs"] for choice in body["choices"]] == [None, None]  # ranked by logprobs, not asked for
+    with_logprobs = answer(completions, {"prompt": "Hi", "best_of": 3, "n": 2, "max_tokens": 4, "logprobs": 0})
+    means = [sum(c["logprobs"]["token_logprobs"]) / 4 for c in with_logprobs["choices"]]
+    assert means == pytest.approx([-0.4, -0.5])  # the 4th and 5th jobs started; the 6th (-0.6) is dropped
+
+
+def test_best_of_ranks_by_logprobs_not_asked_for(smollm2_tokenizer, answer_ids):
+    workers = ScriptedWorkers(answer_ids, vary=True, logprob_of=lambda k: -1.0 / k)  # the later, the likelier
+    completions, _ = make_completions(smollm2_tokenizer, workers)
+    body = answer(completions, {"prompt": "Hi", "best_of": 3, "n": 2, "max_tokens": 4})
+    assert [choice["text"] for choice in body["choices"]] == [smollm2_tokenizer.decode(answer_ids[2:6]),
+                                                              smollm2_tokenizer.decode(answer_ids[1:5])]
+    assert [choice["index"] for choice in body["choices"]] == [0, 1]
+
+
+@pytest.mark.parametrize("prefix_caching, body", [(False, {}), (True, {"echo": True, "logprobs": 1})])
+def test_siblings_start_at_once_when_they_could_share_nothing(smollm2_tokenizer, answer_ids, prefix_caching, body):
+    workers = ScriptedWorkers(answer_ids)
+    completions, _ = make_completions(smollm2_tokenizer, workers, prefix_caching)
+    answer(completions, {"prompt": "Hi", "n": 3, "max_tokens": 2, **body})
+    assert [sibling for _, sibling in workers.started] == [None, None, None]
+
+
+def test_completion_logprobs_and_echo_in_openai_shape(smollm2_tokenizer, answer_ids):
+    completions, _ = make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))
+    body = answer(completions, {"prompt": "Hello world", "echo": True, "logprobs": 2, "max_tokens": 3})
+    # openai-python types these lists as non-null, but the API (and vLLM) send null for the first echoed token, and
+    # the client does not validate responses: read the body as sent.
+    raw = body["choices"][0]
+    choice = SimpleNamespace(text=raw["text"], logprobs=SimpleNamespace(**raw["logprobs"]))
+    prompt_ids = smollm2_tokenizer.encode("Hello world")
+    assert choice.text == "Hello world" + smollm2_tokenizer.decode(answer_ids[:3])
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:len(prompt_ids)] == [-1.0] * (len(prompt_ids) - 1)
+    assert logprobs.token_logprobs[len(prompt_ids):] == pytest.approx([-0.1] * 3)
+    assert all(len(top) in (2, 3) for top in logprobs.top_logprobs[len(prompt_ids):])  # the sampled one joins
+    offsets = [0]
+    for token in logprobs.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert logprobs.text_offset == offsets
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(smollm2_tokenizer, answer_ids):
+    completions, _ = make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))
+    body = answer(completions, {"prompt": [[5, 6, 7]], "echo": True, "logprobs": 0, "max_tokens": 0})
+    choice = body["choices"][0]
+    assert choice["text"] == smollm2_tokenizer.decode([5, 6, 7])
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]
+    assert body["usage"]["completion_tokens"] == 0
+
+
+def test_chat_logprobs_in_openai_shape_streamed_and_not(smollm2_tokenizer, answer_ids):
+    completions, _ = make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))
+    request = {"messages": [{"role": "user", "content": "Capital?"}], "logprobs": True, "top_logprobs": 2,
+               "max_tokens": 5}
+    content = ChatCompletion.model_validate(answer(completions, request, is_chat=True)).choices[0].logprobs.content
+    assert [entry.token for entry in content] == [smollm2_tokenizer.decode([t]) for t in answer_ids[:5]]
+    assert all(len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode()) for entry in content)
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream(completions, {**request, "n": 2}, is_chat=True)]
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        streamed = [entry for c in mine if c.logprobs for entry in c.logprobs.content]
+        assert [entry.token for entry in streamed] == [entry.token for entry in content]
+        assert "".join(c.delta.content or "" for c in mine) == smollm2_tokenizer.decode(answer_ids[:5])
+
+
+def test_a_generation_that_fails_after_its_first_tokens_is_a_503(smollm2_tokenizer, answer_ids):
+    completions, observed = make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids, fail_after_first=True))
+    with pytest.raises(APIError) as raised:
+        answer(completions, {"messages": [{"role": "user", "content": "Hi"}]}, is_chat=True)
+    assert raised.value.status_code == 503 and "RuntimeError" in raised.value.body()["error"]["message"]
+    assert completions.num_in_flight == 0 and observed == []  # counted by status where it is answered
+
+
+def test_a_detokenizer_failure_is_our_error_not_a_503_to_retry(smollm2_tokenizer, answer_ids):
+    """The generation succeeded; retrying it would fail the same way, so the error reaches the app's handler
+    (a 500 internal_error) instead of being answered as a worker that went away."""
+
+    class BrokenDecode:
+        def __len__(self):
+            return len(smollm2_tokenizer)
+
+        def __call__(self, text, **kwargs):
+            return smollm2_tokenizer(text, **kwargs)
+
+        def decode(self, ids, **kwargs):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad vocabulary entry")
+
+    completions, observed = make_completions(BrokenDecode(), ScriptedWorkers(answer_ids))
+    with pytest.raises(UnicodeDecodeError):
+        answer(completions, {"prompt": "Hi"})
+    assert completions.num_in_flight == 0 and "ok" not in observed
+
+
+def test_chat_with_a_model_that_has_no_template_is_a_400_and_a_template_file_fixes_it(smollm2_dir, tmp_path):
+    from workers.models import load_tokenizer
+
+    chat = protocol.ChatCompletionRequest.model_validate({"model": MODEL_ID,
+                                                         "messages": [{"role": "user", "content": "Hi"}]})
+    base = load_tokenizer(smollm2_dir)
+    base.chat_template = None  # as a base model's tokenizer comes
+    with pytest.raises(APIError) as raised:
+        make_completions(base, ScriptedWorkers([]))[0]._encode_chat(chat)
+    assert raised.value.status_code == 400 and "no chat template" in str(raised.value.message)
+    assert "--chat-template" in str(raised.value.message)
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    templated = load_tokenizer(smollm2_dir, str(template))
+    prompt = make_completions(templated, ScriptedWorkers([]))[0]._encode_chat(chat)
+    assert templated.decode(prompt.token_ids) == "user: Hi\nassistant:"
+    assert prompt.echo_text == ""  # chat answers never echo
