@@ -6,7 +6,9 @@ Two parts, same model and dtype (default: auto, bf16 where the CPU has bf16 inst
    `profile_prompt_tokens`) are prefilled, then `profile_steps` decode steps are
    timed with the engine's own per-phase clocks: model (the forward without
    attention), attention, scheduling, input building and sampling, in ms per step,
-   and tokens/s = batch / step time.
+   and tokens/s = batch / step time. At batch 1, 16 and 64 the same steps again with
+   structured output on every sequence (a JSON schema, llguidance's masks): the
+   step times, the mask's cost and structured over plain tokens/s.
 2. Throughput against HF `generate` in left-padded static batches of the same
    size, greedy, stopping at EOS or `max_tokens`; tokens/s counts generated
    tokens up to and including EOS on both sides. Greedy agreement is reported:
@@ -15,6 +17,7 @@ Two parts, same model and dtype (default: auto, bf16 where the CPU has bf16 inst
 """
 
 import copy
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +31,7 @@ from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.runtime import resolve_dtype
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import GrammarSpec, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +112,23 @@ def run_hf_static(model, prompts: list[list[int]], batch_size: int, max_tokens: 
 PHASES = ("model", "attention", "schedule", "inputs", "sample", "other")
 
 
-def profile_steps(model, prompt_stream: list[int], batch_size: int, config: EngineBenchConfig) -> dict:
-    """Decode-step time of `batch_size` running sequences, split by phase (ms per step)."""
+# Structured output's line: a JSON array of at least 50 small objects (it cannot end within the profile's steps,
+# so every sequence stays in the batch), against the same steps unconstrained.
+STRUCTURED_BATCH_SIZES = (1, 16, 64)
+STRUCTURED_SCHEMA = {"type": "array", "minItems": 50, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+    "required": ["name", "n"], "additionalProperties": False}}
+
+
+def profile_steps(model, prompt_stream: list[int], batch_size: int, config: EngineBenchConfig,
+                  tokenizer=None, grammar: GrammarSpec | None = None) -> dict:
+    """Decode-step time of `batch_size` running sequences, split by phase (ms per step); with `grammar`, every
+    sequence constrained by it (the engine then needs the tokenizer)."""
     engine = Engine(model, EngineConfig(kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=batch_size,
-                                        max_num_batched_tokens=max(512, batch_size), max_model_len=2048))
+                                        max_num_batched_tokens=max(512, batch_size), max_model_len=2048),
+                    tokenizer=tokenizer)
     length = config.profile_prompt_tokens
-    params = SamplingParams(max_tokens=config.profile_steps + 64, ignore_eos=True)
+    params = SamplingParams(max_tokens=config.profile_steps + 64, ignore_eos=True, grammar=grammar)
     for index in range(batch_size):
         start = (index * 7919) % max(1, len(prompt_stream) - length)
         engine.add_request(prompt_stream[start:start + length], params)
@@ -143,6 +157,20 @@ def profile_steps(model, prompt_stream: list[int], batch_size: int, config: Engi
     return result
 
 
+def structured_lines(plain: list[dict], structured: list[dict]) -> list[dict]:
+    """Per batch size: both step times, the mask's cost (the sample phase's growth plus the schedule phase's,
+    where tokens are consumed) and structured over plain tokens/s."""
+    by_batch = {p["batch_size"]: p for p in plain}
+    rows = []
+    for row in structured:
+        twin = by_batch[row["batch_size"]]
+        rows.append({"batch_size": row["batch_size"], "plain_step_ms": twin["step_ms"],
+                     "structured_step_ms": row["step_ms"],
+                     "mask_ms": row["sample_ms"] + row["schedule_ms"] - twin["sample_ms"] - twin["schedule_ms"],
+                     "tokens_per_s_ratio": row["tokens_per_s"] / twin["tokens_per_s"]})
+    return rows
+
+
 def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None,
         json_path: Path | None = None) -> dict:
     """Profile steps, compare with HF, print tables, write JSON, return the result."""
@@ -158,14 +186,22 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     print(f"model {model_name}, {dtype_name}, {torch.get_num_threads()} torch threads")
 
     stream = [token for prompt in prompts for token in prompt]
-    profile = []
+    profile, structured = [], []
+    grammar = GrammarSpec("json_schema", json.dumps(STRUCTURED_SCHEMA))
     for batch_size in tqdm(config.profile_batch_sizes, desc="step profile", unit="batch size"):
         profile.append(profile_steps(engine_model, stream, batch_size, config))
+        if batch_size in STRUCTURED_BATCH_SIZES:  # right after its plain twin: the same prompts and steps
+            structured.append(profile_steps(engine_model, stream, batch_size, config, tokenizer, grammar))
     print(format_table(
         ["batch", "step_ms", "model", "attention", "schedule", "inputs", "sample", "other", "tok/s", "context"],
         [[p["batch_size"], p["step_ms"], p["model_ms"], p["attention_ms"], p["schedule_ms"], p["inputs_ms"],
           p["sample_ms"], p["other_ms"], p["tokens_per_s"], f"{p['context_tokens_min']}-{p['context_tokens_max']}"]
          for p in profile]))
+    structured_rows = structured_lines(profile, structured)
+    print("structured output (a JSON schema on every sequence) against the same decode steps unconstrained:")
+    print(format_table(["batch", "plain_ms", "structured_ms", "mask_ms", "tok/s_ratio"],
+                       [[r["batch_size"], r["plain_step_ms"], r["structured_step_ms"], r["mask_ms"],
+                         r["tokens_per_s_ratio"]] for r in structured_rows]))
 
     eos = hf_model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -214,6 +250,7 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
                                    "hf_generate_tokens_per_s", "speedup_vs_hf")},
         "runs": runs,
         "step_profile": profile,
+        "structured_output": structured_rows,
         "environment": environment(),
     }
     headers = ["batch", "prompts", "greedy_match", "mean_out", "max_out", "engine_tok/s", "hf_tok/s", "speedup"]

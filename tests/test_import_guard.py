@@ -31,6 +31,7 @@ PURE_MODULES = [
     "workers.engine_config",
     "workers.work_types",
     "workers.step_output",
+    "workers.grammar",
     "workers.model_support",
     "cluster.control.placement",
     "cluster.control.routing",

@@ -86,8 +86,8 @@ def test_completion_request_defaults_and_prompt_forms():
         ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
         ({"logit_bias": {"50": 101}}, "logit_bias.50"),
         ({"logit_bias": {"hello": 1}}, "logit_bias"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_regex": 5}, "guided_regex"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
         ({"model": 5}, "model"),
         ({"priority": 101}, "priority"),
         ({"priority": -101}, "priority"),
@@ -159,9 +159,8 @@ def test_openai_penalties_and_vllm_sampling_extras_are_read(build):
 @pytest.mark.parametrize("build", [completion, chat])
 @pytest.mark.parametrize(
     "field, default, value",
-    [("include_stop_str_in_output", False, True), ("guided_json", None, {"type": "object"}),
-     ("guided_choice", None, ["a", "b"]), ("guided_regex", None, "[0-9]+"), ("guided_grammar", None, "root ::= x"),
-     ("structured_outputs", None, {"json": {}}), ("use_beam_search", False, True), ("prompt_logprobs", None, 1),
+    [("include_stop_str_in_output", False, True), ("guided_whitespace_pattern", None, " *"),
+     ("use_beam_search", False, True), ("prompt_logprobs", None, 1),
      ("allowed_token_ids", None, [1, 2]), ("bad_words", [], ["x"]), ("skip_special_tokens", True, False)],
 )
 def test_vllm_extras_we_do_not_serve_are_refused_unless_left_at_their_default(build, field, default, value):
@@ -207,7 +206,7 @@ def test_chat_request_messages_and_max_tokens():
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"logprobs": 1}, "logprobs"),
         ({"top_logprobs": 21}, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_grammar": ["root"]}, "guided_grammar"),
     ],
 )
 def test_chat_request_rejects(fields, field):

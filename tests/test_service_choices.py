@@ -1,14 +1,23 @@
-"""Scoring and several choices through the whole service (real Ray, Redis and SmolLM2 in float32), with the
-official `openai` client: logprobs of answers and of echoed prompts equal a log-softmax of the HF model's own
-logits, `n` choices share their prompt's KV blocks on one worker, several prompts and best_of come back in
-OpenAI's order."""
+"""Scoring, several choices and structured output through the whole service (real Ray, Redis and SmolLM2 in
+float32), with the official `openai` client: logprobs of answers and of echoed prompts equal a log-softmax of the
+HF model's own logits, `n` choices share their prompt's KV blocks on one worker, several prompts and best_of come
+back in OpenAI's order, and constrained answers match their schemas, regexes and choices."""
+
+import json
+import random
+import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import ray
 import torch
 from transformers import AutoModelForCausalLM
+
+from json_schemas import random_schema
+from pydantic import BaseModel
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
 from s3serve_cli.serve import start_service, stop_service
@@ -128,3 +137,45 @@ def test_several_prompts_and_best_of_come_back_in_openais_order(client):
     for first, second in ((0, 1), (2, 3)):  # best first within each prompt
         mean = [sum(result.choices[i].logprobs.token_logprobs) / 4 for i in (first, second)]
         assert mean[0] >= mean[1]
+
+
+def test_fifty_seeded_json_schemas_are_always_answered_in_their_shape(client):
+    rng = random.Random(20261126)
+    schemas = [random_schema(rng) for _ in range(50)]
+
+    def ask(index: int):
+        schema = schemas[index]
+        result = client.chat.completions.create(
+            model=MODEL, max_tokens=300, temperature=0.7 if index % 2 else 0.0, seed=index,
+            messages=[{"role": "user", "content": f"Describe thing number {index} in JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": f"s{index}", "schema": schema,
+                                                                    "strict": True}})
+        return result.choices[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        choices = list(pool.map(ask, range(50)))
+    for schema, choice in zip(schemas, choices):
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+def test_the_official_clients_parse_and_vllms_guided_fields(client):
+    parsed = client.beta.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Ada, 36."}],
+                                                response_format=Person, max_tokens=120, temperature=0)
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person)
+    answer = client.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=5,
+                                       extra_body={"guided_choice": ["yes", "no"]})
+    assert answer.choices[0].text in ("yes", "no")
+    code = client.completions.create(model=MODEL, prompt="A postcode:", max_tokens=12, temperature=1.0,
+                                     extra_body={"structured_outputs": {"regex": "[0-9]{5}"}})
+    assert re.fullmatch("[0-9]{5}", code.choices[0].text)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"guided_json": {"type": "object",
+                                                                                      "dependentRequired": {}}})
+    assert raised.value.body["param"] == "guided_json" and "dependentRequired" in raised.value.body["message"]

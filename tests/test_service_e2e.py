@@ -123,8 +123,8 @@ def test_penalties_bias_and_stop_token_ids_reach_the_engine(client, service, mod
     assert biased.choices[0].text != plain.choices[0].text and biased.usage.completion_tokens == tokens
     outside = _post(service, "/v1/completions", json={"model": MODEL, "prompt": prompt, "logit_bias": {"999999": 1}})
     assert _assert_openai_error(outside, 400)["param"] == "logit_bias"
-    guided = _post(service, "/v1/completions", json={"model": MODEL, "prompt": prompt, "guided_choice": ["a", "b"]})
-    assert _assert_openai_error(guided, 400)["param"] == "guided_choice"  # refused, never silently dropped
+    beam = _post(service, "/v1/completions", json={"model": MODEL, "prompt": prompt, "use_beam_search": True})
+    assert _assert_openai_error(beam, 400)["param"] == "use_beam_search"  # refused, never silently dropped
 
 
 def test_a_prompt_sent_as_token_ids_answers_as_its_text(service, client):

@@ -15,6 +15,7 @@ import torch
 
 from kv_kernels import KVKernelBackend, backend_for_device
 from workers.engine_config import EngineConfig
+from workers.grammar_masks import CPU_OVERLAP_MAX_ROWS, GrammarMasks
 from workers.kv_cache_manager import BlockAllocator
 from workers.kv_transfer import ExportedKV
 from workers.length_probe import LengthProbe
@@ -104,6 +105,8 @@ class Engine:
         self.runner = LeadRunner(runner) if tensor_parallel_size > 1 else runner
         self.eos_token_ids = _eos_ids(model)
         self.sampler = Sampler(self.eos_token_ids)
+        self.grammars = GrammarMasks(tokenizer, self.vocab_size,  # structured output's matchers
+                                     None if device.type == "cuda" else CPU_OVERLAP_MAX_ROWS)
         wanted = probe is not None and (self.scheduler.policy.reads_prediction or not probe.refines_bounds)
         self.probe = probe if wanted else None
         self.num_probe_reads = 0  # sequences the probe has read (prefill samples and re-predictions)
@@ -163,6 +166,8 @@ class Engine:
         if kv is not None:
             kv.check_fits(self.runner.transfer_shape)
         check_plan(predicted_output_tokens, priority)
+        if params.grammar is not None:
+            self.grammars.add(seq_id, params.grammar, resumed)  # last: it raises, or the request is taken
         seq = Sequence(
             seq_id=seq_id,
             priority=priority,
@@ -198,6 +203,7 @@ class Engine:
         seq = self._sequences.pop(seq_id)
         self.scheduler.finish(seq)
         self.sampler.forget(seq_id)
+        self.grammars.forget(seq_id)
         return True
 
     def export_sequence(self, seq_id: str) -> ExportedKV:
@@ -263,11 +269,15 @@ class Engine:
         self.last_shape = step_shape(chunks)
         want_hidden = self.probe is not None and any(
             c.completes_sequence_tokens and self.probe.is_due(c.seq.num_output_tokens) for c in chunks)
+        if self.grammars:  # structured output's masks, computed while the forward runs
+            self.grammars.begin([c.seq.seq_id for c in chunks if c.completes_sequence_tokens])
         logits, hidden, sampling_chunks, scores = self.runner.run(chunks, self.allocator, want_hidden=want_hidden)
         forward_done_s = time.perf_counter()
         seqs = [chunk.seq for chunk in sampling_chunks]
-        token_ids = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs],
-                                        [(s.prompt_token_ids, s.output_token_ids) for s in seqs])
+        seq_ids = [s.seq_id for s in seqs]
+        token_ids = self.sampler.sample(logits, seq_ids, [s.params for s in seqs],
+                                        [(s.prompt_token_ids, s.output_token_ids) for s in seqs],
+                                        self.grammars.allowed(seq_ids) if self.grammars else None)
         logprobs = sampled_logprobs(logits, seqs, token_ids)
         prompt_scores = None if scores is None else score_prompts(scores)
         sampled_s = time.perf_counter()
@@ -324,6 +334,7 @@ class Engine:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         self.sampler.forget(seq.seq_id)
+        self.grammars.forget(seq.seq_id)
         del self._sequences[seq.seq_id]
         metrics = RequestMetrics(
             arrival_s=seq.arrival_s,
@@ -337,6 +348,8 @@ class Engine:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.params
+        if self.grammars.advance(seq.seq_id, token_id):  # the structured output is complete
+            return "stop"
         if params.forced_output_tokens is not None:
             return "length" if len(seq.output_token_ids) >= params.forced_output_tokens else None
         if len(seq.output_token_ids) >= params.min_tokens:  # before min_tokens nothing but the limit stops it

@@ -2,6 +2,7 @@
 
 import torch
 
+from workers.grammar_masks import mask_disallowed
 from workers.logit_adjustments import adjust_logits
 from workers.sampling_params import SamplingParams
 
@@ -25,11 +26,15 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
 
     def sample(self, logits: torch.Tensor, seq_ids: list, params: list[SamplingParams],
-               histories: list[tuple[list[int], list[int]]] | None = None) -> list[int]:
+               histories: list[tuple[list[int], list[int]]] | None = None,
+               allowed: tuple[list[int], torch.Tensor] | None = None) -> list[int]:
         """Sample from logits [num_seqs, vocab_size]; returns one token id per row. `histories`: each row's
-        (prompt token ids, output token ids), which the penalties and min_tokens read (None: no row has any)."""
+        (prompt token ids, output token ids), which the penalties and min_tokens read (None: no row has any).
+        `allowed`: structured output's rows and their token bitmask (`workers.grammar_masks`), applied last."""
         if histories is not None:
             logits = adjust_logits(logits, params, histories, self.eos_token_ids)
+        if allowed is not None:
+            logits = mask_disallowed(logits, *allowed)
         token_ids = torch.max(logits, dim=-1).indices.tolist()  # 5x faster than argmax on bf16 here
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:

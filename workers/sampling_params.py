@@ -4,6 +4,25 @@ from dataclasses import dataclass
 
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+GRAMMAR_FORMATS = ("json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    """A constraint on the output (structured output), compiled by `workers.grammar`.
+
+    Attributes:
+        format: "json_schema" (a JSON schema as JSON text), "regex", "choice" (a JSON list of strings) or
+            "grammar" (Lark, or llama.cpp's GBNF).
+        text: the schema, pattern, choices or grammar.
+    """
+
+    format: str
+    text: str
+
+    def __post_init__(self) -> None:
+        if self.format not in GRAMMAR_FORMATS or not isinstance(self.text, str):
+            raise ValueError(f"a grammar is one of {', '.join(GRAMMAR_FORMATS)} given as text, got {self!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +58,8 @@ class SamplingParams:
             bias, penalties and temperature), as vLLM reports by default.
         prompt_logprobs: the same for every prompt token after the first (scoring, OpenAI's `echo`); None: none.
             Such a request computes its whole prompt (no prefix-cache hits, no KV brought along by a move).
+        grammar: the output must match it (structured output): tokens it does not allow are never picked, and
+            the output ends ("stop") once it is complete and can grow no further. None: free text.
     """
 
     max_tokens: int = 256
@@ -58,6 +79,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -90,6 +112,8 @@ class SamplingParams:
                 len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0 or not -100.0 <= pair[1] <= 100.0
                 for pair in self.logit_bias):
             raise ValueError(f"logit_bias must be (token id >= 0, bias in [-100, 100]) pairs, got {self.logit_bias!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

@@ -4,11 +4,11 @@ Requests are pydantic models (the HTTP edge): strict types, so `"max_tokens": "1
 `true` is a 400 rather than a silent coercion; `null` means the default wherever OpenAI's
 spec makes a field nullable (openai-python sends `"temperature": null` for
 `temperature=None`); unknown fields are ignored because the official clients send some we
-do not use; parameters we do not implement (tools, structured output and vLLM's guided
-decoding, beam search) are rejected when set to anything but their default, never silently
-dropped. OpenAI's logit_bias, penalties, logprobs, echo, n and best_of, several prompts per
-completion request, and vLLM's sampling extras (top_k, min_p, repetition_penalty, min_tokens,
-stop_token_ids) are served. The response builders live
+do not use; parameters we do not implement (tools, beam search) are rejected when set to
+anything but their default, never silently dropped. OpenAI's logit_bias, penalties, logprobs,
+echo, n and best_of, several prompts per completion request, structured output
+(response_format, vLLM's guided_* and structured_outputs) and vLLM's sampling extras (top_k,
+min_p, repetition_penalty, min_tokens, stop_token_ids) are served. The response builders live
 in `cluster/ingress/openai_responses.py` and are re-exported here, so the router imports the
 whole protocol from one place.
 """
@@ -38,27 +38,10 @@ from cluster.ingress.unsupported_params import (CHAT_UNSUPPORTED, COMPLETION_UNS
 from workers.sampling_params import MAX_LOGPROBS
 
 __all__ = [
-    "MAX_STOP_SEQUENCES",
-    "SSE_DONE",
-    "ChatCompletionRequest",
-    "ChatMessage",
-    "CompletionRequest",
-    "StreamOptions",
-    "chat_choice",
-    "chat_chunk",
-    "chat_messages",
-    "chat_response",
-    "chat_usage_chunk",
-    "completion_choice",
-    "completion_chunk",
-    "completion_response",
-    "completion_usage_chunk",
-    "models_response",
-    "new_request_id",
-    "prompts",
-    "requested_max_tokens",
-    "sse_event",
-    "usage",
+    "MAX_STOP_SEQUENCES", "SSE_DONE", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions",
+    "chat_choice", "chat_chunk", "chat_messages", "chat_response", "chat_usage_chunk", "completion_choice",
+    "completion_chunk", "completion_response", "completion_usage_chunk", "models_response", "new_request_id",
+    "prompts", "requested_max_tokens", "sse_event", "usage",
 ]
 
 # OpenAI accepts at most 4 stop sequences; more would only slow down stop matching.
@@ -132,13 +115,16 @@ class _SamplingRequest(BaseModel):
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: Any = None
+    # Structured output (`cluster.ingress.structured_request` reads and checks them, naming the field it refuses):
+    # OpenAI's, and vLLM's two spellings.
+    response_format: Any = None
     guided_json: Any = None
-    guided_regex: Any = None
+    guided_regex: StrictStr | None = None
     guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
+    guided_grammar: StrictStr | None = None
     structured_outputs: Any = None
+    guided_decoding_backend: Literal["auto", "llguidance", "guidance"] | None = None  # the one we run
+    guided_whitespace_pattern: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     prompt_logprobs: Any = None
@@ -148,6 +134,21 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
+    add_special_tokens: Any = None
+    cache_salt: Any = None
+    logits_processors: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    return_token_ids: Any = None
+    mm_processor_kwargs: Any = None
+    service_tier: Any = None
+    # NO_EFFECT: accepted, no effect on the answer
+    metadata: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    request_id: Any = None
 
     @field_validator(*_NULL_MEANS_DEFAULT, mode="before")
     @classmethod
@@ -235,7 +236,6 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     best_of: NumChoices | None = None
     suffix: Any = None
-    response_format: Any = None
 
     @field_validator("echo", mode="before")
     @classmethod
@@ -331,7 +331,6 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     parallel_tool_calls: Any = None
     continue_final_message: Any = None
     add_generation_prompt: Any = None
@@ -342,6 +341,11 @@ class ChatCompletionRequest(_SamplingRequest):
     audio: Any = None
     modalities: Any = None
     reasoning_effort: Any = None
+    store: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    echo: Any = None
 
     @field_validator("logprobs", mode="before")
     @classmethod

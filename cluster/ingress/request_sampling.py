@@ -3,6 +3,7 @@
 
 from cluster.ingress import openai_protocol as protocol
 from cluster.ingress.errors import bad_request, prompt_too_long
+from cluster.ingress.structured_request import grammar_spec
 from workers.sampling_params import SamplingParams
 
 # request field -> SamplingParams field, each passed only when the request sets it
@@ -35,9 +36,11 @@ def sampling_params(req, num_prompt_tokens: int, is_chat: bool, max_model_len: i
             raise bad_request(f"{field} names token ids outside the vocabulary of {vocab_size} tokens", field)
     extras = {name: getattr(req, name) for name in _EXTRAS if getattr(req, name) is not None}
     extras.update(_logprobs(req, is_chat))
+    grammar = grammar_spec(req)
     return SamplingParams(max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                           stop=req.stop_sequences, ignore_eos=req.ignore_eos, forced_output_tokens=forced,
-                          stop_token_ids=tuple(req.stop_token_ids or ()), logit_bias=req.logit_bias_pairs, **extras)
+                          stop_token_ids=tuple(req.stop_token_ids or ()), logit_bias=req.logit_bias_pairs,
+                          grammar=grammar, **extras)
 
 
 def _logprobs(req, is_chat: bool) -> dict:

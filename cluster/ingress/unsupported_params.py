@@ -9,16 +9,10 @@ from typing import Any
 from pydantic import ValidationInfo
 
 # On both endpoints: vLLM's extras that change the output and that we do not implement (clients moving from
-# vLLM send them through `extra_body`): guided decoding and structured outputs, beam search, prompt logprobs.
+# vLLM send them through `extra_body`): a guided-decoding whitespace pattern, beam search, prompt logprobs.
 SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "include_stop_str_in_output": (None, False),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
-    "structured_outputs": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "prompt_logprobs": (None,),
@@ -28,19 +22,29 @@ SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False),
+    "add_special_tokens": (None,),
+    "cache_salt": (None,),
+    "logits_processors": (None, []),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "return_token_ids": (None, False),
+    "mm_processor_kwargs": (None,),
+    "service_tier": (None, "auto", "default"),
 }
-# On /v1/completions: OpenAI's suffix, and structured output.
+# Accepted at any value, with no effect on the answer: they name, tag or route a request (OpenAI's caching key:
+# prefix caching here is automatic), and nothing here stores or bills by them.
+NO_EFFECT = ("user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+             "prompt_cache_options", "request_id")
+# On /v1/completions: OpenAI's suffix.
 COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
 }
-# On /v1/chat/completions: tools and structured output, and chat-template controls.
+# On /v1/chat/completions: tools and chat-template controls.
 CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, True),
     "continue_final_message": (None, False),
     "add_generation_prompt": (None, True),
@@ -51,10 +55,17 @@ CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "reasoning_effort": (None,),
+    "store": (None, False),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+    "moderation": (None,),
+    "echo": (None, False),
 }
 
 
 def reject_non_default(value: Any, info: ValidationInfo, table: dict[str, tuple[Any, ...]]) -> Any:
+    if info.field_name not in table:  # refused on the other endpoint only (chat's echo): served here
+        return value
     # `in` on a tuple compares with ==, and True == 1, so compare types too.
     if not any(value == allowed and type(value) is type(allowed) for allowed in table[info.field_name]):
         raise ValueError(f"'{info.field_name}' is not supported by this server; leave it unset")
