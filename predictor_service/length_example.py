@@ -23,6 +23,15 @@ def join_messages(messages: Sequence[Mapping[str, str]]) -> str:
     return "\n\n".join(message["content"] for message in messages)
 
 
+def constrained_text(prompt_text: str, grammar_format: str | None) -> str:
+    """What the text predictors read for a request whose output a grammar constrains (structured output, whose
+    lengths differ from free text's): the prompt, then a line naming the kind of constraint, whose words become
+    features of their own. The same text goes into the request's training sample, so retraining learns them."""
+    if grammar_format is None:
+        return prompt_text
+    return f"{prompt_text}\n\n[structured output: {grammar_format.replace('_', ' ')}]"
+
+
 @dataclass(frozen=True, slots=True)
 class LengthExample:
     """One prompt with the request settings that shape its output length.

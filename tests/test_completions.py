@@ -34,10 +34,13 @@ class ScriptedWorkers:
         self.first_delay_s = first_delay_s
         self.fail_after_first = fail_after_first
         self.started: list[tuple[str, str | None]] = []
+        self.predicted_texts: list[str] = []
+        self.sample_texts: list[str] = []  # what each job's training sample will read
         self.first_event_of: set[str] = set()
 
     async def __call__(self, job, result):
         self.started.append((job.request_id, job.sibling_of))
+        self.sample_texts.append(job.prompt_text)
         if job.sibling_of is not None:
             assert job.sibling_of in self.first_event_of  # the leader brought its first tokens before
         position = len(self.started)
@@ -70,6 +73,7 @@ def make_completions(tokenizer, workers: ScriptedWorkers, prefix_caching: bool =
                               observe_finished=lambda *args: observed.append("finished"))
 
     async def predict(request_id, text, num_prompt_tokens, params):
+        workers.predicted_texts.append(text)
         return 32, 16
 
     return Completions(config, tokenizer, metrics, predict, workers, prefix_root=0), observed
@@ -199,6 +203,16 @@ def test_chat_logprobs_in_openai_shape_streamed_and_not(smollm2_tokenizer, answe
         streamed = [entry for c in mine if c.logprobs for entry in c.logprobs.content]
         assert [entry.token for entry in streamed] == [entry.token for entry in content]
         assert "".join(c.delta.content or "" for c in mine) == smollm2_tokenizer.decode(answer_ids[:5])
+
+
+def test_the_length_predictor_reads_that_an_answer_is_constrained_and_so_does_its_training_sample(
+        smollm2_tokenizer, answer_ids):
+    workers = ScriptedWorkers(answer_ids)
+    completions, _ = make_completions(smollm2_tokenizer, workers)
+    answer(completions, {"prompt": "Hi", "max_tokens": 2})
+    answer(completions, {"prompt": "Hi", "max_tokens": 2, "guided_regex": ".*"})
+    assert workers.predicted_texts == ["Hi", "Hi\n\n[structured output: regex]"]
+    assert workers.sample_texts == workers.predicted_texts
 
 
 def test_a_generation_that_fails_after_its_first_tokens_is_a_503(smollm2_tokenizer, answer_ids):

@@ -26,7 +26,7 @@ from cluster.ingress.generation import GenerationJob, GenerationResult
 from cluster.ingress.metrics import ServiceMetrics
 from cluster.ingress.openai_responses import created_unix_s, openai_finish_reason
 from cluster.ingress.request_sampling import sampling_params
-from predictor_service.length_example import join_messages
+from predictor_service.length_example import constrained_text, join_messages
 from workers.models import NoChatTemplate, chat_token_ids
 from workers.prefix_cache import block_hashes
 from workers.sampling_params import SamplingParams
@@ -149,15 +149,16 @@ class Completions:
         count = max(req.n, 0 if is_chat else req.best_of or 0)
         one_job = count == 1 and index == 0 and (is_chat or len(protocol.prompts(req)) == 1)
         ids = [request_id] if one_job else [f"{request_id}-{index}-{i}" for i in range(count)]
+        text = constrained_text(prompt.text, params.grammar.format if params.grammar else None)
         try:
-            bound, point = await self._predict(ids[0], prompt.text, len(prompt.token_ids), params)
+            bound, point = await self._predict(ids[0], text, len(prompt.token_ids), params)
         except Exception as error:  # noqa: BLE001 - any predictor failure is an outage, not bad input
             logger.exception("predictor failed")
             raise unavailable(f"length predictor ({type(error).__name__})") from None
         hashes = self._prefix_hashes(prompt.token_ids)
         # Siblings wait for the first and follow it where they can share its cached prompt blocks.
         shares = self.config.prefix_caching and params.prompt_logprobs is None
-        return [GenerationJob(job_id, prompt.text, prompt.token_ids, _nth_seed(params, i),
+        return [GenerationJob(job_id, text, prompt.token_ids, _nth_seed(params, i),
                               min(bound, params.max_tokens), point, req.priority, hashes,
                               sibling_of=ids[0] if i and shares else None)
                 for i, job_id in enumerate(ids)]
