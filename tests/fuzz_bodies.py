@@ -22,7 +22,8 @@ def fuzz_body(rng: random.Random, is_chat: bool, model: str) -> bytes:
         body["prompt"] = "Say hi."
     kind = rng.choice(["type", "missing", "unknown", "unicode", "number", "broken", "nested", "constant", "choices"])
     fields = list(body) + ["stream", "stop", "stream_options", "user", "logit_bias", "stop_token_ids", "n", "echo",
-                           "logprobs", "best_of", "top_logprobs"]
+                           "logprobs", "best_of", "top_logprobs", "tools", "tool_choice", "response_format",
+                           "guided_json"]
     if kind == "type":
         body[rng.choice(fields)] = rng.choice(_ODD_VALUES)
     elif kind == "missing":

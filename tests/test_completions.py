@@ -36,11 +36,13 @@ class ScriptedWorkers:
         self.started: list[tuple[str, str | None]] = []
         self.predicted_texts: list[str] = []
         self.sample_texts: list[str] = []  # what each job's training sample will read
+        self.jobs: list = []
         self.first_event_of: set[str] = set()
 
     async def __call__(self, job, result):
         self.started.append((job.request_id, job.sibling_of))
         self.sample_texts.append(job.prompt_text)
+        self.jobs.append(job)
         if job.sibling_of is not None:
             assert job.sibling_of in self.first_event_of  # the leader brought its first tokens before
         position = len(self.started)

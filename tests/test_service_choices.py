@@ -1,7 +1,8 @@
 """Scoring, several choices and structured output through the whole service (real Ray, Redis and SmolLM2 in
 float32), with the official `openai` client: logprobs of answers and of echoed prompts equal a log-softmax of the
 HF model's own logits, `n` choices share their prompt's KV blocks on one worker, several prompts and best_of come
-back in OpenAI's order, and constrained answers match their schemas, regexes and choices."""
+back in OpenAI's order, constrained answers match their schemas, regexes and choices, and tool calls come back in
+OpenAI's shape."""
 
 import json
 import random
@@ -179,3 +180,35 @@ def test_the_official_clients_parse_and_vllms_guided_fields(client):
         client.completions.create(model=MODEL, prompt="x", extra_body={"guided_json": {"type": "object",
                                                                                       "dependentRequired": {}}})
     assert raised.value.body["param"] == "guided_json" and "dependentRequired" in raised.value.body["message"]
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def test_a_tool_call_streamed_and_collected_by_the_official_client(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "weather"}}
+    calls: dict[int, dict] = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                                tool_choice=named, max_tokens=40, temperature=0, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    assert calls[0]["name"] == "weather" and isinstance(json.loads(calls[0]["arguments"])["city"], str)
+    required = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL],
+                                              tool_choice="required", max_tokens=60, temperature=0)
+    call = required.choices[0].message.tool_calls[0]
+    assert required.choices[0].finish_reason == "tool_calls" and call.function.name == "weather"
+    # The result goes back as a tool message; the model answers in text.
+    follow = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, tools=[WEATHER_TOOL],
+                                            tool_choice="none", messages=[
+        *messages, required.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}])
+    assert follow.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], max_tokens=8)
+    assert raised.value.body["param"] == "tool_choice"  # auto: SmolLM2 has no tool-call format of its own

@@ -241,8 +241,9 @@ class NoChatTemplate(ValueError):
     """Chat messages were sent to a model whose tokenizer has no chat template (a base model)."""
 
 
-def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of chat messages under the model's template, ready for the assistant's turn.
+def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of chat messages (and tools, for a template that takes them) under the model's template, ready for
+    the assistant's turn.
 
     transformers 5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`,
     earlier versions a plain list; both come out as a list. `NoChatTemplate` when there is no template.
@@ -250,7 +251,8 @@ def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate("this model has no chat template (a base model?): send the text to /v1/completions, "
                              "or start the service with --chat-template FILE")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                        **({"tools": tools} if tools else {}))
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)

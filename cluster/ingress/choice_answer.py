@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from cluster.ingress.logprob_format import CompletionLogprobs, chat_logprobs, join_completion_logprobs
 from cluster.ingress.text_stream import TextStream
+from cluster.ingress.tool_calls import calls_of
 from workers.step_output import TokenLogprob
 from workers.work_types import WorkEvent
 
@@ -20,6 +21,8 @@ class AnswerShape:
         echo: completions: the prompt's text (and, with logprobs, its tokens' logprobs) comes first.
         score_only: completions with max_tokens 0: the answer is the echoed prompt alone; the token the worker
             generated (it always generates one) is dropped.
+        tool_choice: chat with a forced call ("required" or the function's name): the answer is a tool call,
+            sent whole once it is complete (`cluster.ingress.tool_calls`).
     """
 
     is_chat: bool
@@ -27,6 +30,7 @@ class AnswerShape:
     logprobs: bool = False
     echo: bool = False
     score_only: bool = False
+    tool_choice: str | None = None
 
 
 class ChoiceAnswer:
@@ -66,6 +70,11 @@ class ChoiceAnswer:
         tail = self._texts.finish(finish_reason == "stop")
         self.text += tail
         return tail
+
+    @property
+    def tool_calls(self) -> list[dict] | None:
+        """OpenAI's `tool_calls` of a forced call's answer; None for text, or a call cut short by the limit."""
+        return None if self.shape.tool_choice is None else calls_of(self.shape.tool_choice, self.text)
 
     @property
     def whole_text(self) -> str:

@@ -26,6 +26,7 @@ from cluster.ingress.generation import GenerationJob, GenerationResult
 from cluster.ingress.metrics import ServiceMetrics
 from cluster.ingress.openai_responses import created_unix_s, openai_finish_reason
 from cluster.ingress.request_sampling import sampling_params
+from cluster.ingress.tool_calls import template_messages, tool_choice
 from predictor_service.length_example import constrained_text, join_messages
 from workers.models import NoChatTemplate, chat_token_ids
 from workers.prefix_cache import block_hashes
@@ -78,8 +79,10 @@ class Completions:
         start_s = time.monotonic()
         prompts = [self._encode_chat(req)] if is_chat else [self._encode(p) for p in protocol.prompts(req)]
         params = [self._sampling(req, len(prompt.token_ids), is_chat) for prompt in prompts]
+        forced = tool_choice(req) if is_chat else None
         shape = AnswerShape(is_chat, req.stop_sequences, bool(req.logprobs) if is_chat else req.logprobs is not None,
-                            echo=not is_chat and req.echo, score_only=not is_chat and req.max_tokens == 0)
+                            echo=not is_chat and req.echo, score_only=not is_chat and req.max_tokens == 0,
+                            tool_choice=None if forced in (None, "none", "auto") else forced)
         if self.num_in_flight >= self.config.max_concurrent_requests:
             raise queue_full(retry_after_s=1)
         self.num_in_flight += 1  # taken before any await, so a burst cannot slip past the limit
@@ -119,9 +122,9 @@ class Completions:
     # -- a request's prompts and jobs ------------------------------------------------------------
 
     def _encode_chat(self, req) -> Prompt:
-        messages = protocol.chat_messages(req)
+        messages, tools = template_messages(req, protocol.chat_messages(req), self.tokenizer)
         try:
-            ids = chat_token_ids(self.tokenizer, messages)
+            ids = chat_token_ids(self.tokenizer, messages, tools)
         except NoChatTemplate as error:
             raise bad_request(str(error), "messages") from None
         if not ids:
@@ -197,8 +200,13 @@ class Completions:
 
     @staticmethod
     def _finish_reason(answer: ChoiceAnswer, result: GenerationResult) -> str:
-        """OpenAI's finish reason; scoring a prompt (max_tokens 0) ends at the limit whatever token came."""
-        return "length" if answer.shape.score_only else openai_finish_reason(result.finish_reason)
+        """OpenAI's finish reason; scoring a prompt (max_tokens 0) ends at the limit whatever token came; a complete
+        forced call is "tool_calls" ("stop" when the request named the function, as OpenAI answers)."""
+        if answer.shape.score_only:
+            return "length"
+        if answer.tool_calls is not None:
+            return "tool_calls" if answer.shape.tool_choice == "required" else "stop"
+        return openai_finish_reason(result.finish_reason)
 
     def _usage(self, run: ChoiceRun, answers: list[ChoiceAnswer]) -> dict:
         num_prompt = sum(len(group[0].prompt_token_ids) for group in run.groups)
@@ -230,8 +238,12 @@ class Completions:
                 members = sorted(members, key=lambda i: answers[i].mean_logprob, reverse=True)[:req.n]
             for i in members:
                 reason = self._finish_reason(answers[i], run.results[i])
-                build = protocol.chat_choice if is_chat else protocol.completion_choice
-                choices.append(build(len(choices), answers[i].whole_text, reason, answers[i].logprobs))
+                if is_chat:
+                    choices.append(protocol.chat_choice(len(choices), answers[i].whole_text, reason,
+                                                        answers[i].logprobs, answers[i].tool_calls))
+                else:
+                    choices.append(protocol.completion_choice(len(choices), answers[i].whole_text, reason,
+                                                              answers[i].logprobs))
         self.metrics.observe_status("ok")
         response = protocol.chat_response if is_chat else protocol.completion_response
         return response(request_id, self.config.model_id, choices, self._usage(run, answers), created_unix_s(start_s))
@@ -262,12 +274,17 @@ class Completions:
                 answer = answers[index]
                 if event is not None:
                     delta, logprobs = answer.push(event)
-                    if delta or logprobs:
+                    if (delta or logprobs) and answer.shape.tool_choice is None:  # a call is sent whole, at its end
                         yield chunk(index, delta, None, logprobs=logprobs)
                     continue
                 result = run.results[index]
                 tail = answer.finish(result.finish_reason)
-                if tail:
+                if answer.shape.tool_choice is not None:
+                    calls = answer.tool_calls
+                    yield (protocol.sse_event(protocol.chat_chunk(request_id, model_id, None, None, created_s,
+                                                                  index=index, tool_calls=calls))
+                           if calls is not None else chunk(index, answer.text, None))
+                elif tail:
                     yield chunk(index, tail, None)
                 yield chunk(index, None if is_chat else "", self._finish_reason(answer, result))
                 self._observe(run.jobs[index], result, start_s)

@@ -33,12 +33,14 @@ from cluster.ingress.openai_responses import (
     sse_event,
     usage,
 )
+from cluster.ingress.chat_messages import ChatMessage, FunctionSpec, ToolSpec
 from cluster.ingress.unsupported_params import (CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, SHARED_UNSUPPORTED,
                                                  reject_non_default)
 from workers.sampling_params import MAX_LOGPROBS
 
 __all__ = [
-    "MAX_STOP_SEQUENCES", "SSE_DONE", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions",
+    "MAX_STOP_SEQUENCES", "SSE_DONE", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "FunctionSpec",
+    "StreamOptions", "ToolSpec",
     "chat_choice", "chat_chunk", "chat_messages", "chat_response", "chat_usage_chunk", "completion_choice",
     "completion_chunk", "completion_response", "completion_usage_chunk", "models_response", "new_request_id",
     "prompts", "requested_max_tokens", "sse_event", "usage",
@@ -277,39 +279,6 @@ class CompletionRequest(_SamplingRequest):
         return self
 
 
-class ChatMessage(BaseModel):
-    """One message of a chat.
-
-    Attributes:
-        role: "system", "user" or "assistant" ("developer" is read as "system").
-        content: the text; the list-of-parts form `[{"type": "text", "text": ...}]` is
-            accepted and its text parts joined with newlines.
-    """
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    role: Literal["system", "user", "assistant"]
-    content: StrictStr
-
-    @field_validator("role", mode="before")
-    @classmethod
-    def _developer_is_system(cls, value: Any) -> Any:
-        # Newer OpenAI clients send "developer" where older ones sent "system".
-        return "system" if value == "developer" else value
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _join_text_parts(cls, value: Any) -> Any:
-        if not isinstance(value, list):
-            return value
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError('content parts must be {"type": "text", "text": <string>}; only text is supported')
-            texts.append(part["text"])
-        return "\n".join(texts)
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """Body of `POST /v1/chat/completions`.
 
@@ -327,11 +296,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: MaxTokens | None = None
     logprobs: StrictBool = False
     top_logprobs: Logprobs | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Any = None  # read by `cluster.ingress.tool_calls`, which names what it refuses
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: StrictBool | None = None  # honoured: one call per answer is within what it allows
     continue_final_message: Any = None
     add_generation_prompt: Any = None
     chat_template: Any = None
@@ -378,8 +347,11 @@ def prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The conversation as role/content dicts, the form chat templates take."""
-    return [{"role": message.role, "content": message.content} for message in req.messages]
+    """The conversation as role/content dicts (with tool_calls and tool_call_id where set), the form chat templates
+    take."""
+    return [{"role": message.role, "content": message.content,
+             **({"tool_calls": message.tool_calls} if message.tool_calls else {}),
+             **({"tool_call_id": message.tool_call_id} if message.tool_call_id else {})} for message in req.messages]
 
 
 def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> int | None:

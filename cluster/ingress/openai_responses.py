@@ -87,10 +87,13 @@ def completion_usage_chunk(request_id: str, model: str, created_s: int, usage: d
     return completion_chunk(request_id, model, None, None, created_s, usage=usage)
 
 
-def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
-    """One assistant message of a `chat.completion`; `logprobs` in OpenAI's chat form ({"content": [...]})."""
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """One assistant message of a `chat.completion`; `logprobs` in OpenAI's chat form ({"content": [...]}); with
+    `tool_calls`, the message carries them and no content."""
+    message = {"role": "assistant", "content": text} if tool_calls is None else {
+        "role": "assistant", "content": None, "tool_calls": tool_calls}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_response(request_id: str, model: str, choices: list[dict], usage: dict, created_s: int) -> dict:
@@ -115,8 +118,9 @@ def chat_chunk(
     usage: dict | None = None,
     index: int = 0,
     logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> dict:
-    """One `chat.completion.chunk` (of choice `index`).
+    """One `chat.completion.chunk` (of choice `index`); `tool_calls` ride in the delta with their positions.
 
     The first chunk of a stream carries `role="assistant"` (and usually `delta_text=""`),
     the last one a finish_reason with an empty delta. With `usage` and no delta, role or
@@ -128,7 +132,7 @@ def chat_chunk(
         "created": created_s,
         "model": model,
     }
-    if usage is not None and not delta_text and role is None and finish_reason is None:
+    if usage is not None and not delta_text and role is None and finish_reason is None and tool_calls is None:
         chunk["choices"] = []
     else:
         delta = {}
@@ -136,6 +140,8 @@ def chat_chunk(
             delta["role"] = role
         if delta_text is not None:
             delta["content"] = delta_text
+        if tool_calls is not None:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         chunk["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     if usage is not None:
         chunk["usage"] = usage

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from cluster.ingress.errors import bad_request
+from cluster.ingress.tool_calls import tool_grammar
 from workers.grammar import check_grammar
 from workers.sampling_params import GrammarSpec
 
@@ -44,6 +45,8 @@ def _candidates(req):
     yield "guided_choice", None if req.guided_choice is None else _choice(req.guided_choice, "guided_choice")
     yield "guided_grammar", None if req.guided_grammar is None else GrammarSpec("grammar", req.guided_grammar)
     yield "structured_outputs", _from_structured_outputs(req.structured_outputs)
+    if hasattr(req, "tools"):  # chat: a forced call is generated under its function's parameters
+        yield "tool_choice", tool_grammar(req)
 
 
 def _from_response_format(value: Any) -> GrammarSpec | None:

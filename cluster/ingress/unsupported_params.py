@@ -39,13 +39,10 @@ NO_EFFECT = ("user", "metadata", "safety_identifier", "prompt_cache_key", "promp
 COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
 }
-# On /v1/chat/completions: tools and chat-template controls.
+# On /v1/chat/completions: OpenAI's deprecated functions, and chat-template controls.
 CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True),
     "continue_final_message": (None, False),
     "add_generation_prompt": (None, True),
     "chat_template": (None,),

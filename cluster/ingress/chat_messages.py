@@ -1,0 +1,75 @@
+"""The messages and tools of a chat request (pydantic, strict, as `cluster.ingress.openai_protocol` reads bodies)."""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
+
+
+class FunctionSpec(BaseModel):
+    """A function the model may call: its name, what it does and its parameters' JSON schema."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: StrictStr | None = None
+    parameters: dict[StrictStr, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolSpec(BaseModel):
+    """One entry of `tools` (only functions exist)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat.
+
+    Attributes:
+        role: "system", "user", "assistant" or "tool" ("developer" is read as "system").
+        content: the text; the list-of-parts form `[{"type": "text", "text": ...}]` is
+            accepted and its text parts joined with newlines. None only in an assistant message with tool_calls.
+        tool_calls: an assistant's earlier calls, in OpenAI's form.
+        tool_call_id: a tool message's call.
+    """
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: StrictStr | None = None
+    tool_calls: list[dict[StrictStr, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        for call in self.tool_calls or ():
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
+                    function.get("arguments", "{}"), str):
+                raise ValueError('each tool call must be {"function": {"name": ..., "arguments": "<JSON text>"}}')
+        return self
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _developer_is_system(cls, value: Any) -> Any:
+        # Newer OpenAI clients send "developer" where older ones sent "system".
+        return "system" if value == "developer" else value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError('content parts must be {"type": "text", "text": <string>}; only text is supported')
+            texts.append(part["text"])
+        return "\n".join(texts)

@@ -1,0 +1,89 @@
+"""Tools on the chat endpoint over scripted worker streams: a named or required call is generated under its schema
+and answered in OpenAI's `tool_calls` shape (streamed too, read with the openai package's own types), "auto" says
+why this model cannot, and earlier calls and tool results are accepted as messages."""
+
+import json
+
+import pytest
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from test_completions import ScriptedWorkers, answer, answer_ids, make_completions, stream  # noqa: F401 (fixture)
+
+from cluster.ingress import openai_protocol as protocol
+from cluster.ingress.errors import APIError
+from cluster.ingress.tool_calls import template_messages
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "time_in"}}
+ASK = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER, TIME], "max_tokens": 40}
+
+
+def _workers(tokenizer, text: str) -> ScriptedWorkers:
+    return ScriptedWorkers(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_a_named_function_is_answered_as_its_call(smollm2_tokenizer):
+    workers = _workers(smollm2_tokenizer, '{"city": "Paris"}')
+    completions, _ = make_completions(smollm2_tokenizer, workers)
+    named = {"type": "function", "function": {"name": "weather"}}
+    body = answer(completions, {**ASK, "tool_choice": named}, is_chat=True)
+    choice = ChatCompletion.model_validate(body).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    job_grammar = json.loads(workers.jobs[0].params.grammar.text)
+    assert job_grammar == WEATHER["function"]["parameters"]  # generated under the function's own schema
+
+
+def test_a_required_call_picks_its_function_and_streams_in_openais_shape(smollm2_tokenizer):
+    text = '{"name": "weather", "arguments": {"city": "Paris"}}'
+    workers = _workers(smollm2_tokenizer, text)
+    completions, _ = make_completions(smollm2_tokenizer, workers)
+    body = answer(completions, {**ASK, "tool_choice": "required"}, is_chat=True)
+    choice = ChatCompletion.model_validate(body).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "weather"
+    schema = json.loads(workers.jobs[0].params.grammar.text)
+    assert [alternative["properties"]["name"] for alternative in schema["anyOf"]] == [{"const": "weather"},
+                                                                                     {"const": "time_in"}]
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream(completions, {**ASK, "tool_choice": "required"},
+                                                                    is_chat=True)]
+    calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not any(c.choices[0].delta.content for c in chunks)  # the call, not its JSON as text
+
+
+def test_auto_says_the_model_has_no_tool_format_and_none_answers_in_text(smollm2_tokenizer, answer_ids):
+    completions, _ = make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))
+    with pytest.raises(APIError) as raised:
+        answer(completions, ASK, is_chat=True)  # tools without tool_choice: "auto"
+    assert raised.value.status_code == 400 and "chat template has its own tool-call format" in raised.value.message
+    body = answer(completions, {**ASK, "tool_choice": "none"}, is_chat=True)
+    assert body["choices"][0]["message"]["content"] and "tool_calls" not in body["choices"][0]["message"]
+    for bad, words in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "names no function"),
+                       ({"tool_choice": "sometimes"}, "tool_choice must be"),
+                       ({"tools": None, "tool_choice": "required"}, "tool_choice needs tools"),
+                       ({"tool_choice": "required", "guided_regex": "x"}, "set one structured-output constraint")):
+        with pytest.raises(APIError, match=words):
+            answer(completions, {**ASK, **bad}, is_chat=True)
+
+
+def test_earlier_calls_and_tool_results_reach_the_template_as_text(smollm2_tokenizer):
+    req = protocol.ChatCompletionRequest.model_validate({"model": "m", "tools": [WEATHER], "tool_choice": "required",
+                                                         "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]})
+    messages, tools = template_messages(req, protocol.chat_messages(req), smollm2_tokenizer)
+    assert tools is None  # SmolLM2's template takes no tools: they are listed in a system message
+    assert messages[0]["role"] == "system" and '"name": "weather"' in messages[0]["content"]
+    assert messages[2] == {"role": "assistant", "content": '{"name": "weather", "arguments": {"city": "Paris"}}'}
+    assert messages[3] == {"role": "tool", "content": "18 C, sunny"}
+    with pytest.raises(ValueError, match="only assistant messages carry tool_calls"):
+        protocol.ChatMessage.model_validate({"role": "user", "content": "x", "tool_calls": [{"function": {}}]})
+    with pytest.raises(ValueError, match="content is required"):
+        protocol.ChatMessage.model_validate({"role": "user", "content": None})
