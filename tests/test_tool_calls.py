@@ -1,7 +1,9 @@
 """Tools on the chat endpoint over scripted worker streams: a named or required call is generated under its schema
-and answered in OpenAI's `tool_calls` shape (streamed too, read with the openai package's own types), "auto" says
-why this model cannot, and earlier calls and tool results are accepted as messages."""
+and answered in OpenAI's `tool_calls` shape (streamed too, read with the openai package's own types), "auto" reads
+calls in a template's Hermes format and says why a model without one cannot, and earlier calls and tool results are
+accepted as messages."""
 
+import copy
 import json
 
 import pytest
@@ -60,7 +62,7 @@ def test_auto_says_the_model_has_no_tool_format_and_none_answers_in_text(smollm2
     completions, _ = make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))
     with pytest.raises(APIError) as raised:
         answer(completions, ASK, is_chat=True)  # tools without tool_choice: "auto"
-    assert raised.value.status_code == 400 and "chat template has its own tool-call format" in raised.value.message
+    assert raised.value.status_code == 400 and "it has no tool-call format" in raised.value.message
     body = answer(completions, {**ASK, "tool_choice": "none"}, is_chat=True)
     assert body["choices"][0]["message"]["content"] and "tool_calls" not in body["choices"][0]["message"]
     for bad, words in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "names no function"),
@@ -87,3 +89,42 @@ def test_earlier_calls_and_tool_results_reach_the_template_as_text(smollm2_token
         protocol.ChatMessage.model_validate({"role": "user", "content": "x", "tool_calls": [{"function": {}}]})
     with pytest.raises(ValueError, match="content is required"):
         protocol.ChatMessage.model_validate({"role": "user", "content": None})
+
+
+HERMES_TEMPLATE = (  # the shape of Qwen's and Hermes' templates: tools in the system turn, calls in <tool_call> tags
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}. Call one as <tool_call>{\"name\": ..., "
+    "\"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] or '' }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+@pytest.fixture
+def hermes_tokenizer(smollm2_tokenizer):
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    return tokenizer
+
+
+def test_auto_reads_calls_in_the_templates_own_format(hermes_tokenizer):
+    said = 'Let me look.\n<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
+    workers = _workers(hermes_tokenizer, said)
+    completions, _ = make_completions(hermes_tokenizer, workers)
+    choice = ChatCompletion.model_validate(answer(completions, ASK, is_chat=True)).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    assert choice.message.tool_calls[0].function.name == "weather"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
+    prompt = hermes_tokenizer.decode(workers.jobs[0].prompt_token_ids)
+    assert '"name": "weather"' in prompt and workers.jobs[0].params.grammar is None  # the model decides, freely
+    chunks = [ChatCompletionChunk.model_validate(c) for c in stream(completions, ASK, is_chat=True)]
+    calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert [call.function.name for call in calls] == ["weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_without_a_call_is_a_text_answer_and_an_unread_format_is_a_400(hermes_tokenizer, smollm2_tokenizer):
+    completions, _ = make_completions(hermes_tokenizer, _workers(hermes_tokenizer, "It is sunny in Paris."))
+    message = answer(completions, ASK, is_chat=True)["choices"][0]["message"]
+    assert message["content"] == "It is sunny in Paris." and "tool_calls" not in message
+    other = copy.deepcopy(smollm2_tokenizer)
+    other.chat_template = HERMES_TEMPLATE.replace("<tool_call>", "[CALL]").replace("</tool_call>", "[/CALL]")
+    completions, _ = make_completions(other, _workers(other, "x"))
+    with pytest.raises(APIError, match="not one this server reads"):
+        answer(completions, ASK, is_chat=True)

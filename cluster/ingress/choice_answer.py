@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from cluster.ingress.logprob_format import CompletionLogprobs, chat_logprobs, join_completion_logprobs
 from cluster.ingress.text_stream import TextStream
-from cluster.ingress.tool_calls import calls_of
+from cluster.ingress.tool_calls import calls_of, text_besides_calls
 from workers.step_output import TokenLogprob
 from workers.work_types import WorkEvent
 
@@ -21,8 +21,8 @@ class AnswerShape:
         echo: completions: the prompt's text (and, with logprobs, its tokens' logprobs) comes first.
         score_only: completions with max_tokens 0: the answer is the echoed prompt alone; the token the worker
             generated (it always generates one) is dropped.
-        tool_choice: chat with a forced call ("required" or the function's name): the answer is a tool call,
-            sent whole once it is complete (`cluster.ingress.tool_calls`).
+        tool_choice: chat with tools the model may call ("auto", "required" or a function's name): the answer
+            is read for tool calls and sent whole once complete (`cluster.ingress.tool_calls`).
     """
 
     is_chat: bool
@@ -75,6 +75,11 @@ class ChoiceAnswer:
     def tool_calls(self) -> list[dict] | None:
         """OpenAI's `tool_calls` of a forced call's answer; None for text, or a call cut short by the limit."""
         return None if self.shape.tool_choice is None else calls_of(self.shape.tool_choice, self.text)
+
+    @property
+    def text_besides_calls(self) -> str | None:
+        """Under tool_choice "auto", the text outside the calls (None when there is none)."""
+        return None if self.shape.tool_choice is None else text_besides_calls(self.shape.tool_choice, self.text)
 
     @property
     def whole_text(self) -> str:

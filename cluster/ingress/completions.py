@@ -82,7 +82,7 @@ class Completions:
         forced = tool_choice(req) if is_chat else None
         shape = AnswerShape(is_chat, req.stop_sequences, bool(req.logprobs) if is_chat else req.logprobs is not None,
                             echo=not is_chat and req.echo, score_only=not is_chat and req.max_tokens == 0,
-                            tool_choice=None if forced in (None, "none", "auto") else forced)
+                            tool_choice=None if forced in (None, "none") else forced)
         if self.num_in_flight >= self.config.max_concurrent_requests:
             raise queue_full(retry_after_s=1)
         self.num_in_flight += 1  # taken before any await, so a burst cannot slip past the limit
@@ -205,7 +205,7 @@ class Completions:
         if answer.shape.score_only:
             return "length"
         if answer.tool_calls is not None:
-            return "tool_calls" if answer.shape.tool_choice == "required" else "stop"
+            return "stop" if answer.shape.tool_choice not in ("required", "auto") else "tool_calls"
         return openai_finish_reason(result.finish_reason)
 
     def _usage(self, run: ChoiceRun, answers: list[ChoiceAnswer]) -> dict:
@@ -240,7 +240,8 @@ class Completions:
                 reason = self._finish_reason(answers[i], run.results[i])
                 if is_chat:
                     choices.append(protocol.chat_choice(len(choices), answers[i].whole_text, reason,
-                                                        answers[i].logprobs, answers[i].tool_calls))
+                                                        answers[i].logprobs, answers[i].tool_calls,
+                                                        answers[i].text_besides_calls))
                 else:
                     choices.append(protocol.completion_choice(len(choices), answers[i].whole_text, reason,
                                                               answers[i].logprobs))
@@ -281,8 +282,8 @@ class Completions:
                 tail = answer.finish(result.finish_reason)
                 if answer.shape.tool_choice is not None:
                     calls = answer.tool_calls
-                    yield (protocol.sse_event(protocol.chat_chunk(request_id, model_id, None, None, created_s,
-                                                                  index=index, tool_calls=calls))
+                    yield (protocol.sse_event(protocol.chat_chunk(request_id, model_id, answer.text_besides_calls,
+                                                                  None, created_s, index=index, tool_calls=calls))
                            if calls is not None else chunk(index, answer.text, None))
                 elif tail:
                     yield chunk(index, tail, None)

@@ -88,11 +88,11 @@ def completion_usage_chunk(request_id: str, model: str, created_s: int, usage: d
 
 
 def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
+                tool_calls: list[dict] | None = None, text_besides_calls: str | None = None) -> dict:
     """One assistant message of a `chat.completion`; `logprobs` in OpenAI's chat form ({"content": [...]}); with
-    `tool_calls`, the message carries them and no content."""
+    `tool_calls`, the message carries them, and as content only the text besides them."""
     message = {"role": "assistant", "content": text} if tool_calls is None else {
-        "role": "assistant", "content": None, "tool_calls": tool_calls}
+        "role": "assistant", "content": text_besides_calls, "tool_calls": tool_calls}
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

@@ -5,8 +5,11 @@
                                 `arguments` (finish_reason "stop", as OpenAI answers a forced call)
     "required"                  under {"name": one of the functions, "arguments": its parameters}: one call
                                 (finish_reason "tool_calls")
-    "auto" (the default with tools)   needs the model's own tool-call format in its chat template; SmolLM2's and
-                                Gemma 3's templates have none, and the answer is a 400 saying so
+    "auto" (the default with tools)   the model decides, in its own tool-call format: a chat template that renders
+                                tools and writes calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>
+                                (Hermes' format: Qwen 2.5 and 3 among others) is read; the answer's text is
+                                buffered and sent once complete. Templates without a tool format (SmolLM2's,
+                                Gemma 3's) or with another one are a 400 saying so
 
 The model learns of the tools through its template when the template takes them, else through a system message
 listing their schemas. A call in an earlier assistant message, and a `tool` message with its result, are rendered
@@ -14,11 +17,15 @@ the same way.
 """
 
 import json
+import re
 import uuid
 from typing import Any
 
 from cluster.ingress.errors import bad_request
 from workers.sampling_params import GrammarSpec
+
+HERMES_OPEN = "<tool_call>"
+HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def tool_choice(req) -> str | None:
@@ -55,12 +62,15 @@ def tool_grammar(req) -> GrammarSpec | None:
 
 def template_messages(req, messages: list[dict], tokenizer) -> tuple[list[dict], list[dict] | None]:
     """The messages (and tools) to hand the chat template: as they are when it takes tools, else with the tools
-    listed in a system message and calls written as JSON; a 400 for "auto" without the model's own format."""
+    listed in a system message and calls written as JSON; a 400 for "auto" without a tool format read here."""
     choice = tool_choice(req)
-    takes_tools = "tools" in (getattr(tokenizer, "chat_template", None) or "")
-    if choice == "auto":
-        raise bad_request("tool_choice \"auto\" needs a model whose chat template has its own tool-call format; "
-                          "this model's has none: use tool_choice \"required\" or name a function", "tool_choice")
+    template = getattr(tokenizer, "chat_template", None) or ""
+    takes_tools = "tools" in template
+    if choice == "auto" and not (takes_tools and HERMES_OPEN in template):
+        why = ("its tool-call format is not one this server reads (Hermes' <tool_call> JSON)" if takes_tools
+               else "it has no tool-call format")
+        raise bad_request(f"tool_choice \"auto\" lets the model call tools in its own format, and this model's chat "
+                          f"template: {why}; use tool_choice \"required\" or name a function", "tool_choice")
     if takes_tools:
         return messages, [tool.model_dump() for tool in req.tools] if req.tools else None
     rendered = [_as_text(message) for message in messages]
@@ -72,18 +82,40 @@ def template_messages(req, messages: list[dict], tokenizer) -> tuple[list[dict],
 
 
 def calls_of(choice: str, text: str) -> list[dict] | None:
-    """OpenAI's `tool_calls` for an answer generated under `tool_grammar`; None when it is not a complete call
-    (it ran out of tokens)."""
+    """OpenAI's `tool_calls` of an answer: for a forced call (generated under `tool_grammar`) the call, None when it
+    ran out of tokens; under "auto" the Hermes-format calls in the text, None when it has none."""
+    if choice == "auto":
+        found = [_hermes_call(block) for block in HERMES_CALL.findall(text)]
+        calls = [call for call in found if call is not None]
+        return [_call(name, arguments) for name, arguments in calls] or None
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError:
         return None
-    if choice == "required":
-        name, arguments = parsed["name"], parsed["arguments"]
-    else:
-        name, arguments = choice, parsed
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments)}}]
+    return [_call(parsed["name"], parsed["arguments"]) if choice == "required" else _call(choice, parsed)]
+
+
+def text_besides_calls(choice: str, text: str) -> str | None:
+    """Under "auto", the answer's text outside its calls (None when there is none); a forced call has no text."""
+    if choice != "auto":
+        return None
+    rest = HERMES_CALL.sub("", text).strip()
+    return rest or None
+
+
+def _call(name: str, arguments: Any) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)}}
+
+
+def _hermes_call(block: str) -> tuple[str, Any] | None:
+    try:
+        parsed = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+        return None
+    return parsed["name"], parsed.get("arguments", parsed.get("parameters", {}))
 
 
 def _functions(req) -> dict[str, dict[str, Any]]:
