@@ -68,10 +68,10 @@ def test_bf16_logits_stay_within_a_stated_tolerance_of_hugging_faces(gemma3_dir)
     run = engine.runner.run
 
     def recording_run(chunks, allocator, want_hidden=False):
-        logits, hidden, sampling = run(chunks, allocator, want_hidden)
+        logits, hidden, sampling, scores = run(chunks, allocator, want_hidden)
         for row, chunk in zip(logits, sampling):
             rows.setdefault(chunk.seq.seq_id, []).append(row.float().clone())
-        return logits, hidden, sampling
+        return logits, hidden, sampling, scores
 
     engine.runner.run = recording_run
     seq_ids = [engine.add_request(prompt, SamplingParams(max_tokens=8, ignore_eos=True)) for prompt in ids]

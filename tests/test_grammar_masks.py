@@ -32,6 +32,29 @@ def test_mask_disallowed_leaves_only_the_allowed_tokens_of_the_constrained_rows(
     assert masked.dtype == torch.float32 and not torch.equal(masked, logits)  # a copy: logprobs read the original
 
 
+def test_a_grammar_wins_where_min_tokens_bans_would_leave_a_row_nothing():
+    from workers.sampling import Sampler
+
+    logits = torch.randn(2, 64)
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 5  # the grammar allows token 5 alone, which is EOS here
+    params = [SamplingParams(max_tokens=8, min_tokens=4), SamplingParams(max_tokens=8, min_tokens=4, temperature=1.0)]
+    picks = Sampler(frozenset({5})).sample(logits, ["a", "b"], params, [([1], []), ([1], [])],
+                                           ([0, 1], torch.cat([bitmask, bitmask])))
+    assert picks == [5, 5]  # not NaN, not a token outside the grammar
+
+
+def test_masks_computed_during_the_forward_follow_the_rows_order(smollm2_tokenizer):
+    masks = GrammarMasks(smollm2_tokenizer, 49152)
+    masks.add("digits", GrammarSpec("regex", "[0-9]+"), [])
+    masks.add("yes", GrammarSpec("choice", json.dumps(["yes"])), [])
+    masks.begin(["yes", "digits"])  # the scheduler's order
+    rows, overlapped = masks.allowed(["digits", "free", "yes"])  # the forward's
+    rows_again, direct = masks.allowed(["digits", "free", "yes"])  # nothing pending: computed here
+    assert rows == rows_again == [0, 2] and torch.equal(overlapped, direct)
+    masks.close()
+
+
 def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

@@ -46,9 +46,9 @@ def test_a_required_call_picks_its_function_and_streams_in_openais_shape(smollm2
     body = answer(completions, {**ASK, "tool_choice": "required"}, is_chat=True)
     choice = ChatCompletion.model_validate(body).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "weather"
-    schema = json.loads(workers.jobs[0].params.grammar.text)
-    assert [alternative["properties"]["name"] for alternative in schema["anyOf"]] == [{"const": "weather"},
-                                                                                     {"const": "time_in"}]
+    grammar = workers.jobs[0].params.grammar
+    assert grammar.format == "grammar" and grammar.text.startswith("start: call0 | call1")
+    assert '"{\\"name\\": \\"weather\\", \\"arguments\\": "' in grammar.text  # one alternative per function
     chunks = [ChatCompletionChunk.model_validate(c) for c in stream(completions, {**ASK, "tool_choice": "required"},
                                                                     is_chat=True)]
     calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
@@ -65,7 +65,7 @@ def test_auto_says_the_model_has_no_tool_format_and_none_answers_in_text(smollm2
     assert raised.value.status_code == 400 and "it has no tool-call format" in raised.value.message
     body = answer(completions, {**ASK, "tool_choice": "none"}, is_chat=True)
     assert body["choices"][0]["message"]["content"] and "tool_calls" not in body["choices"][0]["message"]
-    for bad, words in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "names no function"),
+    for bad, words in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "naming one of tools"),
                        ({"tool_choice": "sometimes"}, "tool_choice must be"),
                        ({"tools": None, "tool_choice": "required"}, "tool_choice needs tools"),
                        ({"tool_choice": "required", "guided_regex": "x"}, "set one structured-output constraint")):
@@ -84,7 +84,7 @@ def test_earlier_calls_and_tool_results_reach_the_template_as_text(smollm2_token
     assert tools is None  # SmolLM2's template takes no tools: they are listed in a system message
     assert messages[0]["role"] == "system" and '"name": "weather"' in messages[0]["content"]
     assert messages[2] == {"role": "assistant", "content": '{"name": "weather", "arguments": {"city": "Paris"}}'}
-    assert messages[3] == {"role": "tool", "content": "18 C, sunny"}
+    assert messages[3] == {"role": "user", "content": "The call returned: 18 C, sunny"}
     with pytest.raises(ValueError, match="only assistant messages carry tool_calls"):
         protocol.ChatMessage.model_validate({"role": "user", "content": "x", "tool_calls": [{"function": {}}]})
     with pytest.raises(ValueError, match="content is required"):
@@ -128,3 +128,63 @@ def test_auto_without_a_call_is_a_text_answer_and_an_unread_format_is_a_400(herm
     completions, _ = make_completions(other, _workers(other, "x"))
     with pytest.raises(APIError, match="not one this server reads"):
         answer(completions, ASK, is_chat=True)
+
+
+def test_required_keeps_each_schema_whole_so_its_refs_resolve(smollm2_tokenizer):
+    from cluster.ingress.tool_calls import tool_grammar
+    from workers.grammar import check_grammar
+
+    nested = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"guest": {"$ref": "#/$defs/Guest"}}, "required": ["guest"],
+        "$defs": {"Guest": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}}}
+    req = protocol.ChatCompletionRequest.model_validate({**ASK, "model": "m", "tools": [nested, WEATHER],
+                                                         "tool_choice": "required"})
+    spec = tool_grammar(req)
+    check_grammar(spec)  # compiles: the $ref resolves inside its own schema
+    workers = _workers(smollm2_tokenizer, '{"name": "book", "arguments": {"guest": {"name": "Ada"}}}')
+    completions, _ = make_completions(smollm2_tokenizer, workers)
+    body = answer(completions, {**ASK, "tools": [nested, WEATHER], "tool_choice": "required"}, is_chat=True)
+    call = body["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "book" and json.loads(call["arguments"]) == {"guest": {"name": "Ada"}}
+
+
+def test_a_call_cut_by_the_limit_finishes_length_and_parallel_false_keeps_one(hermes_tokenizer, smollm2_tokenizer):
+    completions, _ = make_completions(smollm2_tokenizer, _workers(smollm2_tokenizer, '{"city": "Paris"}'))
+    named = {"type": "function", "function": {"name": "weather"}}
+    body = answer(completions, {**ASK, "tool_choice": named, "max_tokens": 3}, is_chat=True)
+    assert body["choices"][0]["finish_reason"] == "length"
+    two = ('<tool_call>{"name": "weather", "arguments": {"city": "A"}}</tool_call>'
+           '<tool_call>{"name": "time_in", "arguments": {}}</tool_call>')
+    completions, _ = make_completions(hermes_tokenizer, _workers(hermes_tokenizer, two))
+    both = answer(completions, {**ASK, "max_tokens": 60}, is_chat=True)["choices"][0]["message"]["tool_calls"]
+    one = answer(completions, {**ASK, "max_tokens": 60, "parallel_tool_calls": False},
+                 is_chat=True)["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in both] == ["weather", "time_in"] and len(one) == 1
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"tool_choice": {"type": "function", "function": "weather"}}, "tool_choice must be"),
+    ({"tool_choice": {"type": "function", "function": {"name": ["weather"]}}}, "tool_choice must be"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "the same function twice"),
+])
+def test_malformed_tool_requests_are_400s(smollm2_tokenizer, fields, words):
+    completions, _ = make_completions(smollm2_tokenizer, _workers(smollm2_tokenizer, "x"))
+    with pytest.raises(APIError, match=words) as raised:
+        answer(completions, {**ASK, **fields}, is_chat=True)
+    assert raised.value.status_code == 400
+
+
+def test_bad_calls_and_schemas_are_refused_and_tool_results_become_user_turns(smollm2_tokenizer):
+    with pytest.raises(ValueError, match="a JSON object as text"):
+        protocol.ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [
+            {"function": {"name": "weather", "arguments": "{not json"}}]})
+    with pytest.raises(ValueError, match="parameters must be an object schema"):
+        protocol.ToolSpec.model_validate({"type": "function", "function": {"name": "f",
+                                                                            "parameters": {"type": "integer"}}})
+    req = protocol.ChatCompletionRequest.model_validate({"model": "m", "tools": [WEATHER], "tool_choice": "required",
+                                                         "messages": [{"role": "system", "content": "Be brief."},
+                                                                      {"role": "tool", "content": "18 C"}]})
+    messages, _ = template_messages(req, protocol.chat_messages(req), smollm2_tokenizer)
+    assert [m["role"] for m in messages] == ["system", "user"]  # one system turn, the listing appended to it
+    assert messages[0]["content"].startswith("Be brief.") and '"weather"' in messages[0]["content"]
+    assert messages[1]["content"] == "The call returned: 18 C"

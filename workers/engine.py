@@ -44,7 +44,7 @@ class Engine:
     Args:
         model: causal LM in eval mode, on its target device.
         config: engine settings.
-        tokenizer: needed only for stop strings and output text.
+        tokenizer: needed for stop strings and structured output (grammars are matched on its tokens).
         backend: KV kernels; chosen from the model's device when None.
         policy: admission, reservation and preemption rules; on-demand paging when None.
         probe: re-bounds each sequence's output length from its hidden state (see
@@ -105,7 +105,7 @@ class Engine:
         self.runner = LeadRunner(runner) if tensor_parallel_size > 1 else runner
         self.eos_token_ids = _eos_ids(model)
         self.sampler = Sampler(self.eos_token_ids)
-        self.grammars = GrammarMasks(tokenizer, self.vocab_size,  # structured output's matchers
+        self.grammars = GrammarMasks(tokenizer, self.vocab_size, self.eos_token_ids,  # structured output's matchers
                                      None if device.type == "cuda" else CPU_OVERLAP_MAX_ROWS)
         wanted = probe is not None and (self.scheduler.policy.reads_prediction or not probe.refines_bounds)
         self.probe = probe if wanted else None
@@ -122,6 +122,7 @@ class Engine:
 
     def close(self) -> None:
         """Release the follower ranks of a tensor-parallel engine (it cannot step again); a no-op otherwise."""
+        self.grammars.close()
         if isinstance(self.runner, LeadRunner):
             self.runner.close()
 
@@ -166,8 +167,6 @@ class Engine:
         if kv is not None:
             kv.check_fits(self.runner.transfer_shape)
         check_plan(predicted_output_tokens, priority)
-        if params.grammar is not None:
-            self.grammars.add(seq_id, params.grammar, resumed)  # last: it raises, or the request is taken
         seq = Sequence(
             seq_id=seq_id,
             priority=priority,
@@ -182,12 +181,18 @@ class Engine:
         # The policy's own needs (e.g. oracle wants the true length): fail here,
         # not inside a later step where it would stall every request.
         self.scheduler.policy.reservation_tokens(seq)
+        if params.grammar is not None:
+            self.grammars.add(seq_id, params.grammar, resumed)  # raises for a grammar it cannot compile
         if kv is not None:
             # At least the last known token must be computed here so that a step samples the next one;
             # KV of a token depends only on the tokens before it, so a prefix of the KV stays valid.
             kv = kv.truncated(min(kv.num_computed_tokens, seq.num_tokens - 1))
             if kv.num_computed_tokens > 0:
-                self.runner.import_swapped(seq_id, list(kv.layers))
+                try:
+                    self.runner.import_swapped(seq_id, list(kv.layers))
+                except Exception:
+                    self.grammars.forget(seq_id)
+                    raise
                 seq.num_computed_tokens = kv.num_computed_tokens
                 seq.is_swapped = True
         flag_loop(seq)  # a resumed answer (moved, re-placed) may repeat itself already

@@ -60,11 +60,13 @@ class GrammarMasks:
     Args:
         tokenizer: the engine's Hugging Face tokenizer (a fast one); None: requests with a grammar are refused.
         vocab_size: the width of the model's logits.
+        eos_token_ids: the model's end tokens (a complete grammar lets them end the answer).
         overlap_max_rows: most constrained rows whose masks `begin` computes during the forward (None: any).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, overlap_max_rows: int | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids=(), overlap_max_rows: int | None = None) -> None:
         self._tokenizer = tokenizer
+        self._eos_token_ids = sorted(eos_token_ids)
         self._overlap_max_rows = overlap_max_rows
         self._vocab_size = vocab_size
         self._lltokenizer = None  # built at the first grammar (about 0.3 s for a 49k vocabulary)
@@ -82,7 +84,8 @@ class GrammarMasks:
         if self._tokenizer is None:
             raise ValueError("structured output needs an engine built with a tokenizer")
         if self._lltokenizer is None:
-            self._lltokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size)
+            self._lltokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
+                                                             eos_token=self._eos_token_ids or None)
         matcher = llguidance.LLMatcher(self._lltokenizer, grammar_definition(spec))
         if matcher.is_error():
             raise ValueError(f"{spec.format}: {matcher.get_error()}")
@@ -93,8 +96,13 @@ class GrammarMasks:
     def forget(self, seq_id: str) -> None:
         self._matchers.pop(seq_id, None)
 
+    def close(self) -> None:
+        self._wait()
+        self._helper.shutdown(wait=True)
+
     def begin(self, seq_ids: list[str]) -> None:
         """Start computing the masks of the constrained ones of seq_ids (the sequences a step will sample)."""
+        self._wait()  # a step that failed after its begin() may have left one running
         ids = [seq_id for seq_id in seq_ids if seq_id in self._matchers]
         overlaps = ids and (self._overlap_max_rows is None or len(ids) <= self._overlap_max_rows)
         self._pending = (ids, self._helper.submit(self._fill, ids)) if overlaps else None
@@ -107,11 +115,17 @@ class GrammarMasks:
         if not rows:
             return None
         wanted = [seq_ids[row] for row in rows]
-        if pending is not None and pending[0] == wanted:
-            return rows, pending[1].result()
         if pending is not None:
-            pending[1].result()  # never leave a fill running over matchers about to advance
+            bitmask = pending[1].result()  # never leave a fill running over matchers about to advance
+            if sorted(pending[0]) == sorted(wanted):  # the same rows, perhaps in the forward's order
+                position = {seq_id: i for i, seq_id in enumerate(pending[0])}
+                return rows, bitmask[[position[seq_id] for seq_id in wanted]]
         return rows, self._fill(wanted)
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[1].exception()  # waits; a failed fill is simply dropped
 
     def _fill(self, seq_ids: list[str]) -> torch.Tensor:
         bitmask = llguidance.torch.allocate_token_bitmask(len(seq_ids), self._vocab_size)  # [R, W]

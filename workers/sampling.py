@@ -31,10 +31,11 @@ class Sampler:
         """Sample from logits [num_seqs, vocab_size]; returns one token id per row. `histories`: each row's
         (prompt token ids, output token ids), which the penalties and min_tokens read (None: no row has any).
         `allowed`: structured output's rows and their token bitmask (`workers.grammar_masks`), applied last."""
+        raw = logits
         if histories is not None:
             logits = adjust_logits(logits, params, histories, self.eos_token_ids)
         if allowed is not None:
-            logits = mask_disallowed(logits, *allowed)
+            logits = _masked(raw, logits, allowed, [params[row] for row in allowed[0]])
         token_ids = torch.max(logits, dim=-1).indices.tolist()  # 5x faster than argmax on bf16 here
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
@@ -87,3 +88,23 @@ def _truncate(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch
     keep = (torch.arange(vocab)[None] < top_k) & (sorted_probs >= min_p * sorted_probs[:, :1])  # [N, V]
     kept = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
     return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _masked(raw: torch.Tensor, adjusted: torch.Tensor, allowed: tuple[list[int], torch.Tensor],
+            params: list[SamplingParams]) -> torch.Tensor:
+    """The adjusted logits [N, V] with each constrained row's disallowed tokens at -inf. A row whose bans
+    (min_tokens' EOS and stop ids) leave its grammar no token takes the grammar's mask over its raw logits instead:
+    the grammar wins, and one request can never leave a row with nothing to pick (NaN in the whole step)."""
+    rows, bitmask = allowed
+    out = mask_disallowed(adjusted, rows, bitmask)
+    banned = [i for i, p in enumerate(params) if p.adjusts_logits]  # only bans put -inf before the mask
+    if not banned:
+        return out
+    index = torch.tensor([rows[i] for i in banned], device=out.device)
+    empty = torch.isneginf(out.index_select(0, index)).all(dim=-1).tolist()  # [B]
+    dead = [i for i, is_empty in zip(banned, empty) if is_empty]
+    if dead:
+        fallback = mask_disallowed(raw, [rows[i] for i in dead], bitmask[dead])
+        for i in dead:
+            out[rows[i]] = fallback[rows[i]]
+    return out

@@ -59,7 +59,8 @@ class SamplingParams:
         prompt_logprobs: the same for every prompt token after the first (scoring, OpenAI's `echo`); None: none.
             Such a request computes its whole prompt (no prefix-cache hits, no KV brought along by a move).
         grammar: the output must match it (structured output): tokens it does not allow are never picked, and
-            the output ends ("stop") once it is complete and can grow no further. None: free text.
+            the output ends ("stop") once it is complete and can grow no further, whatever ignore_eos and
+            forced_output_tokens say; where min_tokens' bans would leave it no token, it wins. None: free text.
     """
 
     max_tokens: int = 256

@@ -1,8 +1,16 @@
 """The messages and tools of a chat request (pydantic, strict, as `cluster.ingress.openai_protocol` reads bodies)."""
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, field_validator, model_validator
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 class FunctionSpec(BaseModel):
@@ -14,6 +22,13 @@ class FunctionSpec(BaseModel):
     description: StrictStr | None = None
     parameters: dict[StrictStr, Any] | None = None
     strict: StrictBool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, value: dict | None) -> dict | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("parameters must be an object schema (a call's arguments are a JSON object)")
+        return value
 
 
 class ToolSpec(BaseModel):
@@ -52,8 +67,9 @@ class ChatMessage(BaseModel):
         for call in self.tool_calls or ():
             function = call.get("function")
             if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
-                    function.get("arguments", "{}"), str):
-                raise ValueError('each tool call must be {"function": {"name": ..., "arguments": "<JSON text>"}}')
+                    function.get("arguments", "{}"), str) or not _is_json_object(function.get("arguments", "{}")):
+                raise ValueError('each tool call must be {"function": {"name": ..., "arguments": "<a JSON object as '
+                                 'text>"}}')
         return self
 
     @field_validator("role", mode="before")

@@ -31,6 +31,7 @@ class AnswerShape:
     echo: bool = False
     score_only: bool = False
     tool_choice: str | None = None
+    one_call: bool = False  # parallel_tool_calls false: the first call only
 
 
 class ChoiceAnswer:
@@ -46,6 +47,7 @@ class ChoiceAnswer:
         self._parts: list[dict] = []  # completion form, piece by piece
         self._token_logprobs: list[TokenLogprob] = []
         self._started = False
+        self._calls: tuple[list[dict] | None] | None = None
         self.text = ""
         self.num_tokens = 0
 
@@ -73,8 +75,12 @@ class ChoiceAnswer:
 
     @property
     def tool_calls(self) -> list[dict] | None:
-        """OpenAI's `tool_calls` of a forced call's answer; None for text, or a call cut short by the limit."""
-        return None if self.shape.tool_choice is None else calls_of(self.shape.tool_choice, self.text)
+        """OpenAI's `tool_calls` of the answer (read once: their ids stay); None for text, or a forced call cut
+        short by the limit."""
+        if self._calls is None and self.shape.tool_choice is not None:
+            calls = calls_of(self.shape.tool_choice, self.text)
+            self._calls = (calls[:1] if calls and self.shape.one_call else calls,)
+        return None if self._calls is None else self._calls[0]
 
     @property
     def text_besides_calls(self) -> str | None:

@@ -82,7 +82,8 @@ class Completions:
         forced = tool_choice(req) if is_chat else None
         shape = AnswerShape(is_chat, req.stop_sequences, bool(req.logprobs) if is_chat else req.logprobs is not None,
                             echo=not is_chat and req.echo, score_only=not is_chat and req.max_tokens == 0,
-                            tool_choice=None if forced in (None, "none") else forced)
+                            tool_choice=None if forced in (None, "none") else forced,
+                            one_call=is_chat and req.parallel_tool_calls is False)
         if self.num_in_flight >= self.config.max_concurrent_requests:
             raise queue_full(retry_after_s=1)
         self.num_in_flight += 1  # taken before any await, so a burst cannot slip past the limit
@@ -204,7 +205,7 @@ class Completions:
         forced call is "tool_calls" ("stop" when the request named the function, as OpenAI answers)."""
         if answer.shape.score_only:
             return "length"
-        if answer.tool_calls is not None:
+        if answer.tool_calls is not None and result.finish_reason == "stop":  # a call cut by the limit: "length"
             return "stop" if answer.shape.tool_choice not in ("required", "auto") else "tool_calls"
         return openai_finish_reason(result.finish_reason)
 

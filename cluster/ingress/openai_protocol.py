@@ -4,11 +4,11 @@ Requests are pydantic models (the HTTP edge): strict types, so `"max_tokens": "1
 `true` is a 400 rather than a silent coercion; `null` means the default wherever OpenAI's
 spec makes a field nullable (openai-python sends `"temperature": null` for
 `temperature=None`); unknown fields are ignored because the official clients send some we
-do not use; parameters we do not implement (tools, beam search) are rejected when set to
-anything but their default, never silently dropped. OpenAI's logit_bias, penalties, logprobs,
-echo, n and best_of, several prompts per completion request, structured output
-(response_format, vLLM's guided_* and structured_outputs) and vLLM's sampling extras (top_k,
-min_p, repetition_penalty, min_tokens, stop_token_ids) are served. The response builders live
+do not use; parameters we do not implement (beam search, OpenAI's deprecated functions) are
+rejected when set to anything but their default, never silently dropped. OpenAI's logit_bias,
+penalties, logprobs, echo, n and best_of, several prompts per completion request, structured
+output (response_format, vLLM's guided_* and structured_outputs), tools, and vLLM's sampling
+extras (top_k, min_p, repetition_penalty, min_tokens, stop_token_ids) are served. The response builders live
 in `cluster/ingress/openai_responses.py` and are re-exported here, so the router imports the
 whole protocol from one place.
 """

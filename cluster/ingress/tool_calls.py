@@ -3,7 +3,8 @@
     tool_choice "none"          the model answers in text
     a named function            the answer is generated under that function's parameter schema: it is the call's
                                 `arguments` (finish_reason "stop", as OpenAI answers a forced call)
-    "required"                  under {"name": one of the functions, "arguments": its parameters}: one call
+    "required"                  under {"name": one of the functions, "arguments": its parameters} (a Lark
+                                grammar holding each schema whole, so its own $refs resolve): one call
                                 (finish_reason "tool_calls")
     "auto" (the default with tools)   the model decides, in its own tool-call format: a chat template that renders
                                 tools and writes calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>
@@ -22,6 +23,7 @@ import uuid
 from typing import Any
 
 from cluster.ingress.errors import bad_request
+from workers.grammar import JSON_LAYOUT
 from workers.sampling_params import GrammarSpec
 
 HERMES_OPEN = "<tool_call>"
@@ -34,11 +36,16 @@ def tool_choice(req) -> str | None:
         if req.tool_choice not in (None, "none"):
             raise bad_request("tool_choice needs tools", "tool_choice")
         return None
+    names = [tool.function.name for tool in req.tools]
+    if len(set(names)) < len(names):
+        raise bad_request("tools name the same function twice", "tools")
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in _functions(req):
-            raise bad_request(f"tool_choice names no function of tools: {name!r}", "tool_choice")
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or name not in names:
+            raise bad_request(f"tool_choice must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                              f"naming one of tools' functions, got {choice!r}", "tool_choice")
         return name
     if choice not in ("none", "auto", "required"):
         raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
@@ -54,10 +61,12 @@ def tool_grammar(req) -> GrammarSpec | None:
         return None
     if choice != "required":
         return GrammarSpec("json_schema", json.dumps(functions[choice]))
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-              "required": ["name", "arguments"], "additionalProperties": False}
-             for name, parameters in functions.items()]
-    return GrammarSpec("json_schema", json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}))
+    rules = ["start: " + " | ".join(f"call{i}" for i in range(len(functions)))]
+    for i, (name, parameters) in enumerate(functions.items()):
+        head = json.dumps('{"name": ' + json.dumps(name) + ', "arguments": ')
+        rules.append(f"call{i}: {head} arguments{i} " + json.dumps("}"))
+        rules.append(f"arguments{i}: %json " + json.dumps({**parameters, "x-guidance": JSON_LAYOUT}))
+    return GrammarSpec("grammar", "\n".join(rules))
 
 
 def template_messages(req, messages: list[dict], tokenizer) -> tuple[list[dict], list[dict] | None]:
@@ -71,13 +80,17 @@ def template_messages(req, messages: list[dict], tokenizer) -> tuple[list[dict],
                else "it has no tool-call format")
         raise bad_request(f"tool_choice \"auto\" lets the model call tools in its own format, and this model's chat "
                           f"template: {why}; use tool_choice \"required\" or name a function", "tool_choice")
-    if takes_tools:
-        return messages, [tool.model_dump() for tool in req.tools] if req.tools else None
+    if takes_tools:  # calls' arguments as objects, as templates expect them (Qwen 2.5's would encode text again)
+        return ([{**m, "tool_calls": [_with_object_arguments(c) for c in m["tool_calls"]]} if m.get("tool_calls")
+                 else m for m in messages], [tool.model_dump() for tool in req.tools] if req.tools else None)
     rendered = [_as_text(message) for message in messages]
     if req.tools and choice != "none":
-        listing = json.dumps([tool.model_dump()["function"] for tool in req.tools])
-        rendered.insert(0, {"role": "system", "content": f"You can call these functions (answer with the call as "
-                                                         f"JSON): {listing}"})
+        listing = ("You can call these functions (answer with the call as JSON): "
+                   + json.dumps([tool.model_dump()["function"] for tool in req.tools]))
+        if rendered and rendered[0]["role"] == "system":  # one system turn: some templates allow no second
+            rendered[0] = {"role": "system", "content": f"{rendered[0]['content']}\n\n{listing}"}
+        else:
+            rendered.insert(0, {"role": "system", "content": listing})
     return rendered, None
 
 
@@ -124,10 +137,18 @@ def _functions(req) -> dict[str, dict[str, Any]]:
             for tool in req.tools or ()}
 
 
+def _with_object_arguments(call: dict) -> dict:
+    function = call["function"]
+    return {**call, "function": {**function, "arguments": json.loads(function.get("arguments") or "{}")}}
+
+
 def _as_text(message: dict) -> dict:
-    """A message for a template without tool support: calls as JSON text, a tool's result as its content."""
+    """A message for a template without tool support: calls as JSON text, a tool's result as a user turn (templates
+    that know no tool role, Gemma 3's among them, refuse one)."""
     if message.get("tool_calls"):
-        calls = [{"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"] or "{}")}
+        calls = [{"name": call["function"]["name"], "arguments": json.loads(call["function"].get("arguments") or "{}")}
                  for call in message["tool_calls"]]
         return {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"The call returned: {message.get('content') or ''}"}
     return {"role": message["role"], "content": message.get("content") or ""}
