@@ -170,3 +170,29 @@ def sliding_window(config) -> int | None:
     if layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return int(window)
+
+
+def byte_tokenizer():
+    """A fast tokenizer whose 256 tokens are the bytes (ids 0..255) and whose EOS is id 256: a real vocabulary for a
+    tiny model, so grammars run against it without model files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda char: _byte_of(char))
+    vocab = {char: byte for byte, char in enumerate(byte_chars)}
+    vocab["</s>"] = 256
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>")
+
+
+def _byte_of(char: str) -> int:
+    """GPT-2's byte-to-character map, inverted: printable bytes map to themselves, the rest to 256 + n."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    code = ord(char)
+    if code in printable:
+        return code
+    others = [b for b in range(256) if b not in printable]
+    return others[code - 256]

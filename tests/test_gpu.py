@@ -1,6 +1,6 @@
 """The GPU path, written once and run on both devices: Triton kernels against the reference, the engine's mixed
 prefill + decode steps against HF greedy, sliding-window models against HF greedy, swapping KV blocks to host memory
-and back, and the length probe reading hidden states on the device.
+and back, the length probe reading hidden states on the device, and grammars masking logits where they are.
 
 `make test` runs the CPU variants (Triton through its interpreter, the engine on the CPU backend), so the tests'
 logic is checked on every machine; the CUDA variants carry the `gpu` marker: `make test` deselects them and
@@ -8,17 +8,19 @@ logic is checked on every machine; the CUDA variants carry the `gpu` marker: `ma
 """
 
 import copy
+import json
+import re
 
 import pytest
 import torch
 
-from engine_driver import hf_greedy_runner, make_prompt, run_engine, tiny_architecture
+from engine_driver import byte_tokenizer, hf_greedy_runner, make_prompt, run_engine, tiny_architecture
 from kv_kernels import reference, triton_kernels
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
 from workers.model_runner import pool_shape_for
 from workers.models import make_tiny_model
-from workers.sampling_params import SamplingParams
+from workers.sampling_params import GrammarSpec, SamplingParams
 
 DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 BLOCK_SIZE = 4
@@ -152,3 +154,38 @@ def test_sliding_window_models_answer_as_hf_where_the_engine_runs(device, name):
     for seq_id, (prompt, params) in requests.items():
         assert list(outputs[seq_id].output_token_ids) == hf_greedy(prompt, params.max_tokens), (name, seq_id)
     assert engine.scheduler.num_preemptions > 0
+
+
+@DEVICES
+def test_constrained_answers_keep_to_their_grammar_where_the_engine_runs(device):
+    """Grammar masks (built on the host) applied to the device's logits: greedy and sampled rows, with logprobs,
+    beside an unconstrained row, all end complete and match their grammar."""
+    tokenizer = byte_tokenizer()
+    model = make_tiny_model(seed=1, vocab_size=len(tokenizer), init_std=0.2).to(device)
+    engine = Engine(model, EngineConfig(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=8,
+                                        max_num_batched_tokens=64), tokenizer=tokenizer)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "pets": {"type": "array", "maxItems": 2,
+                                                        "items": {"enum": ["cat", "dog"]}}},
+              "required": ["name", "pets"], "additionalProperties": False}
+    specs = {f"json{i}": GrammarSpec("json_schema", json.dumps(schema)) for i in range(2)}
+    specs["regex"] = GrammarSpec("regex", "[A-Z][a-z]{2,5} [0-9]{2}")
+    prompt = tokenizer("A record:", add_special_tokens=False)["input_ids"]
+    for i, (seq_id, spec) in enumerate(specs.items()):
+        engine.add_request(prompt, SamplingParams(max_tokens=120, temperature=1.0 if i else 0.0, seed=i, logprobs=0,
+                                                  grammar=spec), seq_id=seq_id)
+    engine.add_request(prompt, SamplingParams(max_tokens=6, ignore_eos=True), seq_id="free")
+    finished = {}
+    for _ in range(500):
+        finished.update({out.seq_id: out for out in engine.step() if out.is_finished})
+        if not engine.has_unfinished():
+            break
+    for seq_id in specs:
+        text = tokenizer.decode(finished[seq_id].output_token_ids, skip_special_tokens=True)
+        assert finished[seq_id].finish_reason == "stop", (seq_id, text)
+        if seq_id.startswith("json"):
+            answer = json.loads(text)
+            assert set(answer) == {"name", "pets"} and len(answer["name"]) <= 6, text
+        else:
+            assert re.fullmatch("[A-Z][a-z]{2,5} [0-9]{2}", text), text
+    assert finished["free"].finish_reason == "length" and not engine.grammars
