@@ -77,7 +77,7 @@ serve: setup
 	$(VENV)/bin/s3serve serve
 
 test: setup
-	$(PY) -m pytest -m "not gpu"
+	$(PY) -m pytest -m "not gpu" --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not gpu"

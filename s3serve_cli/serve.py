@@ -66,10 +66,11 @@ class RunningService:
     health: dict
 
 
-# Serve checks that its HTTP proxy is up with a 5 s timeout, three times; on a machine whose cores
-# another process keeps busy the proxy needs longer, and start-up died with a traceback. Our local
-# cluster gets generous timeouts (a cluster started by `ray start` keeps its own settings).
-SERVE_PROXY_TIMEOUTS_S = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": 60.0,
+# Serve checks that its HTTP proxy is up with a 5 s timeout, three times, and kills and restarts a proxy that
+# misses it; with every core of a 2-core machine busy with another process the proxy takes about two minutes to
+# start, so it never came up. Our local cluster gets generous timeouts (a cluster started by `ray start` keeps
+# its own settings).
+SERVE_PROXY_TIMEOUTS_S = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": 600.0,
                           "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": 60.0}
 
 
@@ -78,6 +79,22 @@ def allow_slow_serve_proxy() -> None:
     whose processes inherit the environment."""
     for name, value_s in SERVE_PROXY_TIMEOUTS_S.items():
         os.environ.setdefault(name, str(value_s))
+
+
+def start_serve(http_options: dict, deadline_s: float, progress=print) -> None:
+    """`serve.start`, waiting for its HTTP proxy until `deadline_s` (time.monotonic()) rather than Serve's fixed
+    60 s: on a busy machine the proxy is still starting then, and a second `serve.start` finds the controller that
+    the first one left running (the proxy's readiness is then seen through /health)."""
+    from ray import serve
+
+    while True:
+        try:
+            serve.start(http_options=http_options)
+            return
+        except TimeoutError as error:
+            if "HTTP proxies not available" not in str(error) or time.monotonic() >= deadline_s:
+                raise
+            progress("  ... Serve's HTTP proxy is still starting (a busy machine); waiting for it")
 
 
 def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progress=print) -> RunningService:
@@ -93,6 +110,7 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
     from cluster.control.redis_server import EmbeddedRedis
     from cluster.control.redis_supervisor import RedisSupervisor
 
+    started_s = time.monotonic()
     data_dir = Path(config.data_dir).expanduser().resolve()
     config = config.model_copy(update={"data_dir": str(data_dir)})
     redis = None
@@ -122,8 +140,9 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
         config = config.model_copy(update={"redis_url": redis_url})
         step = f"starting Serve's HTTP proxy on {config.host}:{config.port}"
         progress(f"s3serve: {step}")
-        serve.start(http_options={"host": config.host, "port": config.port})
+        start_serve({"host": config.host, "port": config.port}, started_s + ready_timeout_s, progress)
         step = "deploying the router"
+        progress(f"s3serve: {step} (it loads the length predictor and the tokenizer)")
         serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
         base_url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '::') else config.host}:{config.port}"
         progress(f"s3serve: waiting for {config.num_workers} worker(s) to load {config.model}")

@@ -60,11 +60,17 @@ def test_a_start_up_that_gives_up_says_why_in_one_line(tmp_path, model_cache_dir
     assert "starting the HTTP server" in done.stdout or "loading the model" in done.stdout  # progress was shown
 
 
+def _tail(path: Path, num_lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+
+
 def _serve_and_curl(port: int, tmp_path: Path, model_cache_dir: Path, hogs: list[subprocess.Popen]) -> None:
     command = _serve_command(port, tmp_path, model_cache_dir, "--api-key", "k-1")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("S3_REDIS_URL", None)
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    stderr_path = tmp_path / "serve.stderr"
+    with stderr_path.open("w") as stderr:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     lines = []
     try:
         deadline = time.monotonic() + 600
@@ -73,13 +79,13 @@ def _serve_and_curl(port: int, tmp_path: Path, model_cache_dir: Path, hogs: list
             if not line:
                 break
             lines.append(line.rstrip())
-            if "to load" in line:  # Ray, Redis and Serve's HTTP proxy started on the busy machine
-                for hog in hogs:  # the model loads and the test goes on with the cores free (CI time)
+            if "deploying the router" in line:  # Ray, Redis and Serve's HTTP proxy started on the busy machine
+                for hog in hogs:  # the rest starts and the test goes on with the cores free (CI time)
                     hog.kill()
             if line.startswith("Press Ctrl-C"):
                 break
         output = "\n".join(lines)
-        assert f"S3 Serve is ready at http://127.0.0.1:{port}" in output, output
+        assert f"S3 Serve is ready at http://127.0.0.1:{port}" in output, f"{output}\nstderr:\n{_tail(stderr_path)}"
         curl = next(line.strip() for line in lines if line.strip().startswith("curl "))
         # Run the printed example as a user would (its JSON body, URL and key).
         args = shlex.split(curl)

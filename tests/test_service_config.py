@@ -111,3 +111,32 @@ def test_the_start_up_line_says_how_much_fits_in_kv():
     assert "4,096 to 8,192 tokens per worker, 2 sequence(s)" in kv_summary([8192, 4096], 2048)
     assert "fewer than one: raise --kv-cache-memory" in kv_summary([1024], 2048)
     assert kv_summary([], 2048) == "KV cache (auto): no worker reported yet"
+
+
+def test_start_up_waits_past_serves_fixed_proxy_timeout_until_its_own_deadline(monkeypatch):
+    """Serve gives its HTTP proxy 60 s; a busy machine needs longer: start-up says so and waits, up to its
+    deadline, and a different failure is raised at once."""
+    import time
+
+    from ray import serve
+
+    from s3serve_cli.serve import start_serve
+
+    outcomes = [TimeoutError("HTTP proxies not available after 60s."), None]
+    calls, lines = [], []
+
+    def fake_start(http_options):
+        calls.append(http_options)
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr(serve, "start", fake_start)
+    start_serve({"port": 1}, time.monotonic() + 60, lines.append)
+    assert len(calls) == 2 and len(lines) == 1 and "still starting" in lines[0]
+    outcomes[:] = [TimeoutError("HTTP proxies not available after 60s.")]
+    with pytest.raises(TimeoutError):
+        start_serve({"port": 1}, time.monotonic() - 1, lines.append)  # past the deadline: the error stands
+    outcomes[:] = [TimeoutError("something else")]
+    with pytest.raises(TimeoutError, match="something else"):
+        start_serve({"port": 1}, time.monotonic() + 60, lines.append)
