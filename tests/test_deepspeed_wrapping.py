@@ -36,14 +36,10 @@ def test_one_rank_wraps_without_replacing_a_module_and_computes_the_same():
 
 
 def _tensor_parallel_rank(rank: int, world_size: int, port: int, results) -> None:
-    import os
+    from workers.rank_group import join_ranks
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
     torch.set_num_threads(1)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo")
+    join_ranks(rank, world_size, "127.0.0.1", port, "cpu")
     model = make_tiny_model(seed=0, init_std=0.2)
     reference = copy.deepcopy(model)
     wrapped = wrap_with_deepspeed(model, tensor_parallel_size=world_size)

@@ -1,8 +1,9 @@
 """One engine over two ranks (gloo on CPU, DeepSpeed AutoTP in each): the same tokens and the same
 scheduling as one rank, swaps included; the same exported KV, so a request moves onto or off it with its
-KV; and the clear errors when the ranks are not there."""
+KV; no shared-memory files left behind; and the clear errors when the ranks are not there."""
 
 import multiprocessing
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,14 +45,11 @@ def _generate(engine: Engine) -> list[list[int]]:
 def _rank(rank: int, port: int, results) -> None:
     import os
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_SIZE="2")
     torch.set_num_threads(1)
-    import deepspeed
-
+    from workers.rank_group import join_ranks
     from workers.tensor_parallel import follow_engine
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    join_ranks(rank, 2, "127.0.0.1", port, "cpu")
     model = make_tiny_model(seed=0, init_std=0.2)
     if rank != 0:
         results.put((rank, {"calls": follow_engine(model)}))
@@ -171,6 +169,8 @@ def test_two_ranks_give_one_ranks_tokens_schedule_and_exported_kv_and_moves_copy
                 process.kill()
     lead, follower = answers[0], answers[1]
     assert lead["tokens"] == expected
+    # DeepSpeed's CPU allreduce buffers (one per rank in /dev/shm, about 70 MB each) are not left behind.
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"))
     assert all(len(tokens) == PARAMS.max_tokens for tokens in expected)
     # The same blocks as one rank, each holding half the KV heads; the same scheduling, swaps included.
     assert lead["num_blocks"] == reference.allocator.num_blocks == NUM_BLOCKS

@@ -17,6 +17,7 @@ No torch import at module level: the controller imports this to create groups.
 
 import datetime
 import os
+from pathlib import Path
 
 import ray
 
@@ -67,6 +68,18 @@ def join_ranks(rank: int, world_size: int, address: str, port: int, device: str)
 
         torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend="nccl" if on_cuda else "gloo", timeout=RANK_TIMEOUT, verbose=False)
+    if not on_cuda:
+        import torch.distributed
+
+        torch.distributed.barrier()  # every rank has mapped every other rank's allreduce buffer
+        allreduce_buffer_path(address, port, rank).unlink(missing_ok=True)
+
+
+def allreduce_buffer_path(address: str, port: int, rank: int) -> Path:
+    """Rank `rank`'s buffer for DeepSpeed's shared-memory allreduce on CPU (named so in DeepSpeed's
+    ops/csrc/cpu/comm/shm.cpp, about 70 MB). DeepSpeed never unlinks it (a `make test` left 0.5 GB in /dev/shm);
+    `join_ranks` does once every rank has it mapped, and the mapping lives on until the rank exits."""
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}"
 
 
 class FollowerRank:
