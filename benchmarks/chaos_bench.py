@@ -7,13 +7,17 @@
          kill_redis       SIGKILL the embedded redis-server (the supervisor restarts it)
          kill_controller  SIGKILL the controller actor's process (Ray restarts it; it reloads from Redis)
          stop_worker      SIGSTOP a worker for `stop_s`, then SIGCONT
+         stop_redis       SIGSTOP the embedded redis-server for `stop_s` (slow, not dead), then SIGCONT
+         stop_controller  SIGSTOP the controller for `stop_s`, then SIGCONT
+         kill_router      SIGKILL a router replica's process (Serve starts another)
          burst            `burst_factor` x the service's concurrency limit of extra chats at once
        per fault: time until /health is 200 and a probe request completes, and the service's memory
     -> per fault window: requests sent, completed whole, refused with Retry-After, failed by status,
-       duplicated, truncated, lost (`benchmarks.chaos_accounting`)
+       duplicated, truncated, corrupted, lost (`benchmarks.chaos_accounting`)
 
 Every answer is greedy with `ignore_eos` and a fixed `max_tokens`, so a whole answer has exactly
-that many tokens and anything else is visible.
+that many tokens and anything else is visible. Before the load starts, each prompt is answered once, alone
+and without faults: that text is the reference every answer of the run must repeat (else it is corrupted).
 """
 
 import asyncio
@@ -24,21 +28,21 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
 import psutil
 
-from benchmarks.chaos_accounting import FaultEvent, fault_rows, totals
+from benchmarks.chaos_accounting import FAULTS, FaultEvent, fault_rows, totals
 from benchmarks.http_load import LoadPlan, LoadRequest, drive, read_results, read_start_unix_s, write_plan
 from benchmarks.report import environment, format_table, write_json
 from workers.ports import free_port
 
-FAULTS = ("kill_worker", "kill_redis", "kill_controller", "stop_worker", "burst")
 PROMPTS = ("Write a short poem about the sea.", "Explain what a hash table is.", "List three uses of copper.",
            "Describe a sunrise in the mountains.", "Give advice to a new programmer.")
-TARGETS = {"lost": 0, "duplicated": 0, "truncated": 0, "max_recovery_s": 15.0, "memory_growth": 0.10}
+TARGETS = {"lost": 0, "duplicated": 0, "truncated": 0, "corrupted": 0, "max_recovery_s": 15.0, "memory_growth": 0.10}
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ class ChaosBenchConfig:
 
 
 def quick_config(**overrides) -> ChaosBenchConfig:
-    """About 4 minutes after the service is up."""
+    """About 5 minutes after the service is up."""
     return replace(ChaosBenchConfig(rate_per_s=1.0, max_tokens=24, window_s=25.0), **overrides)
 
 
@@ -115,6 +119,26 @@ class ServiceUnderTest:
 
         controller = ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE)
         return ray.get(controller.__ray_call__.remote(_own_pid), timeout=30)
+
+    def redis_pid(self) -> int:
+        """The embedded redis-server's process (waiting out a restart after an earlier kill)."""
+        redis = self.running.redis
+        if redis is None:
+            raise ValueError("the Redis faults need the embedded Redis (unset S3_REDIS_URL)")
+        deadline_s = time.monotonic() + 30.0
+        while redis.pid is None and time.monotonic() < deadline_s:
+            time.sleep(0.05)
+        return redis.pid
+
+    def router_pid(self) -> int:
+        """A router replica's process (Ray titles it `ray::ServeReplica:<app>:router`)."""
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if "ServeReplica:" in " ".join(child.cmdline()) and ":router" in " ".join(child.cmdline()):
+                    return child.pid
+            except psutil.Error:
+                continue
+        raise RuntimeError("no router replica process found")
 
     def memory_mib(self) -> float:
         """Resident memory of every process the service runs (this bench's children, less the load generator)."""
@@ -163,16 +187,14 @@ def inject(fault: str, service: ServiceUnderTest, burst_results: list) -> thread
     if fault == "kill_worker":
         os.kill(service.worker_pids()[0], signal.SIGKILL)
     elif fault == "kill_redis":
-        if service.running.redis is None:
-            raise ValueError("kill_redis needs the embedded Redis (unset S3_REDIS_URL)")
-        deadline_s = time.monotonic() + 30.0
-        while service.running.redis.pid is None and time.monotonic() < deadline_s:
-            time.sleep(0.05)  # still restarting after an earlier kill
-        os.kill(service.running.redis.pid, signal.SIGKILL)
+        os.kill(service.redis_pid(), signal.SIGKILL)
     elif fault == "kill_controller":
         os.kill(service.controller_pid(), signal.SIGKILL)
-    elif fault == "stop_worker":
-        pid = service.worker_pids()[0]
+    elif fault == "kill_router":
+        os.kill(service.router_pid(), signal.SIGKILL)
+    elif fault.startswith("stop_"):
+        pid = {"stop_worker": lambda: service.worker_pids()[0], "stop_redis": service.redis_pid,
+               "stop_controller": service.controller_pid}[fault]()
         os.kill(pid, signal.SIGSTOP)
         timer = threading.Timer(config.stop_s, _resume, args=(pid,))
         timer.daemon = True
@@ -191,11 +213,17 @@ def _resume(pid: int) -> None:
         pass  # the controller declared it dead and killed it meanwhile
 
 
+def _burst_prompts(config: ChaosBenchConfig) -> dict[str, str]:
+    """The burst's requests: id -> prompt."""
+    count = config.burst_factor * config.max_concurrent_requests
+    return {f"burst-{i}": PROMPTS[i % len(PROMPTS)] for i in range(count)}
+
+
 def _burst(service: ServiceUnderTest, out: list) -> None:
     config = service.config
-    count = config.burst_factor * config.max_concurrent_requests
-    requests = tuple(LoadRequest(f"burst-{i}", 0.0, PROMPTS[i % len(PROMPTS)], 0, config.max_tokens,
-                                 config.max_tokens) for i in range(count))
+    requests = tuple(LoadRequest(request_id, 0.0, prompt, 0, config.max_tokens, config.max_tokens)
+                     for request_id, prompt in _burst_prompts(config).items())
+    count = len(requests)
     plan = LoadPlan(service.running.base_url, service.running.config.model_id, count, requests, endpoint="chat")
     start_unix_s, start_s = time.time(), time.monotonic()
     for result in asyncio.run(drive(plan, start_s=start_s)):
@@ -211,40 +239,60 @@ def load_plan(config: ChaosBenchConfig, base_url: str, model_id: str) -> LoadPla
     return LoadPlan(base_url, model_id, 64, requests, endpoint="chat")
 
 
-def run(config: ChaosBenchConfig, model_name: str = "smollm2-135m-instruct", model_cache_dir: Path | None = None,
-        json_path: Path | None = None) -> dict:
-    """Start the service, run the load and the faults, print the table, write JSON."""
+@contextmanager
+def bench_service(config, model_name: str, model_cache_dir: Path | None, work_dir: Path, label: str):
+    """The service the fault benches run against (`config`: num_workers, max_concurrent_requests, num_cpus,
+    ready_timeout_s), its data in `work_dir`; stopped on the way out."""
     import ray
 
     from cluster.config import RAY_NAMESPACE, ServiceConfig
     from s3serve_cli.serve import allow_slow_serve_proxy, start_service, stop_service
 
+    service_config = ServiceConfig(
+        port=free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
+        data_dir=str(work_dir / "data"), num_workers=config.num_workers, retrain=False,
+        max_concurrent_requests=config.max_concurrent_requests, num_torch_threads=1, stats_interval_s=0.5)
+    print(f"{label}: starting the service ({config.num_workers} workers, at most "
+          f"{config.max_concurrent_requests} requests at once)", flush=True)
+    allow_slow_serve_proxy()
+    # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
+    ray.init(num_cpus=config.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False,
+             logging_level="WARNING", log_to_driver=False)
+    running = start_service(service_config, config.ready_timeout_s, progress=lambda _msg: None)
+    try:
+        yield running
+    finally:
+        stop_service(running)
+
+
+def run(config: ChaosBenchConfig, model_name: str = "smollm2-135m-instruct", model_cache_dir: Path | None = None,
+        json_path: Path | None = None) -> dict:
+    """Start the service, run the load and the faults, print the table, write JSON."""
     with tempfile.TemporaryDirectory(prefix="s3serve-chaos-") as work:
-        work_dir = Path(work)
-        service_config = ServiceConfig(
-            port=free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
-            data_dir=str(work_dir / "data"), num_workers=config.num_workers, retrain=False,
-            max_concurrent_requests=config.max_concurrent_requests, num_torch_threads=1, stats_interval_s=0.5)
-        print(f"chaos: starting the service ({config.num_workers} workers, at most "
-              f"{config.max_concurrent_requests} requests at once)", flush=True)
-        allow_slow_serve_proxy()
-        # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
-        ray.init(num_cpus=config.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False,
-                 logging_level="WARNING", log_to_driver=False)
-        running = start_service(service_config, config.ready_timeout_s, progress=lambda _msg: None)
-        try:
-            result = _run_faults(config, running, work_dir)
-        finally:
-            stop_service(running)
+        with bench_service(config, model_name, model_cache_dir, Path(work), "chaos") as running:
+            result = _run_faults(config, running, Path(work))
     result["environment"] = environment()
     _print(result)
     write_json(json_path, result)
     return result
 
 
+def reference_digests(config: ChaosBenchConfig, base_url: str, model_id: str) -> dict[str, str]:
+    """Each prompt's answer, alone on the fault-free service: prompt -> `output_digest`."""
+    requests = tuple(LoadRequest(f"reference-{i}", 0.0, prompt, 0, config.max_tokens, config.max_tokens)
+                     for i, prompt in enumerate(PROMPTS))
+    results = asyncio.run(drive(LoadPlan(base_url, model_id, 1, requests, endpoint="chat")))
+    broken = [r for r in results if not r.is_ok or r.output_digest is None]
+    if broken:
+        raise RuntimeError(f"the fault-free reference answers failed: {broken[0].status_code} {broken[0].error}")
+    return {request.prompt: result.output_digest for request, result in zip(requests, results)}
+
+
 def _run_faults(config: ChaosBenchConfig, running, work_dir: Path) -> dict:
     plan_path, results_path = work_dir / "plan.json", work_dir / "results.json"
-    write_plan(plan_path, load_plan(config, running.base_url, running.config.model_id))
+    reference_by_prompt = reference_digests(config, running.base_url, running.config.model_id)
+    plan = load_plan(config, running.base_url, running.config.model_id)
+    write_plan(plan_path, plan)
     load = subprocess.Popen([sys.executable, "-m", "benchmarks.http_load", "--plan", str(plan_path),
                              "--out", str(results_path), "--desc", "chaos load"])
     service = ServiceUnderTest(running, config, load.pid)
@@ -283,7 +331,10 @@ def _run_faults(config: ChaosBenchConfig, running, work_dir: Path) -> dict:
     results += [replace(r, sent_s=burst_start_unix_s + r.sent_s - start_unix_s)
                 for burst_start_unix_s, r in burst_results]
     events = [FaultEvent(**w) for w in windows]
-    rows = fault_rows(results, start_unix_s, events, config.max_tokens)
+    prompts = {r.request_id: r.prompt for r in plan.requests}
+    prompts.update(_burst_prompts(config))
+    references = {request_id: reference_by_prompt[prompt] for request_id, prompt in prompts.items()}
+    rows = fault_rows(results, start_unix_s, events, config.max_tokens, references)
     return {"benchmark": "chaos", "config": asdict(config), "faults": rows,
             "totals": totals(rows, memory_start_mib, memory_end_mib), "targets": TARGETS}
 
@@ -293,18 +344,20 @@ def _sleep_until(monotonic_s: float) -> None:
 
 
 def _print(result: dict) -> None:
-    headers = ["fault", "sent", "whole", "refused", "failed", "statuses", "dup", "trunc", "lost", "recovery_s",
-               "mem_MiB_before", "mem_MiB_after"]
+    headers = ["fault", "sent", "whole", "refused", "failed", "statuses", "dup", "trunc", "corrupt", "lost",
+               "recovery_s", "mem_MiB_before", "mem_MiB_after"]
     rows = [[r["name"], r["sent"], r["completed"], r["refused"], r["failed"],
              " ".join(f"{k}:{v}" for k, v in sorted(r["failed_by_status"].items())) or "-", r["duplicated"],
-             r["truncated"], r["lost"], "never" if r["recovery_s"] is None else float(r["recovery_s"]),
+             r["truncated"], r["corrupted"], r["lost"], "never" if r["recovery_s"] is None else float(r["recovery_s"]),
              float(r["memory_before_mib"]), float(r["memory_after_mib"])] for r in result["faults"]]
     print(format_table(headers, rows))
     t = result["totals"]
     growth = "n/a" if t["memory_growth"] is None else f"{t['memory_growth'] * 100:+.1f}%"
     recovery = "never" if t["max_recovery_s"] is None else f"{t['max_recovery_s']:.1f} s"
     print(f"\ntotals: {t['sent']} sent, {t['completed']} whole, {t['refused']} refused with Retry-After, "
-          f"{t['lost']} lost ({t['failed']} failed, {t['truncated']} truncated, {t['duplicated']} duplicated); "
+          f"{t['lost']} lost ({t['failed']} failed, {t['truncated']} truncated, {t['duplicated']} duplicated, "
+          f"{t['corrupted']} corrupted: whole but not the fault-free text); "
           f"slowest recovery {recovery}; memory {t['memory_start_mib']:.0f} -> {t['memory_end_mib']:.0f} MiB "
           f"({growth})")
-    print("targets: 0 lost, 0 duplicated, 0 truncated, recovery <= 15 s for every fault, memory growth <= 10%")
+    print("targets: 0 lost, 0 duplicated, 0 truncated, 0 corrupted, recovery <= 15 s for every fault, "
+          "memory growth <= 10%")

@@ -41,6 +41,7 @@ from tqdm import tqdm
 OVERHEAD_HEADER = "x-s3-overhead-ms"
 MAX_ERROR_CHARS = 300
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+CANCELLED = "cancelled by the client"  # a RequestResult's error when the plan said to hang up
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,8 @@ class LoadRequest:
             the model stop on its own (EOS or max_tokens), greedy.
         priority: the request's class (lower is more urgent).
         messages: the chat messages to send (chat endpoint); None sends `prompt` as one user message.
+        stream: False asks for the whole answer in one JSON body.
+        cancel_after_events: a streamed request's client hangs up after this many text events (None: never).
     """
 
     request_id: str
@@ -67,6 +70,8 @@ class LoadRequest:
     forced_output_tokens: int | None
     priority: int = 0
     messages: tuple[dict, ...] | None = None
+    stream: bool = True
+    cancel_after_events: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,9 +165,10 @@ def read_start_unix_s(path: Path | str) -> float | None:
 
 
 def request_body(plan: LoadPlan, request: LoadRequest) -> dict:
-    """The request body: streamed with usage, greedy; the length fixed by the forced-length extension when set."""
-    body = {"model": plan.model, "max_tokens": request.max_tokens, "temperature": 0.0,
-            "priority": request.priority, "stream": True, "stream_options": {"include_usage": True}}
+    """The request body: streamed with usage (unless the request says not), greedy; the length fixed by the
+    forced-length extension when set."""
+    body = {"model": plan.model, "max_tokens": request.max_tokens, "temperature": 0.0, "priority": request.priority,
+            **({"stream": True, "stream_options": {"include_usage": True}} if request.stream else {})}
     if request.forced_output_tokens is not None:
         body |= {"forced_output_tokens": request.forced_output_tokens, "ignore_eos": True}
     if plan.endpoint == "chat":
@@ -174,6 +180,11 @@ def request_body(plan: LoadPlan, request: LoadRequest) -> dict:
 
 def _chunk_text(chunk: dict) -> str:
     return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or ())
+
+
+def _answer_text(answer: dict) -> str:
+    return "".join(c.get("text") or (c.get("message") or {}).get("content") or ""
+                   for c in answer.get("choices") or ())
 
 
 def text_digest(text: str) -> str:
@@ -202,6 +213,14 @@ async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, s
             retry_after_s = float(retry_after) if retry_after and retry_after.isdigit() else None
             if status_code != 200:
                 error = (await response.aread()).decode(errors="replace")[:MAX_ERROR_CHARS]
+            elif not request.stream:
+                answer = json.loads(await response.aread())
+                usage = answer.get("usage")
+                pieces = [_answer_text(answer)]
+                num_text_events, saw_done = int(bool(pieces[0])), True  # one body: whole or an error status
+                first_token_s = time.monotonic() - start_s
+                if usage is None:
+                    error = "the answer has no usage"
             else:
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
@@ -220,6 +239,9 @@ async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, s
                         num_text_events += 1
                         if first_token_s is None:
                             first_token_s = time.monotonic() - start_s
+                        if num_text_events == request.cancel_after_events:
+                            error = CANCELLED  # leaving the block closes the connection
+                            break
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                 if error is None and usage is None:

@@ -7,6 +7,7 @@ the offending values.
 
 import os
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -123,6 +124,9 @@ class ServiceConfig(BaseModel):
         None, description=f"Redis for controller state (default: ${REDIS_URL_ENV}, else an embedded redis-server)")
     data_dir: str = Field(".s3serve", description="where the embedded Redis keeps its data")
     api_keys: tuple[str, ...] = Field((), description="accepted Bearer keys; empty means no authentication")
+    metrics_need_key: bool = Field(
+        False, description="with api_keys set, /metrics needs one of them too (a Prometheus scrape then sends it as "
+                           "its bearer token); off by default, as in vLLM, so scrapers need no secret")
     allowed_origins: tuple[str, ...] = Field(
         (), description="browser origins allowed to call the API across sites (CORS), such as "
                         "https://app.example.com, or * for any; empty (the default) means CORS is off")
@@ -272,6 +276,23 @@ class ServiceConfig(BaseModel):
     @property
     def redis_url_resolved(self) -> str | None:
         return self.redis_url or os.environ.get(REDIS_URL_ENV) or None
+
+    def without_secrets(self) -> "ServiceConfig":
+        """This config as the controller keeps it (in its memory and in Redis, hence on disk): no API keys (routers
+        check them) and no password in `redis_url` (the controller is handed its Redis separately)."""
+        return self.model_copy(update={"api_keys": (), "redis_url": _without_password(self.redis_url)})
+
+
+def _without_password(url: str | None) -> str | None:
+    """`url` with any password in its user part replaced by ***."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:***" if parts.username else ":***"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
 
 
 def load_config(path: Path | str | None = None, overrides: dict | None = None) -> ServiceConfig:

@@ -3,6 +3,7 @@
 import argparse
 from pathlib import Path
 
+from benchmarks.chaos_accounting import FAULTS
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from workers.models import DEFAULT_MODEL
 from s3serve_cli.args import add_model_args, add_overcommit_arg, add_preemption_args, given
@@ -12,6 +13,7 @@ from s3serve_cli.bench_peers import add_peers_parser
 from s3serve_cli.bench_predictor import add_predictor_parser
 from s3serve_cli.bench_remaining import add_remaining_parser
 from s3serve_cli.bench_simulate import add_simulate_parser
+from s3serve_cli.bench_soak import add_soak_parser
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -250,28 +252,31 @@ def add_bench_parser(commands) -> None:
 
     chaos = benches.add_parser(
         "chaos",
-        help="faults under load: kill a worker, Redis, the controller; stop a worker; a 10x burst; what was lost",
+        help="faults under load: kill or stop a worker, Redis, the controller; kill a router; a 10x burst; "
+             "what was lost",
         description="Starts the real service (two SmolLM2 workers, the embedded Redis under its supervisor) and, "
                     "from a separate process, sends streamed chats at a fixed rate (greedy, ignore_eos, fixed "
                     "max_tokens) while one fault per window is injected: kill -9 of a worker, of the embedded "
-                    "redis-server and of the controller, SIGSTOP of a worker for 10 s, and a burst of 10x the "
-                    "concurrency limit. Per fault: requests sent in its window, completed whole, refused with "
-                    "Retry-After, failed by status, duplicated, truncated, lost; seconds until /health is 200 and "
-                    "a probe completes; the service's resident memory before and after.",
+                    "redis-server and of the controller; SIGSTOP for 10 s of a worker, of redis-server and of the "
+                    "controller; kill -9 of a router replica; and a burst of 10x the concurrency limit. Each prompt "
+                    "is first answered alone without faults: every answer must repeat that text. Per fault: "
+                    "requests sent in its window, completed whole, refused with Retry-After, failed by status, "
+                    "duplicated, truncated, corrupted (whole but another text), lost; seconds until /health is 200 "
+                    "and a probe completes; the service's resident memory before and after.",
     )
     add_model_args(chaos)
-    chaos.add_argument("--faults", nargs="+", default=None, metavar="FAULT",
-                       choices=("kill_worker", "kill_redis", "kill_controller", "stop_worker", "burst"),
-                       help="which faults, in order (default: all five)")
+    chaos.add_argument("--faults", nargs="+", default=None, metavar="FAULT", choices=FAULTS,
+                       help=f"which faults, in order (default: all {len(FAULTS)}: {' '.join(FAULTS)})")
     chaos.add_argument("--rate", type=float, default=None, metavar="PER_S",
                        help="chats per second of the steady load (default 2; 1 with --quick)")
     chaos.add_argument("--window-s", type=float, default=None, help="seconds between faults (default 40; 25 with --quick)")
     chaos.add_argument("--max-tokens", type=int, default=None, help="tokens per answer (default 48; 24 with --quick)")
     chaos.add_argument("--workers", type=int, default=None, help="worker actors (default 2)")
-    chaos.add_argument("--quick", action="store_true", help="a lighter load and shorter windows (about 4 minutes)")
+    chaos.add_argument("--quick", action="store_true", help="a lighter load and shorter windows (about 5 minutes)")
     chaos.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     chaos.set_defaults(handler=_bench_chaos)
 
     add_simulate_parser(benches)
     add_remaining_parser(benches)
     add_coldstart_parser(benches)
+    add_soak_parser(benches)

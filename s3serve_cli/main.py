@@ -109,6 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device,
         "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
         "api_keys": tuple(args.api_key) if args.api_key else None, "length_probe": args.length_probe,
+        "metrics_need_key": True if args.metrics_need_key else None,
         "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,
         "tensor_parallel_size": args.tensor_parallel_size, "preemption_mode": args.preemption_mode,
         "swap_space_bytes": args.swap_space_bytes, "routing": args.routing,
@@ -200,6 +201,9 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="accept this Bearer key (repeat for several); without it, no authentication. The "
                             "/dashboard page then reads its data with the key given as /dashboard#key=KEY or typed in")
+    serve.add_argument("--metrics-need-key", action="store_true", default=None,
+                       help="with --api-key, /metrics needs a key too (Prometheus sends it as its bearer token); "
+                            "off by default, as in vLLM")
     serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                        help="browser origins allowed to call the API from their pages (CORS), such as "
                             "https://app.example.com, or * for any (default: none, CORS off)")

@@ -4,15 +4,16 @@ import pytest
 
 from benchmarks.chaos_accounting import FaultEvent, fate, fault_rows, totals
 from benchmarks.chaos_bench import ChaosBenchConfig, load_plan
-from benchmarks.http_load import RequestResult
+from benchmarks.http_load import CANCELLED, RequestResult
 
 MAX_TOKENS = 8
 
 
 def result(sent_s: float = 0.0, status: int | None = 200, tokens: int | None = MAX_TOKENS, events: int = 5,
-           done: bool = True, error: str | None = None, retry_after_s: float | None = None) -> RequestResult:
-    return RequestResult("r", error is None and status == 200, status, error, sent_s, None, sent_s + 1.0, tokens, 4,
-                         None, retry_after_s, events, done)
+           done: bool = True, error: str | None = None, retry_after_s: float | None = None, digest: str = "right",
+           request_id: str = "r") -> RequestResult:
+    return RequestResult(request_id, error is None and status == 200, status, error, sent_s, None, sent_s + 1.0,
+                         tokens, 4, None, retry_after_s, events, done, digest)
 
 
 @pytest.mark.parametrize("kwargs, expected", [
@@ -28,9 +29,21 @@ def result(sent_s: float = 0.0, status: int | None = 200, tokens: int | None = M
     ({"status": 503, "tokens": None}, "failed"),  # a 503 that does not say when to retry loses the request
     ({"status": 500, "tokens": None}, "failed"),
     ({"status": None, "tokens": None, "error": "ConnectError"}, "failed"),
+    ({"tokens": None, "done": False, "error": CANCELLED}, "cancelled"),  # the plan's hang-up: not lost
 ])
 def test_each_request_meets_exactly_one_fate(kwargs, expected):
     assert fate(result(**kwargs), MAX_TOKENS) == expected
+
+
+@pytest.mark.parametrize("kwargs, reference, expected", [
+    ({}, "right", "whole"),
+    ({"digest": "wrong"}, "right", "corrupted"),  # every token arrived, once, but not the fault-free text
+    ({"digest": "wrong"}, None, "whole"),  # no reference: the text is not checked
+    ({"digest": "wrong", "tokens": MAX_TOKENS - 1}, "right", "truncated"),
+    ({"digest": "wrong", "tokens": MAX_TOKENS + 1}, "right", "duplicated"),
+])
+def test_a_whole_answer_must_also_be_the_fault_free_text(kwargs, reference, expected):
+    assert fate(result(**kwargs), MAX_TOKENS, reference) == expected
 
 
 def test_requests_are_counted_in_the_window_of_the_fault_in_force_when_sent():
@@ -51,6 +64,16 @@ def test_requests_are_counted_in_the_window_of_the_fault_in_force_when_sent():
     summary = totals(rows, memory_start_mib=100.0, memory_end_mib=104.0)
     assert summary["sent"] == 6 and summary["lost"] == 1 and summary["max_recovery_s"] == 2.0
     assert summary["memory_growth"] == pytest.approx(0.04)
+
+
+def test_corrupted_answers_are_lost_in_their_window_and_the_totals():
+    events = [FaultEvent("none", 0.0, 0.0, 1.0, 1.0), FaultEvent("kill_worker", 10.0, 1.0, 1.0, 1.0)]
+    results = [result(sent_s=1.0, request_id="a"), result(sent_s=11.0, request_id="b", digest="resumed wrong"),
+               result(sent_s=12.0, request_id="c")]
+    rows = fault_rows(results, 0.0, events, MAX_TOKENS, references={"a": "right", "b": "right", "c": "right"})
+    assert [(r["completed"], r["corrupted"], r["lost"]) for r in rows] == [(1, 0, 0), (1, 1, 1)]
+    summary = totals(rows, 1.0, 1.0)
+    assert (summary["corrupted"], summary["lost"]) == (1, 1)
 
 
 def test_a_fault_that_never_recovered_makes_the_run_never_recover():

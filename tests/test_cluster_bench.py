@@ -177,6 +177,9 @@ def _sse_app(seen: list[dict]) -> Starlette:
         seen.append({"body": body, "at_s": time.monotonic()})
         if body["prompt"] == "full":
             return JSONResponse({"error": {"message": "queue full"}}, status_code=429)
+        if not body.get("stream"):
+            usage = {"prompt_tokens": 2, "completion_tokens": body["forced_output_tokens"]}
+            return JSONResponse({"choices": [{"text": "one two", "finish_reason": "length"}], "usage": usage})
 
         async def events():
             for piece in ["one", " two"] + [""] * (body["forced_output_tokens"] - 2):
@@ -224,6 +227,20 @@ def test_drive_sends_at_arrival_times_streams_and_records_failures(sse_server):
     # the streamed text "one two" is fingerprinted; "b" streamed the same text, so the same digest
     assert by_id["a"].output_digest == http_load.text_digest("one two") == by_id["b"].output_digest
     assert by_id["c"].output_digest is None
+
+
+def test_whole_answers_and_client_hang_ups_are_told_apart(sse_server):
+    base_url, seen = sse_server
+    requests = (LoadRequest("whole", 0.0, "hello", 1, 50, 4, stream=False),
+                LoadRequest("streamed", 0.0, "hello", 1, 50, 4),
+                LoadRequest("hung_up", 0.0, "hello", 1, 50, 4, cancel_after_events=1))
+    by_id = {r.request_id: r for r in asyncio.run(http_load.drive(LoadPlan(base_url, "m", 3, requests)))}
+    whole = by_id["whole"]
+    assert whole.is_ok and whole.num_completion_tokens == 4 and whole.saw_done
+    assert whole.output_digest == by_id["streamed"].output_digest  # the same text, however it came
+    assert sum("stream" not in s["body"] for s in seen) == 1  # only the whole one asked for one body
+    hung_up = by_id["hung_up"]
+    assert hung_up.error == http_load.CANCELLED and hung_up.num_text_events == 1 and not hung_up.saw_done
 
 
 def test_a_natural_request_is_not_forced_and_chat_messages_go_as_they_are():

@@ -140,3 +140,13 @@ def test_start_up_waits_past_serves_fixed_proxy_timeout_until_its_own_deadline(m
     outcomes[:] = [TimeoutError("something else")]
     with pytest.raises(TimeoutError, match="something else"):
         start_serve({"port": 1}, time.monotonic() + 60, lines.append)
+
+
+def test_the_controllers_copy_holds_no_secrets():
+    config = ServiceConfig(api_keys=("sk-secret",), redis_url="rediss://admin:hunter2@redis.internal:6380/0")
+    kept = config.without_secrets()
+    assert kept.api_keys == () and kept.redis_url == "rediss://admin:***@redis.internal:6380/0"
+    assert "sk-secret" not in kept.model_dump_json() and "hunter2" not in kept.model_dump_json()
+    assert ServiceConfig(redis_url="redis://:pw@h:1").without_secrets().redis_url == "redis://:***@h:1"
+    assert ServiceConfig(redis_url="redis://h:1").without_secrets().redis_url == "redis://h:1"
+    assert config.api_keys == ("sk-secret",)  # the router's copy keeps them

@@ -34,7 +34,8 @@ MAX_MODEL_LEN = 512
 def service(tmp_path_factory, model_cache_dir):
     config = ServiceConfig(
         port=free_port(), num_workers=2, model_cache_dir=str(model_cache_dir), max_model_len=MAX_MODEL_LEN,
-        kv_cache_memory=64 * 1024**2, default_max_tokens=32, api_keys=(API_KEY,), max_concurrent_requests=6,
+        kv_cache_memory=64 * 1024**2, default_max_tokens=32, api_keys=(API_KEY,), metrics_need_key=True,
+        max_concurrent_requests=6,
         data_dir=str(tmp_path_factory.mktemp("s3serve-data")), num_cpus=8, num_torch_threads=1,
         stats_interval_s=0.25, max_body_bytes=64 * 1024)
     running = start_service(config, ready_timeout_s=600, progress=lambda _msg: None)
@@ -218,7 +219,8 @@ def test_metrics_are_prometheus_text(service, client):
     from prometheus_client.parser import text_string_to_metric_families
 
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
-    text = httpx.get(f"{service.base_url}/metrics").text
+    assert httpx.get(f"{service.base_url}/metrics").status_code == 401  # metrics_need_key
+    text = httpx.get(f"{service.base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert {"s3_ttft_seconds", "s3_request_latency_seconds", "s3_kv_blocks_total", "s3_queue_depth"} <= set(families)
     workers = {s.labels["worker"] for s in families["s3_kv_blocks_total"].samples}
@@ -297,14 +299,15 @@ def test_client_disconnect_cancels_and_frees_blocks(service):
 
 def test_worker_killed_mid_stream_still_completes(service, client):
     n = 96
+    request = {"model": MODEL, "prompt": "Write a poem about the sea.", "max_tokens": n, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}
+    reference = client.completions.create(**request).choices[0].text  # the same request without a fault
     received: list[str] = []
     errors: list[BaseException] = []
 
     def consume():
         try:
-            stream = client.completions.create(model=MODEL, prompt="Write a poem about the sea.", max_tokens=n,
-                                               temperature=0, stream=True, extra_body={"ignore_eos": True},
-                                               stream_options={"include_usage": True})
+            stream = client.completions.create(**request, stream=True, stream_options={"include_usage": True})
             for chunk in stream:
                 if chunk.choices:
                     received.append(chunk.choices[0].text)
@@ -328,6 +331,7 @@ def test_worker_killed_mid_stream_still_completes(service, client):
         thread.join(timeout=300)  # a failure above must not leave this stream running into the next test
     assert not errors, errors
     assert received[-1] == ("usage", n)  # every token arrived, none twice
+    assert "".join(received[:-1]) == reference  # and the stream resumed elsewhere with the right text
     deadline = time.monotonic() + 300  # the controller replaces the dead worker
     while time.monotonic() < deadline:
         status = _status(service)
@@ -340,13 +344,16 @@ def test_worker_killed_mid_stream_still_completes(service, client):
 def test_redis_killed_under_load_is_restarted_and_nothing_is_lost_or_counted_twice(service, client):
     n = 48
     results: list = []
+    requests = [{"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": n, "temperature": 0,
+                 "extra_body": {"ignore_eos": True}} for i in range(4)]
+    references = [client.completions.create(**request).choices[0].text for request in requests]  # no fault
 
     def consume(i: int) -> None:
         try:
-            stream = client.completions.create(model=MODEL, prompt=f"Story number {i}:", max_tokens=n, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True},
-                                               stream_options={"include_usage": True})
-            results.append([c.usage.completion_tokens for c in stream if c.usage is not None])
+            chunks = list(client.completions.create(**requests[i], stream=True,
+                                                    stream_options={"include_usage": True}))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            results.append([c.usage.completion_tokens for c in chunks if c.usage is not None] + [text == references[i]])
         except BaseException as error:  # noqa: BLE001 - reported by the assertion below
             results.append(error)
 
@@ -364,7 +371,7 @@ def test_redis_killed_under_load_is_restarted_and_nothing_is_lost_or_counted_twi
     killed_s = time.monotonic()
     for thread in threads:
         thread.join(timeout=300)
-    assert results == [[n]] * 4  # every stream completed whole
+    assert results == [[n, True]] * 4  # every stream completed whole, with the fault-free text
     while httpx.get(f"{service.base_url}/health", timeout=10).status_code != 200:
         assert time.monotonic() - killed_s < 15, "not healthy again within 15 s"
         time.sleep(0.2)
@@ -406,3 +413,18 @@ def test_controller_killed_is_restarted_with_its_state(service, client):
     assert {w.worker_id for w in after.workers if w.state == "ready"} == \
         {w.worker_id for w in before.workers if w.state == "ready"}  # found its workers, started none
     assert after.counters.get("requeues", 0) == before.counters.get("requeues", 0)
+
+
+def test_no_api_key_in_anything_the_service_wrote(service):
+    """Every process's logs (Ray's session folder), the data folder (Redis's append-only file), /metrics and the
+    dashboard's data, after a run with keys set and every fault above, hold no API key."""
+    from pathlib import Path
+
+    time.sleep(1.5)  # Redis appends to its file every second
+    folders = [Path(ray._private.worker._global_node.get_session_dir_path()), Path(service.config.data_dir)]
+    leaked = [str(path) for folder in folders for path in folder.rglob("*")
+              if path.is_file() and not path.is_symlink() and API_KEY.encode() in path.read_bytes()]
+    leaked += [path for path in ("/metrics", "/dashboard/data")
+               if API_KEY in httpx.get(f"{service.base_url}{path}", timeout=30,
+                                       headers={"Authorization": f"Bearer {API_KEY}"}).text]
+    assert not leaked

@@ -53,7 +53,7 @@ class Controller:
     """
 
     def __init__(self, config: dict, redis_url: str) -> None:
-        config = ServiceConfig(**config)
+        config = ServiceConfig(**config).without_secrets()  # it stores its config in Redis
         self.redis_url = redis_url
         # A placement waits at most ~2 s for Redis (the supervisor restarts a dead one in well under that),
         # then the router answers 503 with Retry-After; releases are queued meanwhile (`Ledger.remove`).
@@ -79,7 +79,7 @@ class Controller:
         if self._reconstructed:
             stored = await self.store.get_config()
             if stored:
-                self.plane.adopt(ServiceConfig.model_validate_json(stored))
+                self.plane.adopt(ServiceConfig.model_validate_json(stored).without_secrets())
         else:
             await self.store.set_config(self.plane.config.model_dump_json())
         await self.plane.start()
@@ -117,7 +117,7 @@ class Controller:
         toward the new counts, and new workers get the new engine settings.
         """
         plane = await self._started()
-        new = ServiceConfig(**config)
+        new = ServiceConfig(**config).without_secrets()
         if new == plane.config:
             return
         logger.info("reconfigured: %d..%d workers (was %d..%d)", new.min_workers_resolved, new.max_workers_resolved,

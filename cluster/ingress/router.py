@@ -202,7 +202,9 @@ class Router:
         return body
 
     @app.get("/metrics")
-    async def metrics(self):
+    async def metrics(self, request: Request):
+        if self.config.metrics_need_key:
+            self._check_key(request)
         try:
             status = await asyncio.wait_for(self.controller.status.remote(), timeout=5.0)
             self.metrics.set_cluster(cluster_snapshot(status))
