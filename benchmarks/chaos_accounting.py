@@ -24,6 +24,8 @@ from benchmarks.http_load import CANCELLED
 FAULTS = ("kill_worker", "kill_redis", "kill_controller", "stop_worker", "stop_redis", "stop_controller", "kill_router",
           "burst")  # what `bench chaos` injects, in its default order (`benchmarks.chaos_bench.inject`)
 FATES = ("whole", "refused", "cancelled", "duplicated", "truncated", "corrupted", "failed")
+LOST_FATES = ("duplicated", "truncated", "corrupted", "failed")
+MAX_LOST_EXAMPLES = 3  # per fault, in the JSON: what the client saw of a lost request
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,9 +82,13 @@ def fault_rows(results: list, start_unix_s: float, events: list[FaultEvent], max
 def _row(event: FaultEvent, window: list, max_tokens: int, references: dict[str, str]) -> dict:
     counts = dict.fromkeys(FATES, 0)
     failed_by_status: dict[str, int] = {}
+    lost_examples = []
     for result in window:
         kind = fate(result, max_tokens, references.get(result.request_id))
         counts[kind] += 1
+        if kind in LOST_FATES and len(lost_examples) < MAX_LOST_EXAMPLES:
+            lost_examples.append({"request_id": result.request_id, "fate": kind, "status": result.status_code,
+                                  "tokens": result.num_completion_tokens, "error": result.error})
         if kind in ("refused", "failed"):
             key = str(result.status_code) if result.status_code is not None else "no_response"
             failed_by_status[key] = failed_by_status.get(key, 0) + 1
@@ -91,9 +97,9 @@ def _row(event: FaultEvent, window: list, max_tokens: int, references: dict[str,
         "cancelled": counts["cancelled"],
         "failed": counts["failed"], "failed_by_status": failed_by_status, "duplicated": counts["duplicated"],
         "truncated": counts["truncated"], "corrupted": counts["corrupted"],
-        "lost": counts["failed"] + counts["truncated"] + counts["duplicated"] + counts["corrupted"],
+        "lost": sum(counts[kind] for kind in LOST_FATES),
         "recovery_s": event.recovery_s, "memory_before_mib": event.memory_before_mib,
-        "memory_after_mib": event.memory_after_mib,
+        "memory_after_mib": event.memory_after_mib, "lost_examples": lost_examples,
     }
 
 

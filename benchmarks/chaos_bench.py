@@ -58,6 +58,9 @@ class ChaosBenchConfig:
         stop_s: how long stop_worker keeps the worker stopped.
         burst_factor: the burst's size, in multiples of `max_concurrent_requests`.
         num_workers, max_concurrent_requests, num_cpus: the service.
+        dtype: the workers' weights and KV. float32 by default: in bf16 the shape of a batch changes some greedy
+            answers (one prompt in five answered otherwise beside others than alone), which the content check
+            would count as corrupted.
         recovery_timeout_s: give up measuring a recovery after this long (reported as never).
         ready_timeout_s: how long the service may take to start.
     """
@@ -72,6 +75,7 @@ class ChaosBenchConfig:
     num_workers: int = 2
     max_concurrent_requests: int = 16
     num_cpus: int = 8
+    dtype: str = "float32"
     recovery_timeout_s: float = 60.0
     ready_timeout_s: float = 900.0
 
@@ -241,7 +245,7 @@ def load_plan(config: ChaosBenchConfig, base_url: str, model_id: str) -> LoadPla
 
 @contextmanager
 def bench_service(config, model_name: str, model_cache_dir: Path | None, work_dir: Path, label: str):
-    """The service the fault benches run against (`config`: num_workers, max_concurrent_requests, num_cpus,
+    """The service the fault benches run against (`config`: num_workers, max_concurrent_requests, num_cpus, dtype,
     ready_timeout_s), its data in `work_dir`; stopped on the way out."""
     import ray
 
@@ -251,8 +255,9 @@ def bench_service(config, model_name: str, model_cache_dir: Path | None, work_di
     service_config = ServiceConfig(
         port=free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
         data_dir=str(work_dir / "data"), num_workers=config.num_workers, retrain=False,
-        max_concurrent_requests=config.max_concurrent_requests, num_torch_threads=1, stats_interval_s=0.5)
-    print(f"{label}: starting the service ({config.num_workers} workers, at most "
+        max_concurrent_requests=config.max_concurrent_requests, num_torch_threads=1, stats_interval_s=0.5,
+        dtype=config.dtype)
+    print(f"{label}: starting the service ({config.num_workers} {config.dtype} workers, at most "
           f"{config.max_concurrent_requests} requests at once)", flush=True)
     allow_slow_serve_proxy()
     # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.

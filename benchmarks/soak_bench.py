@@ -47,7 +47,8 @@ class SoakBenchConfig:
         capacity_requests: chats sent at once to measure the capacity.
         sample_s: seconds between samples of memory, descriptors and keys.
         stop_s, burst_factor, recovery_timeout_s: the faults' settings, as in `ChaosBenchConfig`.
-        num_workers, max_concurrent_requests, num_cpus, ready_timeout_s: the service.
+        num_workers, max_concurrent_requests, num_cpus, dtype, ready_timeout_s: the service (float32, as in
+            `ChaosBenchConfig`, so the content check sees faults, not a batch's rounding).
     """
 
     minutes: float = 20.0
@@ -62,15 +63,16 @@ class SoakBenchConfig:
     num_workers: int = 2
     max_concurrent_requests: int = 32
     num_cpus: int = 8
+    dtype: str = "float32"
     ready_timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
         unknown = [name for name in self.faults if name not in SOAK_FAULTS]
         if unknown:
             raise ValueError(f"unknown faults {unknown}; choose from {list(SOAK_FAULTS)}")
-        if self.minutes < 4:
-            raise ValueError(f"minutes must be >= 4 (a warm-up minute, a quiet second one, the faults, a quiet "
-                             f"last one), got {self.minutes}")
+        if self.minutes < 5:
+            raise ValueError(f"minutes must be >= 5 (a warm-up minute, a quiet second one, the faults, a minute to "
+                             f"drain, a quiet last one), got {self.minutes}")
         if not 0 < self.load_fraction <= 1 or self.max_tokens < 1 or self.capacity_requests < 1:
             raise ValueError("load_fraction must be in (0, 1]; max_tokens and capacity_requests positive")
 
@@ -81,8 +83,10 @@ def quick_config(**overrides) -> SoakBenchConfig:
 
 
 def fault_times_s(config: SoakBenchConfig) -> list[float]:
-    """When each fault is injected, seconds after the load starts: evenly inside [120 s, last minute's start)."""
-    span_s = (config.minutes - 1) * 60.0 - 120.0
+    """When each fault is injected, seconds after the load starts: evenly inside [120 s, a minute before the last
+    minute's start), so the backlog a fault leaves drains before the last minute (at 80% load it drains at a
+    fifth of the rate it built up)."""
+    span_s = (config.minutes - 2) * 60.0 - 120.0
     return [120.0 + (index + 0.5) * span_s / len(config.faults) for index in range(len(config.faults))]
 
 
@@ -130,8 +134,9 @@ def sample(service: ServiceUnderTest, redis_keys) -> dict:
             continue  # ended meanwhile
         rss_by_kind[label] = rss_by_kind.get(label, 0.0) + rss_mib
         fds += num_fds
+    keys, keys_without_ttl = redis_keys()
     return {"unix_s": time.time(), "rss_mib": sum(rss_by_kind.values()), "rss_mib_by_kind": rss_by_kind,
-            "open_fds": fds, "redis_keys": redis_keys()}
+            "open_fds": fds, "redis_keys": keys, "redis_keys_without_ttl": keys_without_ttl}
 
 
 def minute_rows(results: list, start_unix_s: float, samples: list[dict], references: dict[str, str],
@@ -143,13 +148,14 @@ def minute_rows(results: list, start_unix_s: float, samples: list[dict], referen
         fates = [fate(r, max_tokens, references.get(r.request_id)) for r in sent]
         latencies = sorted(r.finished_s - r.sent_s for r, kind in zip(sent, fates) if kind == "whole")
         inside = [s for s in samples if minute * 60.0 <= s["unix_s"] - start_unix_s < (minute + 1) * 60.0]
-        last = inside[-1] if inside else {"rss_mib": None, "open_fds": None, "redis_keys": None}
+        last = inside[-1] if inside else dict.fromkeys(("rss_mib", "open_fds", "redis_keys", "redis_keys_without_ttl"))
         rows.append({"minute": minute + 1, "sent": len(sent), "whole": fates.count("whole"),
                      "cancelled": fates.count("cancelled"), "refused": fates.count("refused"),
                      "corrupted": fates.count("corrupted"),
                      "lost": sum(kind not in ("whole", "cancelled", "refused") for kind in fates),
                      "latency_p50_s": _quantile(latencies, 0.50), "latency_p99_s": _quantile(latencies, 0.99),
-                     "rss_mib": last["rss_mib"], "open_fds": last["open_fds"], "redis_keys": last["redis_keys"]})
+                     "rss_mib": last["rss_mib"], "open_fds": last["open_fds"], "redis_keys": last["redis_keys"],
+                     "redis_keys_without_ttl": last.get("redis_keys_without_ttl")})
     return rows
 
 
@@ -160,7 +166,9 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 def growth(rows: list[dict]) -> dict:
-    """From the second minute to the last: memory and p99 as ratios less one, descriptors and keys as counts."""
+    """From the second minute to the last: memory and p99 as ratios less one, descriptors and keys as counts (keys
+    with a time to live, such as the one-hour markers of counted requests, grow until they expire; those without
+    must not)."""
     second, last = rows[1], rows[-1]
 
     def ratio(key: str) -> float | None:
@@ -170,7 +178,8 @@ def growth(rows: list[dict]) -> dict:
         return None if second[key] is None or last[key] is None else last[key] - second[key]
 
     return {"rss_growth": ratio("rss_mib"), "p99_drift": ratio("latency_p99_s"), "fds_growth": change("open_fds"),
-            "redis_keys_growth": change("redis_keys")}
+            "redis_keys_growth": change("redis_keys"),
+            "redis_keys_without_ttl_growth": change("redis_keys_without_ttl")}
 
 
 def run(config: SoakBenchConfig, model_name: str = "smollm2-135m-instruct", model_cache_dir: Path | None = None,
@@ -199,11 +208,13 @@ def _soak(config: SoakBenchConfig, running, work_dir: Path) -> dict:
     write_plan(plan_path, plan)
     keys_client = redis.Redis.from_url(running.redis_url, socket_timeout=2.0)
 
-    def redis_keys() -> int | None:
+    def redis_keys() -> tuple[int | None, int | None]:
+        """All keys, and those without a time to live."""
         try:
-            return int(keys_client.dbsize())
+            space = keys_client.info("keyspace").get("db0", {"keys": 0, "expires": 0})
+            return int(space["keys"]), int(space["keys"]) - int(space["expires"])
         except redis.RedisError:
-            return None  # down for a fault
+            return None, None  # down for a fault
 
     load = subprocess.Popen([sys.executable, "-m", "benchmarks.http_load", "--plan", str(plan_path),
                              "--out", str(results_path), "--desc", "soak load"])
@@ -246,10 +257,10 @@ def _cell(value, digits: int = 2):
 
 def _print(result: dict) -> None:
     headers = ["minute", "sent", "whole", "cancel", "refused", "corrupt", "lost", "lat_p50_s", "lat_p99_s",
-               "rss_MiB", "fds", "redis_keys"]
+               "rss_MiB", "fds", "redis_keys", "no_ttl"]
     rows = [[r["minute"], r["sent"], r["whole"], r["cancelled"], r["refused"], r["corrupted"], r["lost"],
              _cell(r["latency_p50_s"]), _cell(r["latency_p99_s"]), _cell(r["rss_mib"], 0), _cell(r["open_fds"], 0),
-             _cell(r["redis_keys"], 0)] for r in result["soak"]["minutes"]]
+             _cell(r["redis_keys"], 0), _cell(r["redis_keys_without_ttl"], 0)] for r in result["soak"]["minutes"]]
     print(format_table(headers, rows))
     print("faults: " + ", ".join(f"{f['name']} at {f['at_s']:.0f} s (recovered in "
                                  + ("never" if f["recovery_s"] is None else f"{f['recovery_s']:.1f} s") + ")"
@@ -265,6 +276,7 @@ def _print(result: dict) -> None:
         return "n/a" if value is None else f"{value:+d}"
 
     print(f"minute 2 -> {len(soak['minutes'])}: memory {percent(soak['rss_growth'])}, open descriptors "
-          f"{signed(soak['fds_growth'])}, Redis keys {signed(soak['redis_keys_growth'])}, latency p99 "
+          f"{signed(soak['fds_growth'])}, Redis keys {signed(soak['redis_keys_growth'])} (without a time to live "
+          f"{signed(soak['redis_keys_without_ttl_growth'])}), latency p99 "
           f"{percent(soak['p99_drift'])}")
     print("targets: 0 lost, memory growth <= 5%, descriptors flat, p99 of the last minute within 20% of minute 2")

@@ -7,7 +7,6 @@ the offending values.
 
 import os
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -280,19 +279,10 @@ class ServiceConfig(BaseModel):
     def without_secrets(self) -> "ServiceConfig":
         """This config as the controller keeps it (in its memory and in Redis, hence on disk): no API keys (routers
         check them) and no password in `redis_url` (the controller is handed its Redis separately)."""
-        return self.model_copy(update={"api_keys": (), "redis_url": _without_password(self.redis_url)})
+        from cluster.control.redis_server import redacted_url
 
-
-def _without_password(url: str | None) -> str | None:
-    """`url` with any password in its user part replaced by ***."""
-    if url is None:
-        return None
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = f"{parts.username}:***" if parts.username else ":***"
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
+        redis_url = None if self.redis_url is None else redacted_url(self.redis_url)
+        return self.model_copy(update={"api_keys": (), "redis_url": redis_url})
 
 
 def load_config(path: Path | str | None = None, overrides: dict | None = None) -> ServiceConfig:

@@ -30,14 +30,15 @@ def add_soak_parser(benches) -> None:
                     "alone (the text every answer must repeat), measures its capacity (chats sent at once, whole "
                     "answers per second), then sends chats at 80% of it for --minutes from a separate process: "
                     "streamed, whole-body, and streamed ones whose client hangs up after 3 tokens. Faults are "
-                    "spread between the end of minute 2 and the start of the last minute. Every 10 s it samples "
+                    "spread between the end of minute 2 and a minute before the last one. Every 10 s it samples "
                     "the resident memory of every service process, their open file descriptors and Redis's key "
-                    "count. Per minute: requests by fate (whole, cancelled, refused, lost, corrupted), latency "
+                    "count (all; those without a time to live). Per minute: requests by fate (whole, cancelled, "
+                    "refused, lost, corrupted), latency "
                     "p50/p99, memory, descriptors, keys; then the growth from minute 2 to the last.",
     )
     add_model_args(soak)
     soak.add_argument("--minutes", type=float, default=None, help="how long the load runs (default 20; 5 with "
-                                                                   "--quick; at least 4)")
+                                                                   "--quick; at least 5)")
     soak.add_argument("--faults", nargs="*", default=None, metavar="FAULT", choices=SOAK_FAULTS,
                       help=f"faults, in order (default: kill_worker kill_redis stop_worker; none with an empty "
                            f"list); from: {' '.join(SOAK_FAULTS)}")

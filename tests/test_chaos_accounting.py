@@ -72,6 +72,8 @@ def test_corrupted_answers_are_lost_in_their_window_and_the_totals():
                result(sent_s=12.0, request_id="c")]
     rows = fault_rows(results, 0.0, events, MAX_TOKENS, references={"a": "right", "b": "right", "c": "right"})
     assert [(r["completed"], r["corrupted"], r["lost"]) for r in rows] == [(1, 0, 0), (1, 1, 1)]
+    assert rows[1]["lost_examples"] == [{"request_id": "b", "fate": "corrupted", "status": 200, "tokens": MAX_TOKENS,
+                                         "error": None}]
     summary = totals(rows, 1.0, 1.0)
     assert (summary["corrupted"], summary["lost"]) == (1, 1)
 

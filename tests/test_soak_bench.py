@@ -10,7 +10,7 @@ def test_faults_land_between_the_second_minute_and_the_last():
     config = quick_config()
     times = fault_times_s(config)
     assert len(times) == len(config.faults) == 3
-    assert all(120.0 < t < (config.minutes - 1) * 60.0 for t in times) and times == sorted(times)
+    assert all(120.0 < t < (config.minutes - 2) * 60.0 for t in times) and times == sorted(times)
 
 
 def test_the_load_mixes_streamed_whole_and_hung_up_chats_at_the_rate():
@@ -42,16 +42,16 @@ def test_minutes_count_fates_latency_and_the_last_sample_in_each():
 
 
 def test_growth_runs_from_the_second_minute_to_the_last():
-    rows = [{"rss_mib": 50.0, "latency_p99_s": 9.0, "open_fds": 10, "redis_keys": 1},
-            {"rss_mib": 100.0, "latency_p99_s": 2.0, "open_fds": 40, "redis_keys": 5},
-            {"rss_mib": 103.0, "latency_p99_s": 2.2, "open_fds": 40, "redis_keys": 5}]
+    rows = [{"rss_mib": 50.0, "latency_p99_s": 9.0, "open_fds": 10, "redis_keys": 1, "redis_keys_without_ttl": 1},
+            {"rss_mib": 100.0, "latency_p99_s": 2.0, "open_fds": 40, "redis_keys": 5, "redis_keys_without_ttl": 3},
+            {"rss_mib": 103.0, "latency_p99_s": 2.2, "open_fds": 40, "redis_keys": 9, "redis_keys_without_ttl": 3}]
     out = growth(rows)
     assert out["rss_growth"] == pytest.approx(0.03) and out["p99_drift"] == pytest.approx(0.10)
-    assert out["fds_growth"] == 0 and out["redis_keys_growth"] == 0
+    assert out["fds_growth"] == 0 and out["redis_keys_growth"] == 4 and out["redis_keys_without_ttl_growth"] == 0
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"minutes": 3}, "minutes must be >= 4"),
+    ({"minutes": 4}, "minutes must be >= 5"),
     ({"faults": ("burst",)}, "unknown faults"),
     ({"load_fraction": 1.5}, "load_fraction"),
 ])

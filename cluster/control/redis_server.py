@@ -214,13 +214,13 @@ def connect(url: str, max_retry_s: float = 5.0, health_check_interval_s: int = 1
     """
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {_redacted(url)!r}")
+        raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, got {redacted_url(url)!r}")
     if parts.scheme != "unix" and not parts.hostname:
-        raise ValueError(f"Redis URL has no host: {_redacted(url)!r}")
+        raise ValueError(f"Redis URL has no host: {redacted_url(url)!r}")
     try:
         _ = parts.port
     except ValueError as error:
-        raise ValueError(f"Redis URL has a bad port: {_redacted(url)!r}") from error
+        raise ValueError(f"Redis URL has a bad port: {redacted_url(url)!r}") from error
     if max_retry_s < 0:
         raise ValueError(f"max_retry_s must be >= 0, got {max_retry_s}")
     backoff = ExponentialBackoff(cap=1.0, base=0.05)
@@ -266,7 +266,8 @@ def _raw_client(host: str, port: int) -> redis.Redis:
                        retry=Retry(ExponentialBackoff(), 0))
 
 
-def _redacted(url: str) -> str:
+def redacted_url(url: str) -> str:
+    """`url` with its password, if any, shown as ***."""
     parts = urlsplit(url)
     if parts.password is None:
         return url

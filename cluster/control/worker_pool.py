@@ -28,6 +28,10 @@ from workers.work_types import WorkerStats
 logger = logging.getLogger(__name__)
 
 POLL_CHUNK = 16  # workers whose stats are requested per event-loop turn (more: longer stalls for placements)
+# After the poll's deadline, answers still in flight get this long more: when the controller itself was paused (a
+# SIGSTOP, a long GC, a starved host) its deadline passed while the workers' answers waited to be read, and taking
+# them for dead replaced healthy workers (`bench chaos`'s stop_controller did, every time).
+POLL_GRACE_S = 2.0
 
 
 class WorkerBackend(abc.ABC):
@@ -309,6 +313,9 @@ class WorkerPool:
                 tasks[loop.create_task(self.backend.stats(self.handles[wid]))] = wid
             await asyncio.sleep(0)
         done, pending = await asyncio.wait(tasks, timeout=timeout_s) if tasks else (set(), set())
+        if pending:
+            late, pending = await asyncio.wait(pending, timeout=POLL_GRACE_S)
+            done |= late
         for task in pending:
             task.cancel()
         previous, failed = {}, [tasks[task] for task in pending]
