@@ -136,16 +136,17 @@ class ServiceUnderTest:
 
     def router_pid(self) -> int:
         """A router replica's process (Ray titles it `ray::ServeReplica:<app>:router`)."""
-        for child in psutil.Process().children(recursive=True):
+        for process in self.processes():
             try:
-                if "ServeReplica:" in " ".join(child.cmdline()) and ":router" in " ".join(child.cmdline()):
-                    return child.pid
+                title = " ".join(process.cmdline())
             except psutil.Error:
-                continue
+                continue  # ended meanwhile
+            if "ServeReplica:" in title and ":router" in title:
+                return process.pid
         raise RuntimeError("no router replica process found")
 
-    def memory_mib(self) -> float:
-        """Resident memory of every process the service runs (this bench's children, less the load generator)."""
+    def processes(self) -> list[psutil.Process]:
+        """Every process the service runs: this bench's children, less the load generator and its children."""
         skip = set()
         if self.load_pid is not None:
             try:
@@ -153,12 +154,14 @@ class ServiceUnderTest:
                 skip = {load.pid, *(p.pid for p in load.children(recursive=True))}
             except psutil.NoSuchProcess:
                 pass
+        return [child for child in psutil.Process().children(recursive=True) if child.pid not in skip]
+
+    def memory_mib(self) -> float:
+        """Resident memory of every process the service runs."""
         total = 0
-        for child in psutil.Process().children(recursive=True):
-            if child.pid in skip:
-                continue
+        for process in self.processes():
             try:
-                total += child.memory_info().rss
+                total += process.memory_info().rss
             except psutil.Error:
                 pass  # ended meanwhile
         return total / 2**20

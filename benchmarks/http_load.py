@@ -178,13 +178,9 @@ def request_body(plan: LoadPlan, request: LoadRequest) -> dict:
     return body
 
 
-def _chunk_text(chunk: dict) -> str:
-    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or ())
-
-
-def _answer_text(answer: dict) -> str:
-    return "".join(c.get("text") or (c.get("message") or {}).get("content") or ""
-                   for c in answer.get("choices") or ())
+def _choices_text(body: dict, part: str) -> str:
+    """The text of a stream chunk's (`part` "delta") or a whole answer's (`part` "message") choices."""
+    return "".join(c.get("text") or (c.get(part) or {}).get("content") or "" for c in body.get("choices") or ())
 
 
 def text_digest(text: str) -> str:
@@ -216,7 +212,7 @@ async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, s
             elif not request.stream:
                 answer = json.loads(await response.aread())
                 usage = answer.get("usage")
-                pieces = [_answer_text(answer)]
+                pieces = [_choices_text(answer, "message")]
                 num_text_events, saw_done = int(bool(pieces[0])), True  # one body: whole or an error status
                 first_token_s = time.monotonic() - start_s
                 if usage is None:
@@ -233,7 +229,7 @@ async def _send(http: httpx.AsyncClient, plan: LoadPlan, request: LoadRequest, s
                     if "error" in chunk:
                         error = json.dumps(chunk["error"])[:MAX_ERROR_CHARS]
                         break
-                    text = _chunk_text(chunk)
+                    text = _choices_text(chunk, "delta")
                     if text:
                         pieces.append(text)
                         num_text_events += 1

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.chaos_accounting import FAULTS, fate
+from benchmarks.chaos_accounting import FAULTS, LOST_FATES, fate
 from benchmarks.chaos_bench import PROMPTS, ServiceUnderTest, bench_service, inject, reference_digests
 from benchmarks.http_load import LoadPlan, LoadRequest, drive, read_results, read_start_unix_s, write_plan
 from benchmarks.report import environment, format_table, write_json
@@ -121,15 +121,12 @@ def process_label(process: psutil.Process) -> str:
 
 def sample(service: ServiceUnderTest, redis_keys) -> dict:
     """The service's processes now (the load generator left out): memory by kind, descriptors, Redis's keys."""
-    skip = {service.load_pid} if service.load_pid is not None else set()
     rss_by_kind: dict[str, float] = {}
     fds = 0
-    for child in psutil.Process().children(recursive=True):
-        if child.pid in skip:
-            continue
+    for process in service.processes():
         try:
-            with child.oneshot():
-                label, rss_mib, num_fds = process_label(child), child.memory_info().rss / 2**20, child.num_fds()
+            with process.oneshot():
+                label, rss_mib, num_fds = process_label(process), process.memory_info().rss / 2**20, process.num_fds()
         except psutil.Error:
             continue  # ended meanwhile
         rss_by_kind[label] = rss_by_kind.get(label, 0.0) + rss_mib
@@ -152,7 +149,7 @@ def minute_rows(results: list, start_unix_s: float, samples: list[dict], referen
         rows.append({"minute": minute + 1, "sent": len(sent), "whole": fates.count("whole"),
                      "cancelled": fates.count("cancelled"), "refused": fates.count("refused"),
                      "corrupted": fates.count("corrupted"),
-                     "lost": sum(kind not in ("whole", "cancelled", "refused") for kind in fates),
+                     "lost": sum(kind in LOST_FATES for kind in fates),
                      "latency_p50_s": _quantile(latencies, 0.50), "latency_p99_s": _quantile(latencies, 0.99),
                      "rss_mib": last["rss_mib"], "open_fds": last["open_fds"], "redis_keys": last["redis_keys"],
                      "redis_keys_without_ttl": last.get("redis_keys_without_ttl")})
@@ -270,11 +267,11 @@ def _print(result: dict) -> None:
     def percent(value) -> str:
         return "n/a" if value is None else f"{value * 100:+.1f}%"
 
-    print(f"totals: {t['sent']} sent, {t['whole']} whole, {t['cancelled']} cancelled by the client, {t['refused']} "
-          f"refused with Retry-After, {t['lost']} lost ({t['corrupted']} corrupted)")
     def signed(value) -> str:
         return "n/a" if value is None else f"{value:+d}"
 
+    print(f"totals: {t['sent']} sent, {t['whole']} whole, {t['cancelled']} cancelled by the client, {t['refused']} "
+          f"refused with Retry-After, {t['lost']} lost ({t['corrupted']} corrupted)")
     print(f"minute 2 -> {len(soak['minutes'])}: memory {percent(soak['rss_growth'])}, open descriptors "
           f"{signed(soak['fds_growth'])}, Redis keys {signed(soak['redis_keys_growth'])} (without a time to live "
           f"{signed(soak['redis_keys_without_ttl_growth'])}), latency p99 "
