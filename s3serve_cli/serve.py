@@ -124,6 +124,8 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
     except Exception as error:  # e.g. a config.json transformers cannot read
         raise ServiceStartError(f"start-up failed while checking the model {config.model}: "
                                 f"{type(error).__name__}: {_first_line(error)}") from error
+    if config.redis_url_resolved is not None:
+        check_redis(config.redis_url_resolved)
     step = "starting a local Ray cluster"
     try:
         if not ray.is_initialized():
@@ -155,6 +157,26 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
                                     f"{_first_line(error)}") from error
         raise
     return RunningService(config, base_url, redis_url, redis, health)
+
+
+def check_redis(url: str, max_retry_s: float = 3.0) -> None:
+    """Fail before anything starts when the configured Redis does not answer or refuses the URL's password (one
+    line, the password shown as ***), instead of every replica retrying it in its own log."""
+    import redis
+
+    from cluster.control.redis_server import connect, redacted_url
+
+    client = connect(url, max_retry_s=max_retry_s)
+    try:
+        client.ping()
+    except redis.AuthenticationError as error:
+        raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} refused the credentials: "
+                                f"{_first_line(error)}") from error
+    except redis.RedisError as error:
+        raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} does not answer: "
+                                f"{type(error).__name__}: {_first_line(error)}") from error
+    finally:
+        client.close()
 
 
 def kv_summary(kv_tokens: list[int], max_model_len: int, kv_cache_memory: str = "auto") -> str:

