@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from benchmarks.http_load import CANCELLED
 
 FAULTS = ("kill_worker", "kill_redis", "kill_controller", "stop_worker", "stop_redis", "stop_controller", "kill_router",
-          "burst")  # what `bench chaos` injects, in its default order (`benchmarks.chaos_bench.inject`)
+          "redis_disk_full", "burst")  # what `bench chaos` injects, in its default order (`benchmarks.chaos_bench.inject`)
 FATES = ("whole", "refused", "cancelled", "duplicated", "truncated", "corrupted", "failed")
 LOST_FATES = ("duplicated", "truncated", "corrupted", "failed")
 MAX_LOST_EXAMPLES = 3  # per fault, in the JSON: what the client saw of a lost request

@@ -10,6 +10,9 @@
          stop_redis       SIGSTOP the embedded redis-server for `stop_s` (slow, not dead), then SIGCONT
          stop_controller  SIGSTOP the controller for `stop_s`, then SIGCONT
          kill_router      SIGKILL a router replica's process (Serve starts another)
+         redis_disk_full  fill the disk under the embedded Redis's append-only file for `stop_s`, then free it
+                          (a tmpfs of `redis_disk_mib`, mounted before the service starts: needs root; left out,
+                          with the reason printed and in the JSON, where it cannot be mounted)
          burst            `burst_factor` x the service's concurrency limit of extra chats at once
        per fault: time until /health is 200 and a probe request completes, and the service's memory
     -> per fault window: requests sent, completed whole, refused with Retry-After, failed by status,
@@ -28,17 +31,14 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-
-import httpx
-import psutil
 
 from benchmarks.chaos_accounting import FAULTS, FaultEvent, fault_rows, totals
 from benchmarks.http_load import LoadPlan, LoadRequest, drive, read_results, read_start_unix_s, write_plan
 from benchmarks.report import environment, format_table, write_json
-from workers.ports import free_port
+from benchmarks.service_under_test import ServiceUnderTest, bench_service, redis_data_dir
+from benchmarks.small_disk import SmallDisk, SmallDiskUnavailable
 
 PROMPTS = ("Write a short poem about the sea.", "Explain what a hash table is.", "List three uses of copper.",
            "Describe a sunrise in the mountains.", "Give advice to a new programmer.")
@@ -55,12 +55,13 @@ class ChaosBenchConfig:
         max_tokens: tokens per answer (forced: greedy, ignore_eos).
         window_s: seconds between faults (each fault's requests are those sent in its window).
         warmup_s: load before the quiet window starts (not counted).
-        stop_s: how long stop_worker keeps the worker stopped.
+        stop_s: how long the stop_* faults keep their process stopped, and redis_disk_full its disk full.
         burst_factor: the burst's size, in multiples of `max_concurrent_requests`.
         num_workers, max_concurrent_requests, num_cpus: the service.
         dtype: the workers' weights and KV. float32 by default: in bf16 the shape of a batch changes some greedy
             answers (one prompt in five answered otherwise beside others than alone), which the content check
             would count as corrupted.
+        redis_disk_mib: the size of the embedded Redis's disk where redis_disk_full is injected.
         recovery_timeout_s: give up measuring a recovery after this long (reported as never).
         ready_timeout_s: how long the service may take to start.
     """
@@ -76,6 +77,7 @@ class ChaosBenchConfig:
     max_concurrent_requests: int = 16
     num_cpus: int = 8
     dtype: str = "float32"
+    redis_disk_mib: int = 64
     recovery_timeout_s: float = 60.0
     ready_timeout_s: float = 900.0
 
@@ -92,99 +94,6 @@ class ChaosBenchConfig:
 def quick_config(**overrides) -> ChaosBenchConfig:
     """About 5 minutes after the service is up."""
     return replace(ChaosBenchConfig(rate_per_s=1.0, max_tokens=24, window_s=25.0), **overrides)
-
-
-def _own_pid(actor) -> int:
-    return os.getpid()
-
-
-class ServiceUnderTest:
-    """The running service as the faults see it: its processes, its health, its memory."""
-
-    def __init__(self, running, config: ChaosBenchConfig, load_pid: int | None = None) -> None:
-        self.running = running
-        self.config = config
-        self.load_pid = load_pid
-
-    def worker_pids(self) -> list[int]:
-        import ray
-
-        from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, worker_actor_name
-
-        status = ray.get(ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE).status.remote(), timeout=30)
-        busiest = sorted(status.stats, key=lambda s: -(s.num_running + s.num_waiting))
-        return [ray.get(ray.get_actor(worker_actor_name(s.worker_id), namespace=RAY_NAMESPACE)
-                        .__ray_call__.remote(_own_pid), timeout=30) for s in busiest]
-
-    def controller_pid(self) -> int:
-        import ray
-
-        from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
-
-        controller = ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE)
-        return ray.get(controller.__ray_call__.remote(_own_pid), timeout=30)
-
-    def redis_pid(self) -> int:
-        """The embedded redis-server's process (waiting out a restart after an earlier kill)."""
-        redis = self.running.redis
-        if redis is None:
-            raise ValueError("the Redis faults need the embedded Redis (unset S3_REDIS_URL)")
-        deadline_s = time.monotonic() + 30.0
-        while redis.pid is None and time.monotonic() < deadline_s:
-            time.sleep(0.05)
-        return redis.pid
-
-    def router_pid(self) -> int:
-        """A router replica's process (Ray titles it `ray::ServeReplica:<app>:router`)."""
-        for process in self.processes():
-            try:
-                title = " ".join(process.cmdline())
-            except psutil.Error:
-                continue  # ended meanwhile
-            if "ServeReplica:" in title and ":router" in title:
-                return process.pid
-        raise RuntimeError("no router replica process found")
-
-    def processes(self) -> list[psutil.Process]:
-        """Every process the service runs: this bench's children, less the load generator and its children."""
-        skip = set()
-        if self.load_pid is not None:
-            try:
-                load = psutil.Process(self.load_pid)
-                skip = {load.pid, *(p.pid for p in load.children(recursive=True))}
-            except psutil.NoSuchProcess:
-                pass
-        return [child for child in psutil.Process().children(recursive=True) if child.pid not in skip]
-
-    def memory_mib(self) -> float:
-        """Resident memory of every process the service runs."""
-        total = 0
-        for process in self.processes():
-            try:
-                total += process.memory_info().rss
-            except psutil.Error:
-                pass  # ended meanwhile
-        return total / 2**20
-
-    def is_recovered(self) -> bool:
-        """/health answers 200 and a two-token chat completes."""
-        url = self.running.base_url
-        try:
-            if httpx.get(f"{url}/health", timeout=5.0).status_code != 200:
-                return False
-            body = {"model": self.running.config.model_id, "max_tokens": 2, "temperature": 0,
-                    "messages": [{"role": "user", "content": "Hi"}]}
-            return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def recovery_s(self, start_s: float) -> float | None:
-        """Seconds from `start_s` (monotonic) until `is_recovered`; None when it never was in the timeout."""
-        while time.monotonic() - start_s < self.config.recovery_timeout_s:
-            if self.is_recovered():
-                return time.monotonic() - start_s
-            time.sleep(0.25)
-        return None
 
 
 def inject(fault: str, service: ServiceUnderTest, burst_results: list) -> threading.Thread | None:
@@ -206,6 +115,14 @@ def inject(fault: str, service: ServiceUnderTest, burst_results: list) -> thread
         timer = threading.Timer(config.stop_s, _resume, args=(pid,))
         timer.daemon = True
         timer.start()
+    elif fault == "redis_disk_full":
+        if service.redis_disk is None:
+            raise ValueError("redis_disk_full needs the embedded Redis on a SmallDisk (see bench_service)")
+        service.redis_disk.fill()
+        timer = threading.Timer(config.stop_s, service.redis_disk.free)  # from now: the fault's length is stop_s
+        timer.daemon = True
+        timer.start()
+        service.wait_until_redis_cannot_write()  # so that recovery is not probed before the fault is felt
     elif fault == "burst":
         thread = threading.Thread(target=_burst, args=(service, burst_results), daemon=True)
         thread.start()
@@ -246,39 +163,28 @@ def load_plan(config: ChaosBenchConfig, base_url: str, model_id: str) -> LoadPla
     return LoadPlan(base_url, model_id, 64, requests, endpoint="chat")
 
 
-@contextmanager
-def bench_service(config, model_name: str, model_cache_dir: Path | None, work_dir: Path, label: str):
-    """The service the fault benches run against (`config`: num_workers, max_concurrent_requests, num_cpus, dtype,
-    ready_timeout_s), its data in `work_dir`; stopped on the way out."""
-    import ray
-
-    from cluster.config import RAY_NAMESPACE, ServiceConfig
-    from s3serve_cli.serve import allow_slow_serve_proxy, start_service, stop_service
-
-    service_config = ServiceConfig(
-        port=free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
-        data_dir=str(work_dir / "data"), num_workers=config.num_workers, retrain=False,
-        max_concurrent_requests=config.max_concurrent_requests, num_torch_threads=1, stats_interval_s=0.5,
-        dtype=config.dtype)
-    print(f"{label}: starting the service ({config.num_workers} {config.dtype} workers, at most "
-          f"{config.max_concurrent_requests} requests at once)", flush=True)
-    allow_slow_serve_proxy()
-    # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
-    ray.init(num_cpus=config.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False,
-             logging_level="WARNING", log_to_driver=False)
-    running = start_service(service_config, config.ready_timeout_s, progress=lambda _msg: None)
-    try:
-        yield running
-    finally:
-        stop_service(running)
-
-
 def run(config: ChaosBenchConfig, model_name: str = "smollm2-135m-instruct", model_cache_dir: Path | None = None,
         json_path: Path | None = None) -> dict:
     """Start the service, run the load and the faults, print the table, write JSON."""
+    left_out = {}
     with tempfile.TemporaryDirectory(prefix="s3serve-chaos-") as work:
-        with bench_service(config, model_name, model_cache_dir, Path(work), "chaos") as running:
-            result = _run_faults(config, running, Path(work))
+        disk = None
+        if "redis_disk_full" in config.faults:
+            disk = SmallDisk(redis_data_dir(Path(work)), config.redis_disk_mib)
+            try:
+                disk.mount()
+            except SmallDiskUnavailable as error:
+                print(f"chaos: redis_disk_full left out: {error}", flush=True)
+                left_out["redis_disk_full"] = str(error)
+                config = replace(config, faults=tuple(name for name in config.faults if name != "redis_disk_full"))
+                disk = None
+        try:
+            with bench_service(config, model_name, model_cache_dir, Path(work), "chaos") as running:
+                result = _run_faults(config, running, Path(work), disk)
+        finally:
+            if disk is not None:
+                disk.unmount()
+    result["faults_left_out"] = left_out
     result["environment"] = environment()
     _print(result)
     write_json(json_path, result)
@@ -296,14 +202,14 @@ def reference_digests(config: ChaosBenchConfig, base_url: str, model_id: str) ->
     return {request.prompt: result.output_digest for request, result in zip(requests, results)}
 
 
-def _run_faults(config: ChaosBenchConfig, running, work_dir: Path) -> dict:
+def _run_faults(config: ChaosBenchConfig, running, work_dir: Path, redis_disk: SmallDisk | None) -> dict:
     plan_path, results_path = work_dir / "plan.json", work_dir / "results.json"
     reference_by_prompt = reference_digests(config, running.base_url, running.config.model_id)
     plan = load_plan(config, running.base_url, running.config.model_id)
     write_plan(plan_path, plan)
     load = subprocess.Popen([sys.executable, "-m", "benchmarks.http_load", "--plan", str(plan_path),
                              "--out", str(results_path), "--desc", "chaos load"])
-    service = ServiceUnderTest(running, config, load.pid)
+    service = ServiceUnderTest(running, config, load.pid, redis_disk)
     launched_s = time.monotonic()
     memory_start_mib = service.memory_mib()
     burst_results: list = []

