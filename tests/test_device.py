@@ -61,7 +61,7 @@ def test_a_tensor_parallel_worker_needs_its_placement_group():
     from workers.worker_actor import WorkerSettings
 
     with pytest.raises(ValueError, match="needs a placement group of 2 bundles"):
-        start_ranks(WorkerSettings(tensor_parallel_size=2), None)
+        start_ranks(WorkerSettings(tensor_parallel_size=2), None, load_model=None)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         WorkerSettings(tensor_parallel_size=0)
 

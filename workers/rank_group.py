@@ -85,15 +85,15 @@ def allreduce_buffer_path(address: str, port: int, rank: int) -> Path:
 class FollowerRank:
     """A follower rank of a tensor-parallel worker (no `@ray.remote`: `start_ranks` picks its options)."""
 
-    def run(self, rank: int, world_size: int, address: str, port: int, settings) -> int:
-        """Join the ranks, load this rank's share of the model, repeat rank 0's runner calls until its engine
-        closes; returns the calls made. Blocks for the worker's lifetime."""
+    def run(self, rank: int, world_size: int, address: str, port: int, settings, load_model) -> int:
+        """Join the ranks, load this rank's share of the model (`load_model(settings)` -> model, tokenizer,
+        device), repeat rank 0's runner calls until its engine closes; returns the calls made. Blocks for the
+        worker's lifetime."""
         from workers.runtime import tune_cpu_runtime
         from workers.tensor_parallel import follow_engine
-        from workers.worker_actor import load_worker_model
 
         tune_cpu_runtime(settings.num_torch_threads)
-        model, _, device = load_worker_model(settings)
+        model, _, device = load_model(settings)
         join_ranks(rank, world_size, address, port, device)
         return follow_engine(model)
 
@@ -103,10 +103,11 @@ def follower_name(actor_name: str, rank: int) -> str:
     return f"{actor_name}-rank{rank}"
 
 
-def start_ranks(settings, group, actor_name: str | None = None, namespace: str | None = None
+def start_ranks(settings, group, load_model, actor_name: str | None = None, namespace: str | None = None
                 ) -> tuple[list[tuple], "callable"]:
     """From rank 0 (the worker actor, in bundle 0 of `group`): start the follower ranks in the other bundles
-    (each loads its model, then waits for the others), named `follower_name(actor_name, rank)` in `namespace`
+    (each loads its model with `load_model(settings)`, `workers.worker_actor.load_worker_model`, passed in so
+    that this module does not import the actor's, then waits for the others), named `follower_name(actor_name, rank)` in `namespace`
     when the worker has a name (an actor cannot read its own namespace, so the pool passes it).
 
     Returns (actor handle, pending `run` call) per follower, to keep (an actor whose handles are all gone is
@@ -131,7 +132,7 @@ def start_ranks(settings, group, actor_name: str | None = None, namespace: str |
             num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0, **names,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
         ).remote()
-        followers.append((follower, follower.run.remote(rank, world_size, address, port, settings)))
+        followers.append((follower, follower.run.remote(rank, world_size, address, port, settings, load_model)))
     device = resolve_device(settings.device, *probe_cuda())
     return followers, lambda: join_ranks(0, world_size, address, port, device)
 

@@ -226,8 +226,8 @@ class WorkerActor:
             from workers.rank_group import start_ranks
 
             # They load their share while this actor loads its own; all join torch.distributed after.
-            self._followers, join = start_ranks(settings, rank_group, ray.get_runtime_context().get_actor_name(),
-                                                namespace)
+            self._followers, join = start_ranks(settings, rank_group, load_worker_model,
+                                                ray.get_runtime_context().get_actor_name(), namespace)
         self._engine = build_engine(settings, join, load_probe)
         self._loop = EngineLoop(self._engine, worker_id)
         self._closed = False
