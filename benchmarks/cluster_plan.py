@@ -9,14 +9,11 @@ Either way `max_tokens` is what the context leaves, as a real client would send.
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from benchmarks.cluster_bench_config import ClusterBenchConfig
 from benchmarks.http_load import LoadRequest
 from benchmarks.natural_workload import natural_load_requests
 from benchmarks.traces import ReplayRequest, build_requests, load_prompt_texts, read_trace, select_sessions
-
-if TYPE_CHECKING:
-    from benchmarks.cluster_bench import ClusterBenchConfig
 
 BATCH_PRIORITY = 5  # the class of the requests not sent as urgent (priority 0) when urgent_share > 0
 
@@ -50,7 +47,7 @@ def build_load_requests(requests: list[ReplayRequest], tokenizer, max_len: int,
     return out, num_retokenized
 
 
-def load_plan(config: "ClusterBenchConfig", tokenizer, mode: str) -> tuple[list[LoadRequest], bool, dict]:
+def load_plan(config: ClusterBenchConfig, tokenizer, mode: str) -> tuple[list[LoadRequest], bool, dict]:
     """(requests in arrival order, whether they share prefixes (Mooncake sessions), what to report of them)."""
     if config.is_natural:
         plan, split = natural_load_requests(tokenizer, config.num_requests, config.max_len, config.max_prompt_tokens,
@@ -78,7 +75,7 @@ def load_plan(config: "ClusterBenchConfig", tokenizer, mode: str) -> tuple[list[
     return plan, shares_prefixes, workload
 
 
-def predictor_artifact(config: "ClusterBenchConfig", plan: list[LoadRequest], work_dir: Path) -> str | None:
+def predictor_artifact(config: ClusterBenchConfig, plan: list[LoadRequest], work_dir: Path) -> str | None:
     """The artifact the services serve: a lookup table of noisy-oracle predictions, the default (None), or a dir."""
     if config.predictor == "default":
         return None

@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.noisy_oracle import NoisyOraclePredictor
-from benchmarks.policy_bench import PolicyBenchConfig
+from benchmarks.policy_bench_config import PolicyBenchConfig
 from benchmarks.policy_replay import run_policy
 from benchmarks.policy_summary import summarize
 from benchmarks.prompt_pool import DEFAULT_PROMPTS

@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload
 from benchmarks.peers_bench import PeersBenchConfig, model_config, peer_python, run_vllm
-from benchmarks.policy_bench import DEFAULT_TRACE, PolicyBenchConfig, parse_predictor
+from benchmarks.policy_bench import parse_predictor
+from benchmarks.policy_bench_config import DEFAULT_TRACE, PolicyBenchConfig
 from benchmarks.policy_replay import WARMUP_OUTPUT_TOKENS, run_policy, warm_up_prompts
 from benchmarks.report import environment, format_table, percentile, write_json
 from cluster.control.worker_probe import load_length_probe

@@ -8,11 +8,11 @@ Every replay is on the same footing: the same preemption mechanism and swap budg
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from benchmarks.natural_workload import output_digest
+from benchmarks.policy_bench_config import PolicyBenchConfig
 from benchmarks.policy_summary import NO_CACHE_SUFFIX, PROBE_SUFFIX
 from workers.engine import Engine
 from workers.engine_config import EngineConfig
@@ -20,9 +20,6 @@ from workers.length_probe import LengthProbe
 from workers.policies import make_policy, overcommit_options
 from workers.sampling_params import SamplingParams
 from workers.scheduler import SchedulerStats
-
-if TYPE_CHECKING:
-    from benchmarks.policy_bench import PolicyBenchConfig
 
 MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
 WARMUP_REQUESTS = 2  # untimed, through every fresh engine before its replay
@@ -81,7 +78,7 @@ def warm_up(engine: Engine, vocab_size: int) -> None:
     engine.num_probe_reads = 0
 
 
-def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]], config: "PolicyBenchConfig",
+def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]], config: PolicyBenchConfig,
                kv_cache_bytes: int, progress: tqdm, prefix_caching: bool = True,
                probe: LengthProbe | None = None) -> PolicyRun:
     """Replay the requests through a fresh engine with one policy (and `probe` refining its bounds, if given).

@@ -45,9 +45,9 @@ def _bench_engine(args: argparse.Namespace) -> int:
 def _bench_policies(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from benchmarks import policy_bench
+    from benchmarks import policy_bench, policy_bench_config
 
-    base = policy_bench.quick_config(args.workload) if args.quick else policy_bench.PolicyBenchConfig()
+    base = policy_bench_config.quick_config(args.workload) if args.quick else policy_bench_config.PolicyBenchConfig()
     overrides = {
         "trace_path": args.trace,
         "prompts_path": args.prompts,

@@ -11,9 +11,9 @@ from s3serve_cli.args import add_model_args, add_rebalance_arg, given
 def _bench_cluster(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from benchmarks import cluster_bench
+    from benchmarks import cluster_bench, cluster_bench_config
 
-    base = cluster_bench.quick_config() if args.quick else cluster_bench.ClusterBenchConfig()
+    base = cluster_bench_config.quick_config() if args.quick else cluster_bench_config.ClusterBenchConfig()
     overrides = {"trace_path": args.trace, "prompts_path": args.prompts, "max_len": args.max_len,
                  "concurrency": args.concurrency, "workload": args.workload, "probe": args.probe}
     if args.workload == "natural" and args.predictor is None:

@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from benchmarks import cluster_bench, http_load
-from benchmarks.cluster_bench import ClusterBenchConfig, summarize_cluster, summarize_results
+from benchmarks.cluster_bench import summarize_cluster, summarize_results
+from benchmarks.cluster_bench_config import ClusterBenchConfig
 from benchmarks.cluster_ratios import ratios_of, routing_ratios
 from benchmarks.cluster_plan import build_load_requests
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_plan, write_plan
@@ -312,7 +313,7 @@ def test_natural_bench_runs_to_the_models_own_stop_with_the_probe_on_and_answers
 
 
 def test_noisy_oracle_predictions_are_served_from_a_lookup_artifact(tmp_path):
-    from benchmarks.cluster_bench import ClusterBenchConfig
+    from benchmarks.cluster_bench_config import ClusterBenchConfig
     from benchmarks.cluster_plan import predictor_artifact
     from benchmarks.http_load import LoadRequest
     from predictor_service.server import LengthPredictorServer
@@ -333,7 +334,7 @@ def test_noisy_oracle_predictions_are_served_from_a_lookup_artifact(tmp_path):
 
 
 def test_bad_predictor_spec_is_a_clear_error():
-    from benchmarks.cluster_bench import ClusterBenchConfig
+    from benchmarks.cluster_bench_config import ClusterBenchConfig
 
     with pytest.raises(ValueError, match="SIGMA must be a number"):
         ClusterBenchConfig(predictor="noisy-oracle:x").check()

@@ -134,3 +134,60 @@ def test_serving_packages_import_one_another_only_in_the_design_direction():
     offenders = {path: names for path, names in offenders.items() if names}
     assert not offenders, f"imports against DESIGN's direction: {offenders}"
     assert _imported_top_levels(root / "cluster" / "control" / "worker_probe.py") >= {"workers", "predictor_service"}
+
+
+def _module_graph(root: Path) -> dict[str, set[str]]:
+    """Every source module (the packages, the tools and the tests' helpers, imported by bare name) -> the source
+    modules it imports anywhere, inside functions and TYPE_CHECKING blocks too."""
+    paths = {".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
+             for package in (*SERVING_PACKAGES, *TOOL_PACKAGES) for path in (root / package).rglob("*.py")}
+    paths.update({path.stem: path for path in (root / "tests").glob("*.py")})
+    graph = {}
+    for module, path in paths.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # `from package import submodule` imports the submodule; any other name comes from the module
+                imported.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in paths
+                                else node.module for alias in node.names)
+        graph[module] = {name for name in imported if name in paths and name != module}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import one another in a circle (Tarjan's strongly connected components)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+                on_stack.discard(group[-1])
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_module_imports_itself_through_others():
+    root = Path(__file__).resolve().parents[1]
+    graph = _module_graph(root)
+    assert {"workers.worker_actor", "benchmarks.cluster_plan", "engine_driver"} <= set(graph)
+    assert "workers.rank_group" in graph["workers.worker_actor"]  # imports inside functions are seen
+    assert not _circles(graph)
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
