@@ -269,7 +269,7 @@ async def drive(plan: LoadPlan, progress: tqdm | None = None, start_s: float | N
             result = await _send(http, plan, request, start_s)
         if progress is not None:
             progress.update(1)
-            if not result.is_ok:
+            if not result.is_ok and result.error != CANCELLED:  # a planned hang-up is no failure
                 progress.set_postfix_str(f"failed: {result.status_code}")
         return result
 
