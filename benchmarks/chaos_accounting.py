@@ -21,8 +21,12 @@ from dataclasses import dataclass
 
 from benchmarks.http_load import CANCELLED
 
+# what `bench chaos` injects, in its default order (`benchmarks.chaos_bench.inject`)
 FAULTS = ("kill_worker", "kill_redis", "kill_controller", "stop_worker", "stop_redis", "stop_controller", "kill_router",
-          "redis_disk_full", "burst")  # what `bench chaos` injects, in its default order (`benchmarks.chaos_bench.inject`)
+          "redis_disk_full", "burst")
+# what `bench soak` may inject: not the burst (bench chaos's own load) nor the full disk (it mounts a tmpfs under
+# the embedded Redis before the service starts)
+SOAK_FAULTS = tuple(name for name in FAULTS if name not in ("burst", "redis_disk_full"))
 FATES = ("whole", "refused", "cancelled", "duplicated", "truncated", "corrupted", "failed")
 LOST_FATES = ("duplicated", "truncated", "corrupted", "failed")
 MAX_LOST_EXAMPLES = 3  # per fault, in the JSON: what the client saw of a lost request

@@ -122,7 +122,9 @@ def inject(fault: str, service: ServiceUnderTest, burst_results: list) -> thread
         timer = threading.Timer(config.stop_s, service.redis_disk.free)  # from now: the fault's length is stop_s
         timer.daemon = True
         timer.start()
-        service.wait_until_redis_cannot_write()  # so that recovery is not probed before the fault is felt
+        if not service.wait_until_redis_cannot_write():  # so that recovery is not probed before the fault is felt
+            print("chaos: redis_disk_full: Redis has not failed an append within 5 s; recovery is probed anyway",
+                  flush=True)
     elif fault == "burst":
         thread = threading.Thread(target=_burst, args=(service, burst_results), daemon=True)
         thread.start()

@@ -118,7 +118,8 @@ class ClusterBenchConfig:
             try:
                 sigma = float(self.predictor.split(":", 1)[1])
             except ValueError:
-                raise ValueError(f"--predictor {self.predictor!r}: SIGMA must be a number, e.g. noisy-oracle:0.3") from None
+                raise ValueError(f"--predictor {self.predictor!r}: SIGMA must be a number, "
+                                 "e.g. noisy-oracle:0.3") from None
             if sigma < 0:
                 raise ValueError(f"--predictor {self.predictor!r}: SIGMA must be >= 0")
         elif self.predictor != "default" and not Path(self.predictor).is_dir():

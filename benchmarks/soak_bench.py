@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.chaos_accounting import FAULTS, LOST_FATES, fate
+from benchmarks.chaos_accounting import LOST_FATES, SOAK_FAULTS, fate
 from benchmarks.chaos_bench import PROMPTS, inject, reference_digests
 from benchmarks.service_under_test import ServiceUnderTest, bench_service
 from benchmarks.http_load import LoadPlan, LoadRequest, drive, read_results, read_start_unix_s, write_plan
@@ -32,8 +32,6 @@ from benchmarks.report import environment, format_table, write_json
 
 MIX = ("stream",) * 6 + ("whole",) * 3 + ("cancel",)  # by request index, repeating
 CANCEL_AFTER_EVENTS = 3
-# a burst is `bench chaos`'s (its own load), and so is the full disk (it mounts a tmpfs under the embedded Redis)
-SOAK_FAULTS = tuple(name for name in FAULTS if name not in ("burst", "redis_disk_full"))
 TARGETS = {"lost": 0, "rss_growth": 0.05, "fds_growth": 0, "p99_drift": 0.20}
 
 

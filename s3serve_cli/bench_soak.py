@@ -4,10 +4,8 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.chaos_accounting import FAULTS
+from benchmarks.chaos_accounting import SOAK_FAULTS
 from s3serve_cli.args import add_model_args, given
-
-SOAK_FAULTS = tuple(name for name in FAULTS if name not in ("burst", "redis_disk_full"))  # as benchmarks.soak_bench
 
 
 def _bench_soak(args: argparse.Namespace) -> int:

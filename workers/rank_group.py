@@ -107,8 +107,9 @@ def start_ranks(settings, group, load_model, actor_name: str | None = None, name
                 ) -> tuple[list[tuple], "callable"]:
     """From rank 0 (the worker actor, in bundle 0 of `group`): start the follower ranks in the other bundles
     (each loads its model with `load_model(settings)`, `workers.worker_actor.load_worker_model`, passed in so
-    that this module does not import the actor's, then waits for the others), named `follower_name(actor_name, rank)` in `namespace`
-    when the worker has a name (an actor cannot read its own namespace, so the pool passes it).
+    that this module does not import the actor's, then waits for the others), named
+    `follower_name(actor_name, rank)` in `namespace` when the worker has a name (an actor cannot read its own
+    namespace, so the pool passes it).
 
     Returns (actor handle, pending `run` call) per follower, to keep (an actor whose handles are all gone is
     stopped) and to watch (`ended_follower`), and the function rank 0 calls to join them once its own model
