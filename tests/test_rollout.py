@@ -210,7 +210,10 @@ def cluster(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            # Token auth (Ray's own default for new clusters), with a token of this test's: the CLI,
            # the job and the nodes read it from here, and it marks every process of this cluster.
-           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path), "RAY_USAGE_STATS_ENABLED": "0",
+           # A node's SIGTERM drains it for up to 30 s first (for Kubernetes upgrades); the test stops the
+           # service itself before the teardown, so each node may stop at once (it took 64 s of two drains).
+           "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "2"}
     env.pop("RAY_ADDRESS", None)
     dashboard_url = f"http://127.0.0.1:{dashboard_port}"
     running = LocalCluster(temp_dir, env, dashboard_url)
