@@ -7,11 +7,11 @@ from pathlib import Path
 
 from benchmarks.policy_summary import PROBE_SUFFIX, PROBED
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from cluster.config import DTYPES
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, check_routing
 from predictor_service.probe_files import check_probe_folder
 from workers.policies import SERVING_POLICY_NAMES
+from workers.runtime import DTYPE_CHOICES
 
 POLICIES = SERVING_POLICY_NAMES
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
@@ -97,8 +97,8 @@ class ClusterBenchConfig:
             raise ValueError(f"--policy {list(self.policies)} names a policy twice")
         if any(p.endswith(PROBE_SUFFIX) for p in self.policies) and self.probe != "default":
             check_probe_folder(Path(self.probe).expanduser(), self.probe)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r}: choose {', '.join(DTYPES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype {self.dtype!r}: choose {', '.join(DTYPE_CHOICES)}")
         check_min_gap(self.rebalance_min_gap, "--rebalance-min-gap")
         for routing in self.routings:
             check_routing(routing)

@@ -124,7 +124,7 @@ def profile_steps(model, prompt_stream: list[int], batch_size: int, config: Engi
                   tokenizer=None, grammar: GrammarSpec | None = None) -> dict:
     """Decode-step time of `batch_size` running sequences, split by phase (ms per step); with `grammar`, every
     sequence constrained by it (the engine then needs the tokenizer)."""
-    engine = Engine(model, EngineConfig(kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=batch_size,
+    engine = Engine(model, EngineConfig.of(kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=batch_size,
                                         max_num_batched_tokens=max(512, batch_size), max_model_len=2048),
                     tokenizer=tokenizer)
     length = config.profile_prompt_tokens
@@ -211,7 +211,7 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     for batch_size in config.batch_sizes:
         engine = Engine(
             engine_model,
-            EngineConfig(kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=batch_size,
+            EngineConfig.of(kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=batch_size,
                          max_num_batched_tokens=max(512, batch_size), max_model_len=max(max_len, 2048)),
         )
         with tqdm(total=len(prompts), desc=f"engine  batch {batch_size}", unit="prompt") as bar:

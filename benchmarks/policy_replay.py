@@ -92,9 +92,9 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
     policy = make_policy(name, max_model_len=config.max_len, **kwargs)
     engine = Engine(
         model,
-        EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
+        EngineConfig.of(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len,
-                     enable_prefix_caching=prefix_caching, preemption_mode=config.preemption_mode,
+                     prefix_caching=prefix_caching, preemption_mode=config.preemption_mode,
                      swap_space_bytes=config.swap_space_bytes),
         policy=policy,
         probe=probe,

@@ -99,7 +99,7 @@ def run(config: RemainingBenchConfig, model_name: str = DEFAULT_MODEL, model_cac
     lengths = LengthDistribution(default_sigma=config.length_sigma)
     model = load_model(model_dir)
     recorder = _ProbeRecorder(load_length_probe("default", model.config.hidden_size))
-    engine = Engine(model, EngineConfig(kv_cache_bytes=2 * 1024**3, max_num_seqs=config.batch_size,
+    engine = Engine(model, EngineConfig.of(kv_cache_bytes=2 * 1024**3, max_num_seqs=config.batch_size,
                                         max_model_len=config.max_len), probe=recorder)
     seen: dict[int, dict[str, dict[str, float]]] = {c: {} for c in CHECKPOINTS}  # checkpoint -> id -> estimates
     final: dict[str, int] = {}

@@ -38,9 +38,9 @@ class EngineRun:
 def run_engine(model, requests: list[SimRequest], prompts: dict[str, list[int]], policy: str, max_len: int,
                kv_cache_bytes: int, max_num_seqs: int, max_num_batched_tokens: int, progress=None) -> EngineRun:
     """Every request at t=0 through a fresh engine; tokens/s and each step's (shape, seconds)."""
-    engine = Engine(model, EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+    engine = Engine(model, EngineConfig.of(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
                                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_len,
-                                        enable_prefix_caching=False),
+                                        prefix_caching=False),
                     policy=make_policy(policy, max_model_len=max_len))
     start_s = time.monotonic()
     for request in requests:

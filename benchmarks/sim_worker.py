@@ -84,7 +84,7 @@ class SimConfig:
         routing: the service's `routing`: which worker with room takes a request when nobody waits.
         max_queue_wait_s: the service's `max_queue_wait_s`: seconds a request waits for room in the controller's
             queue before it is placed ahead of every newer one.
-        preemption_mode: how every policy's victims give up their KV (`EngineConfig.preemption_mode`); swapped
+        preemption_mode: how every policy's victims give up their KV (`CacheConfig.preemption_mode`); swapped
             copies may fill as much host memory as one worker's KV pool, beyond it they recompute.
     """
 

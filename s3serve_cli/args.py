@@ -30,28 +30,6 @@ def add_rebalance_arg(parser: argparse.ArgumentParser, whose: str) -> None:
                              "busiest's (default 2; 0 turns it off)")
 
 
-def add_overcommit_arg(parser: argparse.ArgumentParser) -> None:
-    """`--overcommit-step`, s3_peak's `overcommit_step`, for the benches that run the policy."""
-    parser.add_argument("--overcommit-step", type=float, default=None, metavar="F",
-                        help="s3_peak: share of a worker's KV pool its peak test's budget stretches by per step it "
-                             "refuses a request while nothing was preempted (default 0.01; 0: the peak always "
-                             "within the pool)")
-
-
-def add_preemption_args(parser: argparse.ArgumentParser, whose: str) -> None:
-    """`--preemption-mode` and `--swap-space-bytes` (`EngineConfig`'s settings of those names) for `whose` engines."""
-    from workers.engine_config import DEFAULT_SWAP_SPACE_BYTES
-    from workers.preemption import PREEMPTION_MODES
-
-    parser.add_argument("--preemption-mode", default=None, choices=PREEMPTION_MODES,
-                        help=f"how {whose} preempted sequences give up their KV, under every policy alike: auto "
-                             "(default: swap to host memory or recompute later, whichever is estimated cheaper for "
-                             "the sequence's length), swap, or recompute (vLLM V1's and SGLang's only mechanism)")
-    parser.add_argument("--swap-space-bytes", type=int, default=None, metavar="BYTES",
-                        help=f"host memory {whose} swapped-out KV may hold at once; a swap beyond it recomputes "
-                             f"instead (default {DEFAULT_SWAP_SPACE_BYTES}, 1 GiB)")
-
-
 def add_label_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--labels", type=Path, nargs="+", required=True, metavar="FILE",
                         help="labels JSONL files written by `s3serve label`")

@@ -6,7 +6,8 @@ from pathlib import Path
 from benchmarks.chaos_accounting import FAULTS
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from workers.models import DEFAULT_MODEL
-from s3serve_cli.args import add_model_args, add_overcommit_arg, add_preemption_args, given
+from workers.worker_settings import WorkerSettings
+from s3serve_cli.args import add_model_args, given
 from s3serve_cli.bench_cluster import add_cluster_parser
 from s3serve_cli.bench_coldstart import add_coldstart_parser
 from s3serve_cli.bench_peers import add_peers_parser
@@ -14,6 +15,7 @@ from s3serve_cli.bench_predictor import add_predictor_parser
 from s3serve_cli.bench_remaining import add_remaining_parser
 from s3serve_cli.bench_simulate import add_simulate_parser
 from s3serve_cli.bench_soak import add_soak_parser
+from s3serve_cli.config_flags import add_setting_flags
 
 
 def _bench_engine(args: argparse.Namespace) -> int:
@@ -203,8 +205,8 @@ def add_bench_parser(commands) -> None:
                           help="subset of max_reserve paged_greedy s3 s3_peak sglang_ratio oracle (default: all six)")
     policies.add_argument("--sweep-sigma", type=float, nargs="+", default=None, metavar="SIGMA",
                           help="also run s3 and s3_peak with noisy-oracle predictors of these sigmas; reports tok/s and preemptions")
-    add_overcommit_arg(policies)
-    add_preemption_args(policies, "every policy's")
+    add_setting_flags(policies.add_argument_group("every policy's engines"), WorkerSettings,
+                      ("overcommit_step", "preemption_mode", "swap_space_bytes"))
     policies.add_argument("--no-prefix-caching", action="store_true",
                           help="run every engine with its prefix cache off (on by default, as in the service)")
     policies.add_argument("--tokens-per-hash-id", type=int, default=None, metavar="N",

@@ -7,9 +7,11 @@ from pathlib import Path
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.step_time import GPU_KINDS
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
-from s3serve_cli.args import add_model_args, add_overcommit_arg, add_rebalance_arg, given
+from s3serve_cli.args import add_model_args, add_rebalance_arg, given
+from s3serve_cli.config_flags import add_setting_flags
 from workers.model_shapes import MODEL_SHAPES
 from workers.policies import POLICY_NAMES
+from workers.worker_settings import WorkerSettings
 
 
 def _bench_simulate(args: argparse.Namespace) -> int:
@@ -89,7 +91,7 @@ def add_simulate_parser(benches) -> None:
                           help="requests arrive online, R per second per worker (Poisson, seeded) instead of all at "
                                "t=0: latency under load rather than capacity")
     add_rebalance_arg(simulate, "the controller's")
-    add_overcommit_arg(simulate)
+    add_setting_flags(simulate, WorkerSettings, ("overcommit_step",))
     simulate.add_argument("--quick", action="store_true", help="fewer workers and requests (a few minutes)")
     simulate.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     simulate.add_argument("--plot", type=Path, default=None, metavar="PNG",

@@ -120,7 +120,7 @@ def label_records(records: list[PromptRecord], config: LabelConfig, model_name: 
         return summary
     engine = Engine(
         load_model(model_dir),
-        EngineConfig(kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
+        EngineConfig.of(kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=max(512, config.max_num_seqs), max_model_len=config.max_len),
     )
     config.out_path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,12 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
-from s3serve_cli.args import add_label_args, add_model_args, add_preemption_args
+from s3serve_cli.args import add_label_args, add_model_args
 from s3serve_cli.bench import add_bench_parser
 from s3serve_cli.calibrate import add_calibrate_parser
+from s3serve_cli.config_flags import add_config_flags, given_values
 from s3serve_cli.probe import add_probe_parser
-from workers.policies import DEFAULT_POLICY, SERVING_POLICY_NAMES
+from s3serve_cli.settings_reference import add_settings_parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,26 +98,10 @@ def _positive_seconds(text: str) -> float:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from cluster.config import load_config
+    from cluster.config import ServiceConfig, load_config
     from s3serve_cli.serve import run_service
 
-    overrides = {
-        "host": args.host, "port": args.port, "model": args.model, "model_cache_dir": args.model_cache_dir,
-        "num_workers": args.num_workers, "min_workers": args.min_workers, "max_workers": args.max_workers,
-        "policy": args.policy, "kv_cache_memory": args.kv_cache_memory, "max_model_len": args.max_model_len,
-        "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None,
-        "device": args.device,
-        "predictor_artifact": args.predictor_artifact, "data_dir": args.data_dir, "num_cpus": args.num_cpus,
-        "api_keys": tuple(args.api_key) if args.api_key else None, "length_probe": args.length_probe,
-        "metrics_need_key": True if args.metrics_need_key else None,
-        "allowed_origins": tuple(args.allowed_origins) if args.allowed_origins else None,
-        "tensor_parallel_size": args.tensor_parallel_size, "preemption_mode": args.preemption_mode,
-        "swap_space_bytes": args.swap_space_bytes, "routing": args.routing,
-        "served_model_name": tuple(args.served_model_name) if args.served_model_name else None,
-        "chat_template": args.chat_template, "worker_num_gpus": args.num_gpus_per_worker,
-        "tokenizer": args.tokenizer, "revision": args.revision,
-    }
-    overrides = {k: (str(v) if isinstance(v, Path) else v) for k, v in overrides.items()}
+    overrides = given_values(args, ServiceConfig.model_fields)
     try:
         config = load_config(args.config, overrides)
     except Exception as error:  # pydantic's ValidationError lists every bad field
@@ -127,90 +111,22 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _add_serve_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--config", type=Path, default=None, metavar="YAML",
-                       help="YAML file of service settings (fields of cluster.config.ServiceConfig); "
-                            "flags below override it")
-    serve.add_argument("--host", default=None, help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=None, help="HTTP port (default 8000)")
-    serve.add_argument("--model", default=None,
-                       help="'smollm2-135m-instruct' (default), 'gemma3-270m' (Gemma 3 270M base, Gemma terms "
-                            "apply; completions only: it has no chat template), a local Hugging Face causal-LM "
-                            "folder, a .gguf file (converted once into --model-cache-dir), or a hub id (org/name) "
-                            "already in the local Hugging Face hub cache (nothing is downloaded; see --revision)")
-    serve.add_argument("--tokenizer", default=None, metavar="FOLDER|ORG/NAME",
-                       help="take the tokenizer from here instead of the model: a folder with tokenizer files, a hub "
-                            "id in the local hub cache, or a bundled model's name (as vLLM's --tokenizer)")
-    serve.add_argument("--revision", default=None,
-                       help="with a hub id as --model: the branch, tag or commit of its snapshot in the local hub "
-                            "cache (default: the one refs/main names)")
-    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="model ids clients may send; the first names the model in answers and /v1/models "
-                            "(default: the model's name; the --model value as given is accepted too)")
-    serve.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
-                       help="a Jinja chat template to use instead of the tokenizer's own (a model without one "
-                            "answers chat requests with a 400)")
-    serve.add_argument("--model-cache-dir", type=Path, default=None,
-                       help="where the converted default model is kept (default: ~/.cache/s3serve/models)")
-    serve.add_argument("--num-workers", type=int, default=None, help="worker actors, one engine each (default 1)")
-    serve.add_argument("--min-workers", type=int, default=None, help="autoscaling floor (default: --num-workers)")
-    serve.add_argument("--max-workers", type=int, default=None, help="autoscaling ceiling (default: --num-workers)")
-    serve.add_argument("--policy", default=None, choices=SERVING_POLICY_NAMES,
-                       help=f"KV reservation policy of placement and workers (default {DEFAULT_POLICY}: blocks on "
-                            "demand, admission by the predicted future peak of KV use, shortest expected remaining "
-                            "first while KV is scarce; it measured fastest with the shipped predictor, see the "
-                            "README; s3 is the paper's policy, for reproduction)")
-    serve.add_argument("--routing", default=None, choices=ROUTINGS,
-                       help=f"which worker with room takes a request when nobody waits (default {DEFAULT_ROUTING}: "
-                            "where it is predicted to finish soonest, from the predicted remaining work of each "
-                            "worker's requests; room: the most free KV; least_requests: the fewest live requests)")
-    serve.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                       help="weights and KV dtype of the workers (default auto: bfloat16 where the CPU has "
-                            "AVX512-BF16 or AMX, float32 elsewhere; on CUDA the model's own half type, else bfloat16)")
-    serve.add_argument("--device", default=None, help="where workers run the engine: auto (default: CUDA when a "
-                       "worker actor got a GPU, see worker_num_gpus in the config file), cpu, cuda or cuda:N")
-    serve.add_argument("--num-gpus-per-worker", type=float, default=None, metavar="N",
-                       help="Ray GPUs each worker actor asks for (worker_num_gpus; default 0: with --device auto "
-                            "the workers then run on the CPU)")
-    serve.add_argument("--no-prefix-caching", action="store_true",
-                       help="turn the workers' prefix cache off (on by default: requests that share a prompt prefix "
-                            "share its KV blocks, kept after they finish until the blocks are needed)")
-    serve.add_argument("--kv-cache-memory", default=None, metavar="SIZE|SHARE|auto",
-                       help="KV-cache memory of each worker, on the CPU and CUDA alike (vLLM's --gpu-memory-utilization"
-                            ", SGLang's --mem-fraction-static): a size (4GiB, 512MiB, bytes), a share of the memory "
-                            "free after the model loads (0.5), or auto (default: on CUDA 0.9 of that; on the CPU room "
-                            "for max_num_seqs sequences of --max-model-len tokens, at most 0.1 of the memory "
-                            "available). The ready message prints the KV tokens it gives")
-    add_preemption_args(serve, "each worker's")
-    serve.add_argument("--max-model-len", type=int, default=None,
-                       help="longest prompt + output in tokens (default: the model's own limit, its "
-                            "max_position_embeddings, capped at what one worker's KV cache holds where that is known "
-                            "at start: on the CPU, or with --kv-cache-memory in bytes)")
-    serve.add_argument("--predictor-artifact", type=Path, default=None, metavar="DIR",
-                       help="length-predictor versions directory (default: the shipped artifact)")
-    serve.add_argument("--length-probe", default=None, metavar="DIR",
-                       help="workers re-predict remaining output lengths from the model's own hidden states "
-                            "(after prefill, then every 64 decoded tokens), which s3_peak ranks and preempts by: "
-                            "auto (the shipped probe when serving SmolLM2-135M-Instruct, the model it was trained "
-                            "for; off for other models), default (the shipped probe), a folder from `s3serve probe "
-                            "train`, or none (default: auto)")
-    serve.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                       help="ranks (GPUs) each worker's engine runs over, on one node: DeepSpeed AutoTP shards the "
-                            "model, each rank holds 1/N of the KV heads and --kv-cache-memory is per rank (default 1)")
-    serve.add_argument("--data-dir", type=Path, default=None,
-                       help="where the embedded Redis keeps its data (default ./.s3serve); "
-                            "set S3_REDIS_URL to use your own Redis instead")
-    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help="accept this Bearer key (repeat for several); without it, no authentication. The "
-                            "/dashboard page then reads its data with the key given as /dashboard#key=KEY or typed in")
-    serve.add_argument("--metrics-need-key", action="store_true", default=None,
-                       help="with --api-key, /metrics needs a key too (Prometheus sends it as its bearer token); "
-                            "off by default, as in vLLM")
-    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
-                       help="browser origins allowed to call the API from their pages (CORS), such as "
-                            "https://app.example.com, or * for any (default: none, CORS off)")
-    serve.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the local Ray cluster")
+                       help="YAML file of service settings (the names below with underscores, see "
+                            "docs/configuration.md); flags override it")
     serve.add_argument("--start-timeout", type=_positive_seconds, default=900.0, metavar="SECONDS",
                        help="how long start-up may take (Ray, Redis, HTTP proxy, model loading) before giving up "
                             "with the reason; a busy or slow machine needs longer (default: %(default).0f)")
+    try:
+        from cluster.config import WORKER_SETTING_NAMES, ServiceConfig
+    except ImportError as error:  # a machine with the engine only (a GPU image without pydantic) still benches
+        serve.description = f"unavailable here: the service needs {error.name}"
+        return
+    workers = serve.add_argument_group("model and workers", "settings of each worker and its engine "
+                                                            "(workers/worker_settings.py, workers/engine_config.py)")
+    add_config_flags(workers, ServiceConfig, WORKER_SETTING_NAMES)
+    service = serve.add_argument_group("service", "settings of the router, controller and predictor "
+                                                  "(cluster/config.py)")
+    add_config_flags(service, ServiceConfig, [n for n in ServiceConfig.model_fields if n not in WORKER_SETTING_NAMES])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="after scoring on the held-out split, refit on every label and save that model")
     train.set_defaults(handler=_train_predictor)
 
+    add_settings_parser(commands)
     add_probe_parser(commands)
     add_calibrate_parser(commands)
     add_bench_parser(commands)

@@ -79,7 +79,7 @@ def extract_hidden_features(
 ) -> tuple[HiddenFeatures, ExtractionReport]:
     """Greedy-run each job's prompt to one token past the last checkpoint (or its stop) and record its rows."""
     recorder = HiddenStateRecorder(interval_tokens, last_checkpoint_tokens)
-    engine = Engine(model, EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+    engine = Engine(model, EngineConfig.of(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
                                         max_num_batched_tokens=max(512, max_num_seqs), max_model_len=max_len),
                     probe=recorder)
     by_seq: dict[str, FeatureJob] = {}

@@ -58,7 +58,7 @@ def make_engine(
     model = copy.deepcopy(model)
     if eos_token_id is not None:
         model.generation_config.eos_token_id = eos_token_id
-    config = EngineConfig(
+    config = EngineConfig.of(
         kv_cache_bytes=num_blocks * BYTES_PER_BLOCK,
         block_size=BLOCK_SIZE,
         max_num_seqs=max_num_seqs,

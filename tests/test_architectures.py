@@ -41,7 +41,7 @@ def test_greedy_answers_equal_hugging_face_generate(name, path):
     requests = {f"r{i}": (prompt, SamplingParams(max_tokens=48, ignore_eos=True)) for i, prompt in enumerate(prompts)}
     # 12 blocks of 4 tokens hold fewer than two 64-token sequences: later ones wait, some are preempted
     bytes_per_block = pool_shape_for(model.config, 1, 4, torch.float32).bytes_per_block
-    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=24 * bytes_per_block, block_size=4,
+    engine = Engine(copy.deepcopy(model), EngineConfig.of(kv_cache_bytes=24 * bytes_per_block, block_size=4,
                                                        max_num_seqs=4, max_num_batched_tokens=8,
                                                        max_model_len=128, use_fast_path=path == "fast"))
     assert engine.runner.path == path

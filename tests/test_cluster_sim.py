@@ -65,9 +65,9 @@ def test_a_worker_schedules_exactly_as_the_real_engine():
     model = make_tiny_model()
     num_preempted = 0
     for policy in ("s3", "paged_greedy"):
-        engine = Engine(model, EngineConfig(kv_cache_bytes=48 * 16 * 2 * 2 * 2 * 16 * 4, max_num_seqs=32,
+        engine = Engine(model, EngineConfig.of(kv_cache_bytes=48 * 16 * 2 * 2 * 2 * 16 * 4, max_num_seqs=32,
                                             max_num_batched_tokens=128, max_model_len=MAX_LEN,
-                                            enable_prefix_caching=False),
+                                            prefix_caching=False),
                         policy=make_policy(policy, max_model_len=MAX_LEN))
         rng = random.Random(1)
         for r in requests:

@@ -46,8 +46,8 @@ def test_device_settings_travel_from_the_service_config_to_the_worker_settings()
     assert worker_settings(ServiceConfig(kv_cache_memory=268435456)).kv_cache_memory == "268435456"  # YAML int
     with pytest.raises(ValueError, match="device must be"):
         ServiceConfig(device="tpu")
-    assert worker_settings(ServiceConfig()).tensor_parallel_size == 1
-    assert worker_settings(ServiceConfig(tensor_parallel_size=2, worker_num_gpus=1)).tensor_parallel_size == 2
+    assert worker_settings(ServiceConfig()).engine.tensor_parallel_size == 1
+    assert worker_settings(ServiceConfig(tensor_parallel_size=2, worker_num_gpus=1)).engine.tensor_parallel_size == 2
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ServiceConfig(tensor_parallel_size=0)
     assert worker_settings(ServiceConfig()).rank_stall_s == 300.0
@@ -58,19 +58,20 @@ def test_device_settings_travel_from_the_service_config_to_the_worker_settings()
 
 def test_a_tensor_parallel_worker_needs_its_placement_group():
     from workers.rank_group import start_ranks
-    from workers.worker_actor import WorkerSettings
+    from workers.worker_settings import WorkerSettings
 
     with pytest.raises(ValueError, match="needs a placement group of 2 bundles"):
-        start_ranks(WorkerSettings(tensor_parallel_size=2), None, load_model=None)
+        start_ranks(WorkerSettings.of(tensor_parallel_size=2), None, load_model=None)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
-        WorkerSettings(tensor_parallel_size=0)
+        WorkerSettings.of(tensor_parallel_size=0)
 
 
 def test_a_worker_engine_built_for_the_cpu_runs_there():
     from workers.sampling_params import SamplingParams
-    from workers.worker_actor import WorkerSettings, build_engine
+    from workers.worker_actor import build_engine
+    from workers.worker_settings import WorkerSettings
 
-    engine = build_engine(WorkerSettings(tiny_model_seed=0, device="cpu", dtype="float32",
+    engine = build_engine(WorkerSettings.of(tiny_model_seed=0, device="cpu", dtype="float32",
                                          kv_cache_memory="64KiB", block_size=4, max_model_len=64))
     assert engine.runner.device.type == "cpu"
     assert engine.allocator.num_blocks == 32  # 64 KiB / (2 layers x K,V x 4 tokens x 2 heads x 16 x 4 bytes)
@@ -80,13 +81,14 @@ def test_a_worker_engine_built_for_the_cpu_runs_there():
 def test_a_cpu_worker_sizes_its_kv_from_the_memory_available():
     """auto: room for max_num_seqs whole sequences (the tiny model's few bytes per token never reach the 10% cap);
     a share: that share of the memory available once the model is loaded."""
-    from workers.worker_actor import WorkerSettings, build_engine
+    from workers.worker_actor import build_engine
+    from workers.worker_settings import WorkerSettings
 
-    auto = build_engine(WorkerSettings(tiny_model_seed=0, device="cpu", dtype="float32", block_size=4,
+    auto = build_engine(WorkerSettings.of(tiny_model_seed=0, device="cpu", dtype="float32", block_size=4,
                                        max_model_len=64, max_num_seqs=8))
     assert auto.allocator.num_blocks * 4 == 8 * 64
     tiny_share = 1e-6  # of the free memory: a few KiB, not a real budget
-    shared = build_engine(WorkerSettings(tiny_model_seed=0, device="cpu", dtype="float32", block_size=4,
+    shared = build_engine(WorkerSettings.of(tiny_model_seed=0, device="cpu", dtype="float32", block_size=4,
                                          max_model_len=64, kv_cache_memory=f"{tiny_share:.6f}"))
     expected_blocks = free_memory_bytes("cpu") * tiny_share // shared.runner.pool_shape.bytes_per_block
     assert shared.allocator.num_blocks == pytest.approx(expected_blocks, rel=0.2)

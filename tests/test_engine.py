@@ -193,7 +193,7 @@ def test_mispredicted_sequences_preempted_by_swap_or_recompute_keep_exact_greedy
 
     engine = Engine(
         copy.deepcopy(tiny_model),
-        EngineConfig(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
+        EngineConfig.of(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
                      max_num_batched_tokens=16, preemption_mode=mode),
         policy=make_policy(policy_name, bucket_tokens=4),
     )
@@ -224,7 +224,7 @@ def test_swapped_kv_stays_within_swap_space_and_the_rest_recomputes_with_exact_g
     swap_space_blocks = 3
     engine = Engine(
         copy.deepcopy(tiny_model),
-        EngineConfig(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
+        EngineConfig.of(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
                      max_num_batched_tokens=16, preemption_mode="swap",
                      swap_space_bytes=swap_space_blocks * BYTES_PER_BLOCK),
         policy=make_policy(policy_name, bucket_tokens=4) if policy_name == "s3_peak" else make_policy(policy_name),
@@ -247,7 +247,7 @@ def test_a_swap_out_that_fails_is_recomputed_instead_and_answers_are_unchanged(t
     from workers.policies import make_policy
 
     engine = Engine(copy.deepcopy(tiny_model),
-                    EngineConfig(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
+                    EngineConfig.of(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
                                  max_num_batched_tokens=16, preemption_mode="swap"),
                     policy=make_policy("s3", bucket_tokens=4))
     copy_to_host, failed = engine.runner.swap_out, []
@@ -280,7 +280,7 @@ def _large_request_wait_steps(tiny_model, max_overtaken_steps: int, max_steps: i
     from workers.policies import make_policy
 
     engine = Engine(copy.deepcopy(tiny_model),
-                    EngineConfig(kv_cache_bytes=30 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=16,
+                    EngineConfig.of(kv_cache_bytes=30 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=16,
                                  max_num_batched_tokens=64, max_overtaken_steps=max_overtaken_steps),
                     policy=make_policy("s3_peak", bucket_tokens=16, overcommit_step=0.0))
 

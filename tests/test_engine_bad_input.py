@@ -109,7 +109,7 @@ def test_abort_frees_blocks_mid_flight(tiny_model, hf_greedy):
 )
 def test_engine_config_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        EngineConfig(**kwargs)
+        EngineConfig.of(**kwargs)
 
 
 def test_engine_refuses_a_context_longer_than_the_model(tiny_model):
@@ -119,7 +119,7 @@ def test_engine_refuses_a_context_longer_than_the_model(tiny_model):
 
 def test_engine_refuses_a_budget_without_one_block(tiny_model):
     with pytest.raises(ValueError, match=f"kv_cache_bytes={BYTES_PER_BLOCK - 1} holds no block of {BYTES_PER_BLOCK} bytes"):
-        Engine(copy.deepcopy(tiny_model), EngineConfig(kv_cache_bytes=BYTES_PER_BLOCK - 1, block_size=BLOCK_SIZE))
+        Engine(copy.deepcopy(tiny_model), EngineConfig.of(kv_cache_bytes=BYTES_PER_BLOCK - 1, block_size=BLOCK_SIZE))
 
 
 @pytest.mark.parametrize("predicted", [3.5, 0, True, "12"])
@@ -138,7 +138,7 @@ def test_oracle_policy_refuses_a_request_without_its_true_length_and_keeps_servi
     from workers.policies import OraclePolicy
 
     model = copy.deepcopy(tiny_model)
-    engine = Engine(model, EngineConfig(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+    engine = Engine(model, EngineConfig.of(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
                                         max_num_seqs=4, max_num_batched_tokens=64), policy=OraclePolicy())
     prompt = make_prompt(5, seed=82)
     engine.add_request(prompt, SamplingParams(max_tokens=20, forced_output_tokens=6), seq_id="good")

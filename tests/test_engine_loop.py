@@ -25,7 +25,7 @@ def one_torch_thread():
 
 
 def make_engine(model: torch.nn.Module, num_blocks: int = 64, max_num_seqs: int = 4) -> Engine:
-    config = EngineConfig(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+    config = EngineConfig.of(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=16)
     return Engine(copy.deepcopy(model), config)
 
@@ -301,7 +301,7 @@ def test_stats_report_preempted_sequences_as_overruns(tiny_model):
     from workers.policies import make_policy
 
     engine = Engine(copy.deepcopy(tiny_model),
-                    EngineConfig(kv_cache_bytes=6 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=4,
+                    EngineConfig.of(kv_cache_bytes=6 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=4,
                                  max_num_batched_tokens=16, preemption_mode="recompute"),
                     policy=make_policy("s3", bucket_tokens=4))
     requests = [make_request(f"r{i}", 6, 12, seed=70 + i, predicted_output_tokens=2) for i in range(2)]

@@ -45,7 +45,7 @@ def test_greedy_matches_hf_generate_with_sequences_joining_and_leaving(smollm2_d
         copy.deepcopy(hf_model),  # fp32: the fast path is what runs (asserted below)
         # 4 running at most and 64-token prefill chunks: prompts are prefilled in
         # pieces next to decodes, and waiting prompts join as others finish.
-        EngineConfig(kv_cache_bytes=64 * 1024**2, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024),
+        EngineConfig.of(kv_cache_bytes=64 * 1024**2, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=1024),
     )
     outputs: dict[str, list[int]] = {}
     ids = []
@@ -91,7 +91,7 @@ def test_bf16_prefill_logits_stay_within_the_stated_tolerance_of_hf_bf16(smollm2
         with torch.inference_mode():
             truth = hf_fp32(torch.tensor([prompt])).logits[0].float()
             hf = hf_bf16(torch.tensor([prompt])).logits[0].float()
-        engine = Engine(copy.deepcopy(hf_bf16), EngineConfig(kv_cache_bytes=64 * 1024**2, max_model_len=1024))
+        engine = Engine(copy.deepcopy(hf_bf16), EngineConfig.of(kv_cache_bytes=64 * 1024**2, max_model_len=1024))
         ours = prefill_logits(engine, prompt)
         difference = (ours - hf).abs()
         assert difference.max() <= BF16_MAX_ABS and difference.mean() <= BF16_MEAN_ABS

@@ -159,7 +159,7 @@ def _engine(model, use_fast_path: bool, **config) -> Engine:
     fields = dict(kv_cache_bytes=256 * 2 * 2 * 16 * 2 * 16 * 4, block_size=16, max_num_seqs=4,
                   max_num_batched_tokens=24, max_model_len=256)
     fields.update(config)
-    return Engine(copy.deepcopy(model), EngineConfig(use_fast_path=use_fast_path, **fields))
+    return Engine(copy.deepcopy(model), EngineConfig.of(use_fast_path=use_fast_path, **fields))
 
 
 @DTYPES

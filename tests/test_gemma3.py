@@ -41,7 +41,7 @@ def test_greedy_answers_equal_hugging_face_generate_past_the_window(gemma3_dir):
         for prompt in ids:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
             want.append(out[0, len(prompt):].tolist())
-    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=128 * 1024**2, max_model_len=1024,
+    engine = Engine(copy.deepcopy(model), EngineConfig.of(kv_cache_bytes=128 * 1024**2, max_model_len=1024,
                                                        max_num_batched_tokens=256))  # the long prompt in chunks
     assert engine.runner.path == "fast"
     got = engine.generate(ids, SamplingParams(max_tokens=16))
@@ -61,7 +61,7 @@ def test_bf16_logits_stay_within_a_stated_tolerance_of_hugging_faces(gemma3_dir)
     model = load_model(gemma3_dir, dtype=torch.bfloat16)
     long_prompt = " ".join(f"item {i}," for i in range(130))
     ids = [tokenizer(text)["input_ids"] for text in [*PROMPTS, long_prompt]]
-    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=128 * 1024**2, max_model_len=1024,
+    engine = Engine(copy.deepcopy(model), EngineConfig.of(kv_cache_bytes=128 * 1024**2, max_model_len=1024,
                                                        max_num_batched_tokens=256))
     assert engine.runner.path == "fast"
     rows: dict[str, list[torch.Tensor]] = {}
@@ -96,7 +96,7 @@ def test_served_end_to_end_through_the_service(tmp_path, model_cache_dir, gemma3
     config = ServiceConfig(model=GEMMA3_MODEL, port=free_port(), model_cache_dir=str(model_cache_dir),
                            max_model_len=1024, kv_cache_memory=96 * 1024**2, default_max_tokens=16,
                            data_dir=str(tmp_path / "data"), num_cpus=4, num_torch_threads=1)
-    assert config.length_probe_resolved is None  # the shipped probe reads SmolLM2's states only
+    assert config.worker_settings().probe is None  # the shipped probe reads SmolLM2's states only
     service = start_service(config, ready_timeout_s=600, progress=lambda _msg: None)
     try:
         client = openai.OpenAI(base_url=f"{service.base_url}/v1", api_key="none", max_retries=0, timeout=300)

@@ -80,7 +80,7 @@ def test_engine_mixed_steps_equal_hf_greedy_and_swap_round_trips(device):
     model = make_tiny_model(seed=0, init_std=0.2).to(device)
     reference_model = copy.deepcopy(model)
     reference_model.set_attn_implementation("sdpa")
-    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+    engine = Engine(copy.deepcopy(model), EngineConfig.of(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
                                                        max_num_seqs=4, max_num_batched_tokens=16))
     assert engine.runner.backend.name == ("triton" if device == "cuda" else "cpu")
     assert engine.runner.kv_caches[0][0].device.type == device
@@ -127,7 +127,7 @@ def test_the_length_probe_reads_hidden_states_where_the_engine_runs(device, synt
     model = make_tiny_model(seed=9, init_std=0.2).to(device)
     probe = HiddenStateProbe(ProbeConfig(max_len=128, hidden_units=8, num_epochs=1, interval_tokens=4),
                              hidden_size=model.config.hidden_size).fit(synthetic_probe_features(30, 96, seed=9))
-    engine = Engine(model, EngineConfig(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_model_len=128),
+    engine = Engine(model, EngineConfig.of(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_model_len=128),
                     policy=S3PeakPolicy(bucket_tokens=8), probe=PredictorLengthProbe(probe))
     seq_id = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=12, ignore_eos=True))
     engine.step()
@@ -146,7 +146,7 @@ def test_sliding_window_models_answer_as_hf_where_the_engine_runs(device, name):
     requests = {f"r{i}": (make_prompt(6 + 5 * i, seed=200 + i), SamplingParams(max_tokens=32, ignore_eos=True))
                 for i in range(4)}
     bytes_per_block = pool_shape_for(model.config, 1, BLOCK_SIZE, torch.float32).bytes_per_block
-    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=20 * bytes_per_block, block_size=BLOCK_SIZE,
+    engine = Engine(copy.deepcopy(model), EngineConfig.of(kv_cache_bytes=20 * bytes_per_block, block_size=BLOCK_SIZE,
                                                        max_num_seqs=3, max_num_batched_tokens=8, max_model_len=128))
     assert engine.runner.backend.name == ("triton" if device == "cuda" else "cpu")
     assert engine.runner.path == "fast", engine.runner.fast_path_off_reason
@@ -162,7 +162,7 @@ def test_constrained_answers_keep_to_their_grammar_where_the_engine_runs(device)
     beside an unconstrained row, all end complete and match their grammar."""
     tokenizer = byte_tokenizer()
     model = make_tiny_model(seed=1, vocab_size=len(tokenizer), init_std=0.2).to(device)
-    engine = Engine(model, EngineConfig(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=8,
+    engine = Engine(model, EngineConfig.of(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=8,
                                         max_num_batched_tokens=64), tokenizer=tokenizer)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                                "pets": {"type": "array", "maxItems": 2,

@@ -94,7 +94,7 @@ def test_the_engine_answers_match_their_grammar_greedy_and_sampled(smollm2_dir, 
     from workers.models import chat_token_ids
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    engine = Engine(model, EngineConfig(kv_cache_bytes=128 * 2**20, max_model_len=1024), tokenizer=smollm2_tokenizer)
+    engine = Engine(model, EngineConfig.of(kv_cache_bytes=128 * 2**20, max_model_len=1024), tokenizer=smollm2_tokenizer)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 120},
                                                "pets": {"type": "array", "maxItems": 2,

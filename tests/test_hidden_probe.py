@@ -18,7 +18,8 @@ from workers.policies import PagedGreedyPolicy, S3PeakPolicy, S3Policy
 from workers.models import make_tiny_model
 from workers.sampling_params import SamplingParams
 from workers.work_types import BoundReport
-from workers.worker_actor import WorkerSettings, build_engine
+from workers.worker_actor import build_engine
+from workers.worker_settings import WorkerSettings
 from workers.worker_snapshot import LoopCounters, snapshot
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -31,7 +32,7 @@ def _engine(model, probe=None, use_fast_path=True, policy=None, **fields) -> Eng
     config = dict(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=8,
                   max_num_batched_tokens=64, max_model_len=128, use_fast_path=use_fast_path)
     config.update(fields)
-    return Engine(copy.deepcopy(model), EngineConfig(**config), policy=policy, probe=probe)
+    return Engine(copy.deepcopy(model), EngineConfig.of(**config), policy=policy, probe=probe)
 
 
 @pytest.mark.parametrize("use_fast_path", [True, False], ids=["fast", "hf"])
@@ -70,7 +71,7 @@ class _FixedProbe(LengthProbe):
 def test_reprediction_rewrites_the_bound_the_policies_plan_by(policy):
     model = make_tiny_model(seed=6, init_std=0.2)
     probe = _FixedProbe(upper=3 if policy.holds_plan else 7, interval_tokens=5)  # s3 takes the bound, s3_peak the point
-    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+    engine = Engine(copy.deepcopy(model), EngineConfig.of(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
                                                        max_model_len=128), policy=policy, probe=probe)
     seq_id = engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=20, ignore_eos=True),
                                 predicted_output_tokens=17)
@@ -96,7 +97,7 @@ def test_a_probe_that_reads_forced_lengths_re_bounds_them_too():
     model = make_tiny_model(seed=6, init_std=0.2)
     probe = _FixedProbe(upper=7, interval_tokens=5)
     probe.reads_forced = True  # the bench's forced lengths are the model's own (bench peers --workload natural)
-    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+    engine = Engine(copy.deepcopy(model), EngineConfig.of(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
                                                        max_model_len=128), policy=S3PeakPolicy(bucket_tokens=8),
                     probe=probe)
     forced_id = engine.add_request([9, 10, 11], SamplingParams(max_tokens=20, forced_output_tokens=12),
@@ -184,7 +185,7 @@ def test_the_shipped_probe_loads_for_the_default_model_only():
 
 
 def test_a_worker_builds_its_probe_with_the_loader_it_is_given():
-    settings = WorkerSettings(tiny_model_seed=0, dtype="float32", length_probe="some/probe", policy="s3_peak",
+    settings = WorkerSettings.of(tiny_model_seed=0, dtype="float32", length_probe="some/probe", policy="s3_peak",
                               kv_cache_memory=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_model_len=128)
     with pytest.raises(ValueError, match="no probe loader"):
         build_engine(settings)
@@ -202,7 +203,7 @@ def test_a_worker_builds_its_probe_with_the_loader_it_is_given():
 def test_policies_that_ignore_predictions_never_run_the_probe():
     model = make_tiny_model(seed=8, init_std=0.2)
     probe = _FixedProbe(upper=3, interval_tokens=1)
-    engine = Engine(copy.deepcopy(model), EngineConfig(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+    engine = Engine(copy.deepcopy(model), EngineConfig.of(kv_cache_bytes=256 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
                                                        max_model_len=128), policy=PagedGreedyPolicy(), probe=probe)
     seq_id = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), predicted_output_tokens=5)
     engine.step()

@@ -29,6 +29,8 @@ PURE_MODULES = [
     "workers.sequence",
     "workers.sampling_params",
     "workers.engine_config",
+    "workers.setting",
+    "workers.worker_settings",
     "workers.work_types",
     "workers.step_output",
     "workers.grammar",

@@ -30,7 +30,7 @@ def one_torch_thread():
 
 def make_engine(model: torch.nn.Module, num_blocks: int = 64, policy=None, block_size: int = BLOCK_SIZE,
                 preemption_mode: str = "auto") -> Engine:
-    config = EngineConfig(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK * block_size // BLOCK_SIZE,
+    config = EngineConfig.of(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK * block_size // BLOCK_SIZE,
                           block_size=block_size, max_num_seqs=4, max_num_batched_tokens=16,
                           preemption_mode=preemption_mode)
     return Engine(copy.deepcopy(model), config, policy=policy)

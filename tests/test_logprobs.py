@@ -15,7 +15,7 @@ TOLERANCE = 1e-4  # fp32: the engine's paged attention against HF's eager one
 
 def _engine(model, fast: bool, num_blocks: int = 64, max_num_seqs: int = 4, chunk_tokens: int = 64,
             preemption_mode: str = "auto") -> Engine:
-    config = EngineConfig(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+    config = EngineConfig.of(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk_tokens, use_fast_path=fast,
                           preemption_mode=preemption_mode)
     return Engine(copy.deepcopy(model), config)

@@ -17,13 +17,14 @@ import ray
 from cluster.ingress.generation import LOST_ACTOR_ERRORS
 from workers.engine_loop import WorkRequest
 from workers.sampling_params import SamplingParams
-from workers.worker_actor import WorkerActor, WorkerSettings
+from workers.worker_actor import WorkerActor
+from workers.worker_settings import WorkerSettings
 
 pytestmark = pytest.mark.slow
 
 HEADROOM_BYTES = 3 * 2**29  # 1.5 GiB
 HOG_BYTES = 3 * 2**30
-SETTINGS = WorkerSettings(tiny_model_seed=0, policy="paged_greedy", kv_cache_memory=2**22, block_size=4,
+SETTINGS = WorkerSettings.of(tiny_model_seed=0, policy="paged_greedy", kv_cache_memory=2**22, block_size=4,
                           max_num_seqs=4, max_model_len=512, num_torch_threads=1, dtype="float32")
 
 

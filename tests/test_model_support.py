@@ -49,7 +49,7 @@ def test_the_engine_refuses_a_model_it_would_answer_wrongly():
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(_tiny_gemma2()).eval()
     with pytest.raises(ValueError, match="caps attention logits"):
-        Engine(model, EngineConfig(kv_cache_bytes=1 << 20, max_model_len=128))
+        Engine(model, EngineConfig.of(kv_cache_bytes=1 << 20, max_model_len=128))
 
 
 def test_serve_refuses_it_before_anything_starts(tmp_path):

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def engine(model, caching: bool, num_blocks: int = 64, policy=None, max_num_seqs: int = 4,
            preemption_mode: str = "auto") -> Engine:
-    config = EngineConfig(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
-                          max_num_seqs=max_num_seqs, max_num_batched_tokens=64, enable_prefix_caching=caching,
+    config = EngineConfig.of(kv_cache_bytes=num_blocks * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=64, prefix_caching=caching,
                           preemption_mode=preemption_mode)
     return Engine(copy.deepcopy(model), config, policy=policy)
 
@@ -222,7 +222,7 @@ def test_a_router_computes_the_hashes_its_workers_report(tiny_model):
     from workers.work_types import MAX_REPORTED_PREFIX_HASHES
 
     salt = prefix_cache_salt("smollm2-135m-instruct", "auto")  # what router and worker settings both build
-    config = EngineConfig(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_batched_tokens=64,
+    config = EngineConfig.of(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_batched_tokens=64,
                           cache_salt=salt)
     eng = Engine(copy.deepcopy(tiny_model), config)
     prompt = PREFIX + suffix(8)

@@ -33,13 +33,13 @@ def test_readme_links_the_architecture_document_inside_the_repository():
 
 def test_the_default_policy_and_routing_are_the_ones_the_readme_names():
     from cluster.config import ServiceConfig
-    from workers.worker_actor import WorkerSettings
+    from workers.worker_settings import WorkerSettings
 
     policy = re.search(r"The default policy is `(\w+)`", README)
     routing = re.search(r"the default routing is `(\w+)`", README)
     probe = re.search(r"the\s+length\s+probe\s+is\s+`(\w+)`\s+by\s+default", README)
     assert policy and routing and probe, "the README no longer names the defaults"
     config = ServiceConfig()
-    assert config.policy == WorkerSettings().policy == policy.group(1)
+    assert config.policy == WorkerSettings.of().policy == policy.group(1)
     assert config.routing == routing.group(1)
     assert config.length_probe == probe.group(1)

@@ -38,7 +38,7 @@ def test_the_engine_flags_an_answer_that_repeats_itself_and_not_a_forced_one(ini
 
     # A tiny random Llama with small weights falls into repeating one token under greedy; at std 0.2 it does not.
     model = make_tiny_model(0, vocab_size=VOCAB, init_std=init_std)
-    engine = Engine(model, EngineConfig(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=4))
+    engine = Engine(model, EngineConfig.of(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=4))
     prompt = make_prompt(8, seed=3)
     engine.add_request(prompt, SamplingParams(max_tokens=120, ignore_eos=True), seq_id="free")  # not forced
     engine.add_request(prompt, SamplingParams(max_tokens=120, ignore_eos=True, forced_output_tokens=120),
@@ -65,7 +65,7 @@ def test_a_resumed_answer_that_already_repeats_itself_is_flagged_on_arrival(tiny
     from workers.engine import Engine, EngineConfig
     from workers.sampling_params import SamplingParams
 
-    engine = Engine(copy.deepcopy(tiny_model), EngineConfig(kv_cache_bytes=64 * BYTES_PER_BLOCK,
+    engine = Engine(copy.deepcopy(tiny_model), EngineConfig.of(kv_cache_bytes=64 * BYTES_PER_BLOCK,
                                                             block_size=BLOCK_SIZE))
     loop = list(range(20, 40))
     engine.add_request(make_prompt(8, seed=1), SamplingParams(max_tokens=100), seq_id="moved",

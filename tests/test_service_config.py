@@ -49,8 +49,8 @@ def test_prefix_caching_is_on_by_default_and_reaches_the_worker_settings():
     from cluster.control.controller import worker_settings
 
     assert ServiceConfig().prefix_caching is True
-    assert worker_settings(ServiceConfig()).enable_prefix_caching is True
-    assert worker_settings(ServiceConfig(prefix_caching=False)).enable_prefix_caching is False
+    assert worker_settings(ServiceConfig()).engine.cache.prefix_caching is True
+    assert worker_settings(ServiceConfig(prefix_caching=False)).engine.cache.prefix_caching is False
 
 
 def test_the_starvation_guard_setting_reaches_the_workers_scheduler():
@@ -61,7 +61,8 @@ def test_the_starvation_guard_setting_reaches_the_workers_scheduler():
 
     settings = worker_settings(ServiceConfig(max_overtaken_steps=7, policy="s3_peak", max_model_len=512,
                                              length_probe="none"))
-    assert settings.max_overtaken_steps == 7 and worker_settings(ServiceConfig()).max_overtaken_steps == 1024
+    assert settings.engine.scheduler.max_overtaken_steps == 7
+    assert worker_settings(ServiceConfig()).engine.scheduler.max_overtaken_steps == 1024
     engine = build_engine(replace(settings, tiny_model_seed=0, dtype="float32", kv_cache_memory="1MiB",
                                   num_torch_threads=1))
     assert engine.scheduler.config.max_overtaken_steps == 7
@@ -76,10 +77,10 @@ def test_a_length_probe_folder_is_made_absolute_for_the_workers(monkeypatch):
     assert config.length_probe == str(DEFAULT_PROBE.resolve())
     assert worker_settings(config).length_probe == config.length_probe
     # auto: the shipped probe for the model it was trained for, nothing for another model
-    assert ServiceConfig().length_probe == "auto" and worker_settings(ServiceConfig()).length_probe == "default"
-    assert worker_settings(ServiceConfig(model="tiny")).length_probe is None
-    assert worker_settings(ServiceConfig(length_probe="none")).length_probe is None
-    assert worker_settings(ServiceConfig(model="tiny", length_probe="default")).length_probe == "default"
+    assert ServiceConfig().length_probe == "auto" and worker_settings(ServiceConfig()).probe == "default"
+    assert worker_settings(ServiceConfig(model="tiny")).probe is None
+    assert worker_settings(ServiceConfig(length_probe="none")).probe is None
+    assert worker_settings(ServiceConfig(model="tiny", length_probe="default")).probe == "default"
 
 
 def test_served_model_names_are_vllms(tmp_path):

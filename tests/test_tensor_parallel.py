@@ -28,7 +28,7 @@ def _policy() -> S3Policy:
 
 def _config(tensor_parallel_size: int) -> EngineConfig:
     shape = pool_shape_for(tiny_llama_config(), 1, BLOCK_SIZE, torch.float32, tensor_parallel_size)
-    return EngineConfig(kv_cache_bytes=NUM_BLOCKS * shape.bytes_per_block, block_size=BLOCK_SIZE,
+    return EngineConfig.of(kv_cache_bytes=NUM_BLOCKS * shape.bytes_per_block, block_size=BLOCK_SIZE,
                         tensor_parallel_size=tensor_parallel_size, use_fast_path=False, preemption_mode="swap")
 
 

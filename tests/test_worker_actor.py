@@ -12,11 +12,12 @@ import torch
 from workers.engine_loop import WorkEvent, WorkRequest
 from workers.sampling_params import SamplingParams
 from workers.tensor_parallel import LeadRunner
-from workers.worker_actor import WorkerActor, WorkerSettings, build_engine
+from workers.worker_actor import WorkerActor, build_engine
+from workers.worker_settings import WorkerSettings
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
-SETTINGS = WorkerSettings(
+SETTINGS = WorkerSettings.of(
     tiny_model_seed=0,
     tiny_model_init_std=0.2,  # tokens depend on the whole context, so wrong KV would show
     policy="paged_greedy",
@@ -169,7 +170,7 @@ def _two_rank_backend():
 
     from cluster.control.worker_pool import RayWorkerBackend
 
-    settings = replace(SETTINGS, tensor_parallel_size=2)
+    settings = SETTINGS.updated(tensor_parallel_size=2)
     return RayWorkerBackend(lambda: settings, 0.5, 0.0, "s3-tp-test", lambda worker_id: f"s3-worker-{worker_id}")
 
 

@@ -27,7 +27,7 @@ from workers.request_checks import check_plan, check_request
 from workers.reprobe import reprobe
 from workers.sampling import Sampler
 from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
+from workers.scheduler import Scheduler
 from workers.scheduling_policy import SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import RequestMetrics, StepOutput, StepShape, StepTimes, TokenLogprob, step_shape
@@ -77,25 +77,23 @@ class Engine:
         if tensor_parallel_size > 1:
             check_ranks(tensor_parallel_size)  # before DeepSpeed shards the model across them
         # Per rank: with tensor parallelism each rank's pool holds 1/tp of the KV heads in the same blocks.
-        bytes_per_block = pool_shape_for(model_config, 1, config.block_size, model.dtype,
+        cache = config.cache
+        bytes_per_block = pool_shape_for(model_config, 1, cache.block_size, model.dtype,
                                          tensor_parallel_size).bytes_per_block
         # Blocks are named by their tokens and the model: the KV of another model (or dtype) never matches.
         cache_salt = config.cache_salt or (
             f"{getattr(model_config, '_name_or_path', '')}:{model_config.model_type}:{model.dtype}")
-        self.allocator = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, config.block_size,
-                                                    config.enable_prefix_caching, cache_salt)
-        preemption = PreemptionRule.for_budget(config.preemption_mode, config.swap_space_bytes, bytes_per_block,
-                                               config.block_size)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_overtaken_steps),
-            self.allocator, policy, preemption,
-        )
+        self.allocator = BlockAllocator.from_budget(config.kv_cache_bytes, bytes_per_block, cache.block_size,
+                                                    cache.prefix_caching, cache_salt)
+        preemption = PreemptionRule.for_budget(cache.preemption_mode, cache.swap_space_bytes, bytes_per_block,
+                                               cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, policy, preemption)
         if tensor_parallel_size > 1:
             send_config(config, self.allocator.num_blocks)  # the followers build their runners alongside
         runner = ModelRunner(
             model,
             self.allocator.num_blocks,
-            config.block_size,
+            cache.block_size,
             backend or backend_for_device(device),
             tensor_parallel_size,
             max_model_len=self.max_model_len,
@@ -220,7 +218,7 @@ class Engine:
         seq = self._sequences.get(seq_id)
         if seq is None:
             raise ValueError(f"request id {seq_id!r} is unknown or already finished")
-        block_size = self.config.block_size
+        block_size = self.config.cache.block_size
         if seq.is_swapped:
             layers = self.runner.swapped_copy(seq_id)
         elif seq.num_computed_tokens > 0 and self.allocator.has(seq_id):

@@ -118,7 +118,7 @@ def start_ranks(settings, group, load_model, actor_name: str | None = None, name
 
     from workers.device import probe_cuda, resolve_device
 
-    world_size = settings.tensor_parallel_size
+    world_size = settings.engine.tensor_parallel_size
     if group is None or len(group.bundle_specs) != world_size:
         found = "none" if group is None else f"{len(group.bundle_specs)} bundles"
         raise ValueError(f"tensor_parallel_size {world_size} needs a placement group of {world_size} bundles "

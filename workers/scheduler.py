@@ -21,6 +21,7 @@ under every policy, with swapped copies held in a bounded `SwapSpace` (`workers.
 
 from dataclasses import dataclass, field
 
+from workers.engine_config import SchedulerConfig
 from workers.kv_cache_manager import BlockAllocator
 from workers.policies import PagedGreedyPolicy
 from workers.preemption import PreemptionRule, SwapSpace
@@ -70,36 +71,6 @@ class SchedulerStats:
     num_prompt_tokens_admitted: int = 0  # prompts at their first admission
     num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed again)
     mispredictions: list[MispredictionEvent] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """Limits of one engine step.
-
-    Attributes:
-        max_num_seqs: most sequences holding KV blocks at once.
-        max_num_batched_tokens: most tokens in one forward; long prompts are
-            prefilled in chunks that fit what decodes leave of it.
-        max_overtaken_steps: under a first-fit policy (s3, s3_peak) a waiting sequence that does
-            not fit is passed by later ones that do; this many steps after the first time, nobody
-            passes it any more until it fits (it goes first in its class), so a large request is
-            not starved by a stream of smaller ones.
-    """
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_overtaken_steps: int = 1024
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_overtaken_steps < 0:
-            raise ValueError(f"max_overtaken_steps must be >= 0, got {self.max_overtaken_steps}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so every running sequence can decode each step"
-            )
 
 
 class Scheduler:

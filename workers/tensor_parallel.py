@@ -272,6 +272,6 @@ def follow_engine(model: torch.nn.Module, backend: KVKernelBackend | None = None
         raise RuntimeError(f"rank 0 sent {name!r} before the engine's settings")
     config, num_blocks = args
     device = next(model.parameters()).device
-    runner = ModelRunner(model, num_blocks, config.block_size, backend or backend_for_device(device),
+    runner = ModelRunner(model, num_blocks, config.cache.block_size, backend or backend_for_device(device),
                          config.tensor_parallel_size, max_model_len=config.max_model_len, use_fast_path=False)
     return follow(runner, host_group())

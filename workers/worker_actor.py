@@ -4,7 +4,7 @@ No `@ray.remote` here: callers choose the actor options, e.g.
 
     handle = ray.remote(WorkerActor).options(
         name="s3-worker-w1", lifetime="detached", num_cpus=1, max_restarts=0,
-    ).remote("w1", WorkerSettings(kv_cache_memory="256MiB"))
+    ).remote("w1", WorkerSettings.of(kv_cache_memory="256MiB"))
     await handle.ready.remote()
     async for ref in handle.generate.remote(request):   # a Ray streaming generator
         event = await ref                                # WorkEvent; the last has finish_reason set
@@ -16,133 +16,17 @@ dies, the next `await ref` raises `ray.exceptions.RayActorError`.
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import ray
 
-from workers.device import check_device, free_memory_bytes, probe_cuda, resolve_device
-from workers.engine_config import DEFAULT_SWAP_SPACE_BYTES, EngineConfig
+from workers.device import free_memory_bytes, probe_cuda, resolve_device
 from workers.kv_memory import kv_budget_bytes, parse_kv_cache_memory
 from workers.length_probe import LengthProbe
-from workers.models import DEFAULT_MODEL
-from workers.policies import DEFAULT_POLICY, POLICIES, S3Policy, make_policy
-from workers.prefix_cache import prefix_cache_salt
-from workers.runtime import DTYPE_CHOICES, resolve_dtype, tune_cpu_runtime
-from workers.scheduling_policy import SchedulingPolicy
+from workers.runtime import resolve_dtype, tune_cpu_runtime
 from workers.work_types import WorkEvent, WorkerStats, WorkRequest
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSettings:
-    """Everything needed to build a worker's engine inside the actor's process.
-
-    Attributes:
-        model: DEFAULT_MODEL (the bundled SmolLM2, converted once), a local Hugging Face folder, a GGUF file or a
-            hub id in the local hub cache (`workers.models.resolve_model_dir`).
-        tokenizer: where the tokenizer comes from instead (`workers.models.resolve_tokenizer_dir`); None: the model.
-        revision: with a hub id: the snapshot's branch, tag or commit.
-        model_cache_dir: where the converted default model is kept; None takes the user cache.
-        tiny_model_seed: when set, a tiny random Llama (`make_tiny_model(seed)`) instead of `model`: fast tests.
-        tiny_model_init_std: when set with tiny_model_seed, the tiny model's matrices are redrawn at this
-            std, so that its tokens depend on the whole context (at its default init it echoes the last token).
-        policy: scheduling policy name (`workers.policies.POLICIES`).
-        bucket_tokens: s3/s3_peak length-bucket width; None: max_model_len / 10, as the controller plans.
-        kv_cache_memory: the KV cache's memory: "auto", a share of the memory free once the model is loaded, or
-            a size ("4GiB", bytes); sized in `build_engine` (`workers.kv_memory`). It sets the number of blocks.
-        block_size: tokens per KV block.
-        max_num_seqs: most sequences running at once.
-        max_num_batched_tokens: most tokens per forward.
-        max_model_len: longest sequence; None takes the model's max_position_embeddings.
-        num_torch_threads: torch intra-op threads in the actor; None takes the cores it may use.
-        dtype: weights and KV element type: "auto" (bf16 on CPUs with bf16 instructions, fp32 on
-            others), float32, bfloat16 or float16.
-        use_fast_path: run the models it serves through the fast path (EngineConfig.use_fast_path).
-        enable_prefix_caching: share and keep the KV of common prefixes (EngineConfig.enable_prefix_caching).
-        device: auto (CUDA when the actor was given a GPU and torch sees one, else CPU), cpu, cuda or
-            cuda:N (`workers.device`).
-        length_probe: a hidden-state probe folder (`s3serve probe train`), or "default" for the shipped one:
-            the engine re-bounds each sequence's output from its hidden states after prefill and every
-            N decoded tokens (`workers.length_probe`); None keeps the router's bound. The actor builds it
-            with the loader it is given (`WorkerActor`'s load_probe); the service's config checks the folder.
-        tensor_parallel_size: processes (GPUs) the worker's engine runs over: this actor is rank 0 and starts
-            the others as `FollowerRank` actors in its placement group (`workers.rank_group`); each holds 1/tp
-            of the model (DeepSpeed AutoTP) and of the KV heads, so `kv_cache_memory` is per rank.
-        max_overtaken_steps: under s3 and s3_peak, steps a waiting request may keep being passed by later
-            ones that fit before it goes first (`EngineConfig.max_overtaken_steps`).
-        rank_stall_s: with tensor_parallel_size above 1, seconds rank 0 may wait inside one call the ranks
-            share (a step's forward, a KV copy) before the worker counts as hung and its stats poll fails.
-        preemption_mode, swap_space_bytes: how a preempted sequence gives up its KV, under every policy alike
-            (`EngineConfig`).
-    """
-
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None
-    revision: str | None = None
-    model_cache_dir: str | None = None
-    tiny_model_seed: int | None = None
-    policy: str = DEFAULT_POLICY
-    kv_cache_memory: str | int = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = 2048
-    num_torch_threads: int | None = None
-    tiny_model_init_std: float | None = None
-    bucket_tokens: int | None = None
-    dtype: str = "auto"
-    use_fast_path: bool = True
-    enable_prefix_caching: bool = True
-    device: str = "auto"
-    length_probe: str | None = None
-    tensor_parallel_size: int = 1
-    rank_stall_s: float = 300.0
-    max_overtaken_steps: int = 1024
-    preemption_mode: str = "auto"
-    swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
-        if self.num_torch_threads is not None and self.num_torch_threads < 1:
-            raise ValueError(f"num_torch_threads must be >= 1 or None, got {self.num_torch_threads}")
-        check_device(self.device)
-        parse_kv_cache_memory(self.kv_cache_memory)
-        if self.tiny_model_init_std is not None and self.tiny_model_init_std <= 0:
-            raise ValueError(f"tiny_model_init_std must be > 0 or None, got {self.tiny_model_init_std}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.bucket_tokens is not None and not issubclass(POLICIES[self.policy], S3Policy):
-            raise ValueError(f"bucket_tokens applies to the s3 and s3_peak policies, not {self.policy!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if not self.rank_stall_s > 0:
-            raise ValueError(f"rank_stall_s must be > 0, got {self.rank_stall_s}")
-        # Fail in the caller's process, not later inside the actor.
-        self.make_policy()
-        self.engine_config(1)
-
-    def engine_config(self, kv_cache_bytes: int) -> EngineConfig:
-        """The engine's settings, with the KV budget sized on the worker's device (`workers.kv_memory`)."""
-        return EngineConfig(
-            kv_cache_bytes=kv_cache_bytes,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            tensor_parallel_size=self.tensor_parallel_size,
-            use_fast_path=self.use_fast_path,
-            enable_prefix_caching=self.enable_prefix_caching,
-            cache_salt=prefix_cache_salt(self.model, self.dtype),
-            max_overtaken_steps=self.max_overtaken_steps,
-            preemption_mode=self.preemption_mode,
-            swap_space_bytes=self.swap_space_bytes,
-        )
-
-    def make_policy(self) -> SchedulingPolicy:
-        """The worker's policy, built as the controller builds its own (same registry, same buckets)."""
-        kwargs = {} if self.bucket_tokens is None else {"bucket_tokens": self.bucket_tokens}
-        return make_policy(self.policy, max_model_len=self.max_model_len, **kwargs)
+from workers.worker_settings import WorkerSettings
 
 
 def load_worker_model(settings: WorkerSettings):
@@ -163,8 +47,8 @@ def load_worker_model(settings: WorkerSettings):
 
 def check_probe_loader(settings: WorkerSettings, load_probe) -> None:
     """ValueError when the settings name a length probe and no loader was given to build it."""
-    if settings.length_probe is not None and load_probe is None:
-        raise ValueError(f"length_probe {settings.length_probe!r} is set but no probe loader was given "
+    if settings.probe is not None and load_probe is None:
+        raise ValueError(f"length_probe {settings.probe!r} is set but no probe loader was given "
                          "(load_probe, e.g. cluster.control.worker_probe.load_length_probe)")
 
 
@@ -174,7 +58,7 @@ def build_engine(settings: WorkerSettings, join_ranks=None,
 
     With tensor_parallel_size above 1, `join_ranks()` (from `workers.rank_group.start_ranks`) makes this
     process rank 0 of the ranks once its model is loaded; torch.distributed may also run them already.
-    `load_probe(settings.length_probe, hidden_size)` builds the length probe when the settings name one (the
+    `load_probe(settings.probe, hidden_size)` builds the length probe when the settings name one (the
     service passes `cluster.control.worker_probe.load_length_probe`: the workers import no predictor).
     """
     check_probe_loader(settings, load_probe)
@@ -185,7 +69,7 @@ def build_engine(settings: WorkerSettings, join_ranks=None,
     if join_ranks is not None:
         join_ranks()
     config = settings.engine_config(worker_kv_bytes(settings, model, device))
-    probe = None if settings.length_probe is None else load_probe(settings.length_probe, model.config.hidden_size)
+    probe = None if settings.probe is None else load_probe(settings.probe, model.config.hidden_size)
     return Engine(model, config, tokenizer=tokenizer, policy=settings.make_policy(), probe=probe)
 
 
@@ -194,10 +78,11 @@ def worker_kv_bytes(settings: WorkerSettings, model, device: str) -> int:
     device now that its model is loaded."""
     from workers.model_runner import pool_shape_for
 
-    pool = pool_shape_for(model.config, 1, settings.block_size, model.dtype, settings.tensor_parallel_size)
-    max_model_len = settings.max_model_len or model.config.max_position_embeddings
+    engine = settings.engine
+    pool = pool_shape_for(model.config, 1, engine.cache.block_size, model.dtype, engine.tensor_parallel_size)
+    max_model_len = engine.max_model_len or model.config.max_position_embeddings
     return kv_budget_bytes(parse_kv_cache_memory(settings.kv_cache_memory), device, free_memory_bytes(device),
-                           pool.bytes_per_block // pool.block_size, max_model_len, settings.max_num_seqs)
+                           pool.bytes_per_block // pool.block_size, max_model_len, engine.scheduler.max_num_seqs)
 
 
 class WorkerActor:
@@ -222,7 +107,7 @@ class WorkerActor:
         tune_cpu_runtime(settings.num_torch_threads)
         self.worker_id = worker_id
         self._followers, join = [], None
-        if settings.tensor_parallel_size > 1:
+        if settings.engine.tensor_parallel_size > 1:
             from workers.rank_group import start_ranks
 
             # They load their share while this actor loads its own; all join torch.distributed after.

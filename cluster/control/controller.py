@@ -20,7 +20,7 @@ from cluster.control.redis_server import connect_async
 from cluster.control.store import ControllerStore
 from cluster.control.worker_pool import RayWorkerBackend
 from workers.policies import length_range_tokens
-from workers.worker_actor import WorkerSettings
+from workers.worker_settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -32,16 +32,7 @@ def worker_settings(config: ServiceConfig) -> WorkerSettings:
     # Every rank of a tensor-parallel worker runs its own torch threads.
     ranks = config.max_workers_resolved * config.tensor_parallel_size
     threads = config.num_torch_threads or max(1, (os.cpu_count() or 1) // ranks)
-    return WorkerSettings(
-        model=config.model, tokenizer=config.tokenizer, revision=config.revision,
-        model_cache_dir=config.model_cache_dir, policy=config.policy,
-        kv_cache_memory=config.kv_cache_memory, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-        num_torch_threads=threads, dtype=config.dtype, enable_prefix_caching=config.prefix_caching,
-        device=config.device, length_probe=config.length_probe_resolved,
-        tensor_parallel_size=config.tensor_parallel_size, rank_stall_s=config.rank_stall_s,
-        max_overtaken_steps=config.max_overtaken_steps, preemption_mode=config.preemption_mode,
-        swap_space_bytes=config.swap_space_bytes)
+    return config.worker_settings(num_torch_threads=threads)
 
 
 class Controller:

@@ -95,13 +95,13 @@ class RayWorkerBackend(WorkerBackend):
         settings = self._settings()
         options = {}
         group = None
-        if settings.tensor_parallel_size > 1:
+        if settings.engine.tensor_parallel_size > 1:
             # One node, a bundle per rank; the worker actor is rank 0 in bundle 0 and starts the others.
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
             from workers.rank_group import rank_group, rank_group_name
 
-            group = rank_group(rank_group_name(self.actor_name(worker_id)), settings.tensor_parallel_size,
+            group = rank_group(rank_group_name(self.actor_name(worker_id)), settings.engine.tensor_parallel_size,
                                self._num_cpus, self._num_gpus)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0)
         try:
