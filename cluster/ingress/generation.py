@@ -59,6 +59,10 @@ class GenerationResult:
     num_failovers: int = 0
 
 
+class WorkerGone(LookupError):
+    """No actor holds a worker's name any more: it died and was not restarted (its requests are re-placed)."""
+
+
 class WorkerHandles:
     """Actor handles by worker id, looked up by name once."""
 
@@ -68,7 +72,10 @@ class WorkerHandles:
     def get(self, worker_id: str, actor_name: str):
         handle = self._handles.get(worker_id)
         if handle is None:
-            handle = ray.get_actor(actor_name, namespace=RAY_NAMESPACE)
+            try:
+                handle = ray.get_actor(actor_name, namespace=RAY_NAMESPACE)
+            except ValueError as error:  # Ray's answer for a name no live actor holds
+                raise WorkerGone(f"worker {worker_id} ({actor_name}) is gone") from error
             self._handles[worker_id] = handle
         return handle
 
@@ -130,9 +137,7 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
                         return
                 else:
                     raise RuntimeError(f"worker {worker_id} ended the stream without a finish reason")
-            except (*LOST_ACTOR_ERRORS, ValueError) as error:
-                if isinstance(error, ValueError) and "Failed to look up actor" not in str(error):
-                    raise
+            except (*LOST_ACTOR_ERRORS, WorkerGone) as error:
                 logger.warning("request %s lost worker %s (%s); re-placing it", job.request_id, worker_id,
                                type(error).__name__)
                 result.num_failovers += 1
