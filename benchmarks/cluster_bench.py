@@ -147,7 +147,7 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     import ray
 
     from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
-    from s3serve_cli.serve import allow_slow_serve_proxy, start_service, stop_service
+    from cluster.service import allow_slow_serve_proxy, start_service, stop_service
 
     label = (policy if prefix_aware_placement else f"{policy}-ffd-only").replace(PROBE_SUFFIX, "-probe")
     data_dir = work_dir / f"data-{label}"

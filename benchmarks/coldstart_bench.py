@@ -117,7 +117,7 @@ def run(config: ColdStartConfig, model: str | None = None, model_cache_dir: Path
 
     from cluster.config import RAY_NAMESPACE, ServiceConfig
     from predictor_service.sample_stream import SampleStream
-    from s3serve_cli.serve import allow_slow_serve_proxy, start_service, stop_service
+    from cluster.service import allow_slow_serve_proxy, start_service, stop_service
     from workers.models import DEFAULT_MODEL, resolve_model_dir
     from workers.policies import length_range_tokens
 

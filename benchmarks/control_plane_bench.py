@@ -202,7 +202,7 @@ def measure_overhead(config: ControlPlaneBenchConfig, model_name: str, model_cac
     import ray
 
     from cluster.config import RAY_NAMESPACE, ServiceConfig
-    from s3serve_cli.serve import allow_slow_serve_proxy, start_service, stop_service
+    from cluster.service import allow_slow_serve_proxy, start_service, stop_service
 
     with tempfile.TemporaryDirectory(prefix="s3serve-ctl-bench-") as data_dir:
         service = ServiceConfig(port=free_port(), model=model_name,

@@ -21,7 +21,7 @@ class ServiceUnderTest:
     """The running service as the faults see it: its processes, its health, its memory.
 
     Args:
-        running: what `s3serve_cli.serve.start_service` returned.
+        running: what `cluster.service.start_service` returned.
         config: the bench's config (`recovery_timeout_s`, `stop_s`, ...).
         load_pid: the load generator's process, left out of the service's processes.
         redis_disk: the disk under the embedded Redis, for redis_disk_full.
@@ -142,7 +142,7 @@ def bench_service(config, model_name: str, model_cache_dir: Path | None, work_di
     import ray
 
     from cluster.config import RAY_NAMESPACE, ServiceConfig
-    from s3serve_cli.serve import allow_slow_serve_proxy, start_service, stop_service
+    from cluster.service import allow_slow_serve_proxy, start_service, stop_service
 
     service_config = ServiceConfig(
         port=free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,

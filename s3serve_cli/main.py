@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         from workers.runtime import tune_cpu_runtime
 
         tune_cpu_runtime()  # these run engines in this process
-    from s3serve_cli.start_error import ServiceStartError
+    from cluster.start_error import ServiceStartError
 
     try:
         return args.handler(args)

@@ -1,182 +1,18 @@
-"""`s3serve serve`: a local Ray cluster, Redis, the Serve app; ready message; clean stop on Ctrl-C.
-
-    ray.init (num_cpus) -> Redis ($S3_REDIS_URL or embedded, persistent in data_dir)
-    -> serve.start(host, port) -> serve.run(build_app) -> poll /health -> print URL + curl
-    -> wait for SIGINT/SIGTERM -> controller.shutdown (kills workers) -> serve.shutdown -> Redis stop
-"""
+"""`s3serve serve`: the service (`cluster.service`) with a ready message, run until Ctrl-C or SIGTERM."""
 
 import json
-import os
 import signal
-import sys
 import threading
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
-from s3serve_cli.start_error import ServiceStartError
-
-APP_NAME = "s3serve"
-
-
-def wait_until_healthy(base_url: str, timeout_s: float, api_key: str | None = None, progress=print,
-                       progress_every_s: float = 15.0) -> dict:
-    """Poll /health until it answers 200, saying what it waits for (again every `progress_every_s`);
-    raise TimeoutError with its last answer otherwise."""
-    start_s = time.monotonic()
-    deadline = start_s + timeout_s
-    last = "no answer yet"
-    last_note, last_said_s = None, start_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=5) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            last = error.read().decode(errors="replace")
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
-            last = str(error)
-        note = "loading the model on the workers" if "workers_ready" in last else "starting the HTTP server"
-        now_s = time.monotonic()
-        if note != last_note or now_s - last_said_s >= progress_every_s:
-            progress(f"  ... {note} ({now_s - start_s:.0f} s of at most {timeout_s:.0f} s)")
-            last_note, last_said_s = note, now_s
-        time.sleep(1.0)
-    raise TimeoutError(f"the service did not become healthy within {timeout_s:.0f} s (raise --start-timeout on a "
-                       f"busy or slow machine); last /health: {' '.join(last.split())[:300]}")
-
+from cluster.config import ServiceConfig
+from cluster.service import start_service, stop_service
 
 def curl_example(base_url: str, model_id: str, api_key: str | None) -> str:
     auth = f' -H "Authorization: Bearer {api_key}"' if api_key else ""
     body = json.dumps({"model": model_id, "messages": [{"role": "user", "content": "Name three primary colors."}],
                        "max_tokens": 64})
     return f"curl {base_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
-
-
-@dataclass
-class RunningService:
-    """What `start_service` brought up; `stop_service` takes it down."""
-
-    config: ServiceConfig
-    base_url: str
-    redis_url: str
-    redis: "RedisSupervisor | None"  # the embedded Redis and its watchdog; None with a remote Redis
-    health: dict
-
-
-# Serve checks that its HTTP proxy is up with a 5 s timeout, three times, and kills and restarts a proxy that
-# misses it; with every core of a 2-core machine busy with another process the proxy takes about two minutes to
-# start, so it never came up. Our local cluster gets generous timeouts (a cluster started by `ray start` keeps
-# its own settings).
-SERVE_PROXY_TIMEOUTS_S = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": 600.0,
-                          "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": 60.0}
-
-
-def allow_slow_serve_proxy() -> None:
-    """Give Serve's proxy checks `SERVE_PROXY_TIMEOUTS_S` (unless set); call before `ray.init` of a local cluster,
-    whose processes inherit the environment."""
-    for name, value_s in SERVE_PROXY_TIMEOUTS_S.items():
-        os.environ.setdefault(name, str(value_s))
-
-
-def start_serve(http_options: dict, deadline_s: float, progress=print) -> None:
-    """`serve.start`, waiting for its HTTP proxy until `deadline_s` (time.monotonic()) rather than Serve's fixed
-    60 s: on a busy machine the proxy is still starting then, and a second `serve.start` finds the controller that
-    the first one left running (the proxy's readiness is then seen through /health)."""
-    from ray import serve
-
-    while True:
-        try:
-            serve.start(http_options=http_options)
-            return
-        except TimeoutError as error:
-            if "HTTP proxies not available" not in str(error) or time.monotonic() >= deadline_s:
-                raise
-            progress("  ... Serve's HTTP proxy is still starting (a busy machine); waiting for it")
-
-
-def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progress=print) -> RunningService:
-    """Ray (local, unless already initialised), Redis, the Serve app; returns once /health answers 200.
-
-    Raises `ServiceStartError` (one line: the step and its cause) or TimeoutError after `ready_timeout_s`.
-    """
-    import ray
-    from ray import serve
-
-    from cluster.app import build_app
-    from cluster.context_length import resolve_max_model_len
-    from cluster.control.redis_server import EmbeddedRedis
-    from cluster.control.redis_supervisor import RedisSupervisor
-
-    started_s = time.monotonic()
-    data_dir = Path(config.data_dir).expanduser().resolve()
-    config = config.model_copy(update={"data_dir": str(data_dir)})
-    redis = None
-    try:  # before anything starts: nothing to stop when it fails
-        check_model(config)
-        config, source = resolve_max_model_len(config)
-        if source != "configured":
-            progress(f"s3serve: max_model_len {config.max_model_len:,} ({source})")
-    except (ValueError, FileNotFoundError):
-        raise
-    except Exception as error:  # e.g. a config.json transformers cannot read
-        raise ServiceStartError(f"start-up failed while checking the model {config.model}: "
-                                f"{type(error).__name__}: {_first_line(error)}") from error
-    if config.redis_url_resolved is not None:
-        check_redis(config.redis_url_resolved)
-    step = "starting a local Ray cluster"
-    try:
-        if not ray.is_initialized():
-            num_cpus = config.num_cpus or 2 * (os.cpu_count() or 1)
-            progress(f"s3serve: starting a local Ray cluster ({num_cpus} logical CPUs)")
-            allow_slow_serve_proxy()
-            ray.init(num_cpus=num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING")
-        redis_url = config.redis_url_resolved
-        if redis_url is None:
-            step = f"starting the embedded Redis in {data_dir / 'redis'}"
-            redis = RedisSupervisor(EmbeddedRedis(data_dir / "redis"))  # restarted if it dies
-            redis_url = redis.start()
-            progress(f"s3serve: embedded Redis at {redis_url} (data in {data_dir / 'redis'})")
-        config = config.model_copy(update={"redis_url": redis_url})
-        step = f"starting Serve's HTTP proxy on {config.host}:{config.port}"
-        progress(f"s3serve: {step}")
-        start_serve({"host": config.host, "port": config.port}, started_s + ready_timeout_s, progress)
-        step = "deploying the router"
-        progress(f"s3serve: {step} (it loads the length predictor and the tokenizer)")
-        serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
-        base_url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '::') else config.host}:{config.port}"
-        progress(f"s3serve: waiting for {config.num_workers} worker(s) to load {config.model}")
-        step = "waiting for the service to become healthy"
-        health = wait_until_healthy(base_url, ready_timeout_s, progress=progress)
-    except BaseException as error:
-        _stop_quietly(RunningService(config, "", "", redis, {}))
-        if isinstance(error, Exception) and not isinstance(error, (TimeoutError, ValueError)):
-            raise ServiceStartError(f"start-up failed while {step}: {type(error).__name__}: "
-                                    f"{_first_line(error)}") from error
-        raise
-    return RunningService(config, base_url, redis_url, redis, health)
-
-
-def check_redis(url: str, max_retry_s: float = 3.0) -> None:
-    """Fail before anything starts when the configured Redis does not answer or refuses the URL's password (one
-    line, the password shown as ***), instead of every replica retrying it in its own log."""
-    import redis
-
-    from cluster.control.redis_server import connect, redacted_url
-
-    client = connect(url, max_retry_s=max_retry_s)
-    try:
-        client.ping()
-    except redis.AuthenticationError as error:
-        raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} refused the credentials: "
-                                f"{_first_line(error)}") from error
-    except redis.RedisError as error:
-        raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} does not answer: "
-                                f"{type(error).__name__}: {_first_line(error)}") from error
-    finally:
-        client.close()
 
 
 def kv_summary(kv_tokens: list[int], max_model_len: int, kv_cache_memory: str = "auto") -> str:
@@ -190,26 +26,6 @@ def kv_summary(kv_tokens: list[int], max_model_len: int, kv_cache_memory: str = 
     advice = "" if fits >= 1 else " (fewer than one: raise --kv-cache-memory or lower --max-model-len)"
     return (f"KV cache ({kv_cache_memory}): {per} tokens per worker, {fits} sequence(s) of max_model_len "
             f"{max_model_len:,} at once in the smallest{advice}")
-
-
-def check_model(config: ServiceConfig) -> None:
-    """Fail before anything starts where every worker would fail the same way: a model that is not there, or one
-    our engine cannot serve correctly (`workers.model_support`), instead of inside a Serve replica's traceback."""
-    from transformers import AutoConfig
-
-    from workers.model_support import check_servable
-    from workers.models import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
-
-    cache_dir = Path(config.model_cache_dir) if config.model_cache_dir else None
-    model_dir = resolve_model_dir(config.model, cache_dir, config.revision)
-    model_config = AutoConfig.from_pretrained(model_dir)
-    check_servable(model_config, config.model)
-    if config.tokenizer is not None:
-        tokenizer = load_tokenizer(resolve_tokenizer_dir(config.tokenizer, model_dir, cache_dir))
-        vocab_size = getattr(model_config.get_text_config(), "vocab_size", None)
-        if vocab_size is not None and len(tokenizer) > vocab_size:
-            raise ValueError(f"tokenizer {config.tokenizer!r} has {len(tokenizer):,} tokens, more than model "
-                             f"{config.model!r}'s vocabulary of {vocab_size:,}: they do not belong together")
 
 
 def predictor_warning(config: ServiceConfig) -> str | None:
@@ -232,41 +48,6 @@ def predictor_warning(config: ServiceConfig) -> str | None:
                 f"one; {calibrate}")
     return (f"warning: the length predictor ({served}) learnt {model}'s output lengths, not {config.model}'s, so its "
             f"bounds are another model's until retraining on this service's traffic replaces it; {calibrate}")
-
-
-def _first_line(error: BaseException) -> str:
-    """The message's first line, and its last when it has several (a log tail ends with the reason)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if not lines:
-        return "(no message)"
-    return lines[0][:300] if len(lines) == 1 else f"{lines[0][:200]} ... {lines[-1][:200]}"
-
-
-def _stop_quietly(service: RunningService) -> None:
-    """Take down what a failed start brought up, without letting a second error hide the first."""
-    try:
-        stop_service(service)
-    except Exception as error:  # noqa: BLE001 - the start-up error is the one to report
-        print(f"s3serve: cleaning up after the failed start: {type(error).__name__}", file=sys.stderr)
-
-
-def stop_service(service: RunningService) -> None:
-    """Kill the workers (detached, so nothing else would), the Serve app, Ray, then the embedded Redis."""
-    import ray
-    from ray import serve
-
-    try:
-        controller = ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE)
-        ray.get(controller.shutdown.remote(), timeout=30)
-        ray.kill(controller, no_restart=True)
-    except Exception as error:  # noqa: BLE001 - stopping must go on whatever is already gone
-        print(f"s3serve: controller already gone ({type(error).__name__})", file=sys.stderr)
-    try:
-        serve.shutdown()
-    finally:
-        ray.shutdown()
-        if service.redis is not None:
-            service.redis.stop()
 
 
 def run_service(config: ServiceConfig, ready_timeout_s: float = 900.0) -> int:

@@ -151,7 +151,7 @@ def test_page_is_self_contained():
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, model_cache_dir):
     from cluster.config import ServiceConfig
-    from s3serve_cli.serve import start_service, stop_service
+    from cluster.service import start_service, stop_service
 
     config = ServiceConfig(
         port=free_port(), num_workers=1, model_cache_dir=str(model_cache_dir), max_model_len=512,

@@ -12,7 +12,7 @@ import torch
 
 from cluster.config import ServiceConfig
 from engine_driver import sliding_window
-from s3serve_cli.serve import start_service, stop_service
+from cluster.service import start_service, stop_service
 from workers.engine import Engine, EngineConfig
 from workers.models import GEMMA3_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.ports import free_port

@@ -111,7 +111,8 @@ def test_a_server_started_with_requirepass_keeps_the_password_off_its_command_li
 
 
 def test_start_up_stops_at_a_redis_that_refuses_the_password_or_does_not_answer(tmp_path):
-    from s3serve_cli.serve import ServiceStartError, check_redis
+    from cluster.service import check_redis
+    from cluster.start_error import ServiceStartError
 
     with EmbeddedRedis(tmp_path, password="right") as server:
         check_redis(server.url)

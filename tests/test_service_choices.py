@@ -21,7 +21,7 @@ from json_schemas import random_schema
 from pydantic import BaseModel
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
-from s3serve_cli.serve import start_service, stop_service
+from cluster.service import start_service, stop_service
 from workers.models import load_tokenizer, resolve_model_dir
 from workers.ports import free_port
 

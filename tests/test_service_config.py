@@ -121,7 +121,7 @@ def test_start_up_waits_past_serves_fixed_proxy_timeout_until_its_own_deadline(m
 
     from ray import serve
 
-    from s3serve_cli.serve import start_serve
+    from cluster.service import start_serve
 
     outcomes = [TimeoutError("HTTP proxies not available after 60s."), None]
     calls, lines = [], []

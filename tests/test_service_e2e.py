@@ -21,7 +21,7 @@ import ray
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
 from cluster.control.redis_server import connect
 from fuzz_bodies import fuzz_body
-from s3serve_cli.serve import start_service, stop_service
+from cluster.service import start_service, stop_service
 from service_driver import assert_openai_error, controller_status, post, wait_idle
 from workers.models import load_tokenizer, resolve_model_dir
 from workers.ports import free_port

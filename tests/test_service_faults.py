@@ -26,7 +26,7 @@ from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
 from benchmarks.service_under_test import ServiceUnderTest
 from benchmarks.small_disk import SmallDisk, SmallDiskUnavailable
 from cluster.control.redis_server import EmbeddedRedis
-from s3serve_cli.serve import start_service, stop_service
+from cluster.service import start_service, stop_service
 from service_driver import (assert_openai_error, controller_status, post, streamed_completion, wait_idle,
                             wait_running)
 from workers.ports import free_port

@@ -1,4 +1,4 @@
-"""The error `s3serve serve` raises when start-up gives up (apart, so the benches need none of the service's imports)."""
+"""The error the service's start raises when it gives up (apart, so the CLI and benches need none of its imports)."""
 
 
 class ServiceStartError(RuntimeError):
