@@ -126,6 +126,7 @@ FORBIDDEN_IMPORTS = {
     "workers": {"cluster", "predictor_service", "deploy"},
     "predictor_service": {"workers", "cluster", "deploy"},
     "cluster": {"deploy"},
+    "benchmarks": {"s3serve_cli"},  # the service's start and stop are cluster.service's, not the CLI's
 }
 
 
