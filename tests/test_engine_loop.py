@@ -223,10 +223,10 @@ def test_a_failing_step_fails_its_requests_and_the_loop_serves_the_rest(tiny_mod
     engine = make_engine(tiny_model, max_num_seqs=1)
     forward = engine.runner.run
 
-    def forward_failing_on_bad(chunks, allocator, **options):
+    def forward_failing_on_bad(chunks, **options):
         if any(chunk.seq.seq_id == "bad" for chunk in chunks):
             raise RuntimeError("injected kernel failure")
-        return forward(chunks, allocator, **options)
+        return forward(chunks, **options)
 
     engine.runner.run = forward_failing_on_bad
     queued, later = make_request("queued", 5, 6, seed=51), make_request("later", 4, 5, seed=52)

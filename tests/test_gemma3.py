@@ -67,8 +67,8 @@ def test_bf16_logits_stay_within_a_stated_tolerance_of_hugging_faces(gemma3_dir)
     rows: dict[str, list[torch.Tensor]] = {}
     run = engine.runner.run
 
-    def recording_run(chunks, allocator, want_hidden=False):
-        logits, hidden, sampling, scores = run(chunks, allocator, want_hidden)
+    def recording_run(chunks, want_hidden=False):
+        logits, hidden, sampling, scores = run(chunks, want_hidden)
         for row, chunk in zip(logits, sampling):
             rows.setdefault(chunk.seq.seq_id, []).append(row.float().clone())
         return logits, hidden, sampling, scores

@@ -261,3 +261,19 @@ def test_config_rejects_zero_sequences():
 def test_config_rejects_a_token_budget_below_one_decode_per_sequence():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(3\) must be >= max_num_seqs \(4\)"):
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=3)
+
+
+def test_each_chunk_carries_its_block_table_as_the_step_left_it():
+    """The model runner reads the blocks from the chunks: after growth and preemption within the step."""
+    scheduler = make_scheduler(num_blocks=3)
+    a, b = make_seq("a", 4, max_tokens=8), make_seq("b", 4, max_tokens=8)
+    scheduler.add(a)
+    scheduler.add(b)
+    first = schedule(scheduler)
+    assert [c.block_table for c in first] == [[0], [1]]
+    run_chunks(scheduler, first)
+    # a's first output token fills its block: a grows into the last free block, then b cannot grow and is
+    # preempted (the newest), so only a runs, in both of its blocks
+    second = schedule(scheduler)
+    assert scheduled(second) == [("a", 1)] and b.status is SequenceStatus.WAITING
+    assert second[0].block_table == scheduler.allocator.block_table("a") == [0, 2]

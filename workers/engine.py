@@ -274,7 +274,7 @@ class Engine:
             c.completes_sequence_tokens and self.probe.is_due(c.seq.num_output_tokens) for c in chunks)
         if self.grammars:  # structured output's masks, computed while the forward runs
             self.grammars.begin([c.seq.seq_id for c in chunks if c.completes_sequence_tokens])
-        logits, hidden, sampling_chunks, scores = self.runner.run(chunks, self.allocator, want_hidden=want_hidden)
+        logits, hidden, sampling_chunks, scores = self.runner.run(chunks, want_hidden=want_hidden)
         forward_done_s = time.perf_counter()
         seqs = [chunk.seq for chunk in sampling_chunks]
         seq_ids = [s.seq_id for s in seqs]

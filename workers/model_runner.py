@@ -22,7 +22,6 @@ import torch
 
 from kv_kernels import BlockPoolShape, CpuKVKernels, KVKernelBackend, allocate_block_pool, build_attention_metadata
 from workers.attention import StepAttention, register_paged_attention
-from workers.kv_cache_manager import BlockAllocator
 from workers.logprobs import PromptScores, scored_positions, split_scores
 from workers.model_support import check_servable
 from workers.scheduler import ScheduledChunk
@@ -210,7 +209,7 @@ class ModelRunner:
 
     # -- forward ------------------------------------------------------------
 
-    def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator, want_hidden: bool = False
+    def run(self, chunks: list[ScheduledChunk], want_hidden: bool = False
             ) -> tuple[torch.Tensor, torch.Tensor | None, list[ScheduledChunk], PromptScores | None]:
         """Forward the chunks; return logits [num_sampling, vocab], the final-norm hidden states of the same rows
         [num_sampling, hidden] (model dtype), the chunks they belong to and the prompt rows scored (None: none).
@@ -219,13 +218,13 @@ class ModelRunner:
         only with `want_hidden` (it then keeps every layer's states for the step), else None.
         """
         start_s = time.perf_counter()
-        inputs, sampling_chunks, spans = self.prepare(chunks, allocator)
+        inputs, sampling_chunks, spans = self.prepare(chunks)
         packed_s = time.perf_counter() - start_s
         logits, hidden = self.forward(inputs, want_hidden)
         self.last_times.prepare_s += packed_s  # forward() timed building the tensors and metadata
         return split_scores(logits, hidden, sampling_chunks, spans)
 
-    def prepare(self, chunks: list[ScheduledChunk], allocator: BlockAllocator
+    def prepare(self, chunks: list[ScheduledChunk]
                 ) -> tuple[ForwardInputs, list[ScheduledChunk], list[tuple[Sequence, int, int]]]:
         """Pack the chunks into one forward's inputs; also the chunks that sample, in their rows' order, and the
         prompt spans scored (`PromptScores.spans`)."""
@@ -251,7 +250,7 @@ class ModelRunner:
             if scored:
                 score_rows.extend(len(input_ids) + p - start for p in scored)
                 spans.append((seq, scored.start, len(scored)))
-            table = allocator.block_table(seq.seq_id)
+            table = chunk.block_table
             if chunk.num_tokens == 1:
                 input_ids.append(seq.token_at(start))
                 positions.append(start)

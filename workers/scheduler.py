@@ -31,10 +31,12 @@ from workers.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """Compute `num_tokens` of `seq`, starting at its first uncomputed token."""
+    """Compute `num_tokens` of `seq`, starting at its first uncomputed token, in the blocks of `block_table` (the
+    sequence's, in token order, as the step's schedule left them: the model runner reads them from here)."""
 
     seq: Sequence
     num_tokens: int
+    block_table: list[int] = field(default_factory=list)
 
     @property
     def completes_sequence_tokens(self) -> bool:
@@ -136,6 +138,9 @@ class Scheduler:
             # Admitting right after a preemption would hand the freed blocks
             # straight back and thrash.
             self._admit(out, budget)
+        # The tables once every growth, preemption and admission of the step is done.
+        out.chunks = [ScheduledChunk(c.seq, c.num_tokens, self.allocator.block_table(c.seq.seq_id))
+                      for c in out.chunks]
         return out
 
     def commit(self, seq: Sequence) -> None:

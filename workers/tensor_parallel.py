@@ -34,7 +34,6 @@ import torch
 
 from kv_kernels import BlockPoolShape, KVKernelBackend, backend_for_device
 from workers.engine_config import EngineConfig
-from workers.kv_cache_manager import BlockAllocator
 from workers.logprobs import split_scores
 from workers.model_runner import ModelRunner
 from workers.scheduler import ScheduledChunk
@@ -182,10 +181,10 @@ class LeadRunner:
         waited_s = time.monotonic() - in_call[1]
         return f"rank 0 has waited {waited_s:.0f} s in {in_call[0]} for the other ranks" if waited_s > after_s else None
 
-    def run(self, chunks: list[ScheduledChunk], allocator: BlockAllocator, want_hidden: bool = False) -> tuple:
+    def run(self, chunks: list[ScheduledChunk], want_hidden: bool = False) -> tuple:
         """As `ModelRunner.run`, every rank forwarding the same inputs."""
         start_s = time.perf_counter()
-        inputs, sampling_chunks, spans = self.runner.prepare(chunks, allocator)
+        inputs, sampling_chunks, spans = self.runner.prepare(chunks)
         self._send("forward", inputs, want_hidden)
         packed_s = time.perf_counter() - start_s
         logits, hidden = self._local(_forward_and_wait, self.runner, inputs, want_hidden)
