@@ -76,8 +76,12 @@ $(PEERS_STAMP):
 serve: setup
 	$(VENV)/bin/s3serve serve
 
+# The quick tests in two processes (a module that starts Ray keeps to one of them: xdist_group "ray"),
+# then the slow ones one at a time (they start services and time engines); both always run.
 test: setup
-	$(PY) -m pytest -m "not gpu" --durations=25
+	$(PY) -m pytest -m "not slow and not gpu" -n 2 --dist loadgroup --durations=10; quick=$$?; \
+	$(PY) -m pytest -m "slow and not gpu" --durations=25; slow=$$?; \
+	test $$quick -eq 0 && test $$slow -eq 0
 
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not gpu"

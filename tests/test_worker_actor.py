@@ -15,6 +15,8 @@ from workers.tensor_parallel import LeadRunner
 from workers.worker_actor import WorkerActor, build_engine
 from workers.worker_settings import WorkerSettings
 
+pytestmark = pytest.mark.xdist_group("ray")  # `make test`: one Ray cluster at a time
+
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
 SETTINGS = WorkerSettings.of(

@@ -12,6 +12,8 @@ from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerGo
 from workers.sampling_params import SamplingParams
 from workers.work_types import WorkEvent
 
+pytestmark = pytest.mark.xdist_group("ray")  # `make test`: one Ray cluster at a time
+
 
 class _Ref:
     """What `.remote()` returns: awaitable, with a `future()`."""
