@@ -49,10 +49,7 @@ def wait_until_healthy(base_url: str, timeout_s: float, api_key: str | None = No
                        f"busy or slow machine); last /health: {' '.join(last.split())[:300]}")
 
 
-# Serve checks that its HTTP proxy is up with a 5 s timeout, three times, and kills and restarts a proxy that
-# misses it; with every core of a 2-core machine busy with another process the proxy takes about two minutes to
-# start, so it never came up. Our local cluster gets generous timeouts (a cluster started by `ray start` keeps
-# its own settings).
+@dataclass
 class RunningService:
     """What `start_service` brought up; `stop_service` takes it down."""
 
