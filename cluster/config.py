@@ -1,7 +1,7 @@
 """Service configuration: one pydantic model, filled from a YAML file and then from flags.
 
 The service's own settings are declared here; the workers' (model, policy, KV memory, the engine's scheduler
-and cache) are declared once in the worker's settings tree (`workers.worker_actor.WorkerSettings`,
+and cache) are declared once in the worker's settings tree (`workers.worker_settings.WorkerSettings`,
 `workers.engine_config`) and `ServiceConfig` is generated with them, flat, so a YAML file or a flag names each
 by its leaf name. `s3serve serve --help` and docs/configuration.md are generated from both. Validation
 happens here, once, with errors that show the offending values.

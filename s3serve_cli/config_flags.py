@@ -8,9 +8,10 @@ import argparse
 import types
 import typing
 
-from pydantic import BaseModel
-
 from workers.setting import leaves
+
+if typing.TYPE_CHECKING:  # pydantic only where the service runs: the benches run where it is missing
+    from pydantic import BaseModel
 
 
 def _value_type(annotation) -> type | None:
@@ -47,7 +48,7 @@ def _add(parser: argparse.ArgumentParser, name: str, annotation, default, descri
     parser.add_argument(flag, **kwargs)
 
 
-def add_config_flags(parser: argparse.ArgumentParser, config: type[BaseModel], names) -> None:
+def add_config_flags(parser: argparse.ArgumentParser, config: "type[BaseModel]", names) -> None:
     """One flag per named field of a pydantic config (its json_schema_extra may name the flag, its unit and
     choices)."""
     for name in names:
