@@ -8,7 +8,7 @@ import argparse
 import types
 import typing
 
-from workers.setting import leaves
+from workers.setting import flag_of, leaves
 
 if typing.TYPE_CHECKING:  # pydantic only where the service runs: the benches run where it is missing
     from pydantic import BaseModel
@@ -55,7 +55,7 @@ def add_config_flags(parser: argparse.ArgumentParser, config: "type[BaseModel]",
         info = config.model_fields[name]
         extra = info.json_schema_extra or {}
         _add(parser, name, info.annotation, info.default, info.description or "", extra.get("unit"),
-             extra.get("flag") or "--" + name.replace("_", "-"), extra.get("choices"), bool(extra.get("repeat")))
+             flag_of(name, extra.get("flag")), extra.get("choices"), bool(extra.get("repeat")))
 
 
 def add_setting_flags(parser: argparse.ArgumentParser, tree: type, names: tuple[str, ...]) -> None:

@@ -9,6 +9,8 @@ import textwrap
 
 import yaml
 
+from workers.setting import flag_of
+
 SECTIONS = (("Model and workers", "each worker and its engine: `workers/worker_settings.py`, "
                                   "`workers/engine_config.py`"),
             ("Service", "the router, the controller and the length predictor: `cluster/config.py`"))
@@ -23,8 +25,7 @@ def _rows():
         info = ServiceConfig.model_fields[name]
         extra = info.json_schema_extra or {}
         section = SECTIONS[0][0] if name in WORKER_SETTING_NAMES else SECTIONS[1][0]
-        yield (section, name, extra.get("flag") or "--" + name.replace("_", "-"), info.default, extra.get("unit"),
-               info.description or "")
+        yield (section, name, flag_of(name, extra.get("flag")), info.default, extra.get("unit"), info.description or "")
 
 
 def _shown(value) -> str:

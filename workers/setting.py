@@ -62,7 +62,7 @@ class Leaf:
 
     @property
     def flag(self) -> str:
-        return self.field.metadata.get("flag") or "--" + self.name.replace("_", "-")
+        return flag_of(self.name, self.field.metadata.get("flag"))
 
     @property
     def choices(self) -> tuple[str, ...] | None:
@@ -71,6 +71,11 @@ class Leaf:
     @property
     def internal(self) -> bool:
         return bool(self.field.metadata.get("internal"))
+
+
+def flag_of(name: str, flag: str | None = None) -> str:
+    """A setting's command-line flag: the one its declaration names, else `--` and its name with dashes."""
+    return flag or "--" + name.replace("_", "-")
 
 
 def is_part(field: dataclasses.Field) -> bool:
