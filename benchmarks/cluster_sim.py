@@ -43,7 +43,8 @@ class ClusterSimulation:
 
     Args:
         config: the cluster.
-        make_policy: builds one policy instance (each worker gets its own; the controller one more).
+        make_policy: builds one policy instance (each worker gets its own; the controller one more, of which it
+            asks only the planning rule, as the real controller does).
         step_model: the clock.
         record_steps: keep every step's (shape, seconds) in the result (calibration checks).
     """

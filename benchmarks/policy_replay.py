@@ -84,7 +84,7 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
     """Replay the requests through a fresh engine with one policy (and `probe` refining its bounds, if given).
 
     `estimates` holds each request's (point, upper bound) output tokens; the policy plans by the one it
-    chooses (`SchedulingPolicy.prediction_from`)."""
+    chooses (`PlanningRule.prediction_from`)."""
     natural = config.workload == "natural"
     kwargs = overcommit_options(name, config.overcommit_step)
     if name == "oracle" and natural:

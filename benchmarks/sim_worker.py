@@ -15,10 +15,10 @@ from cluster.control.placement import DEFAULT_MAX_WAIT_S
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, check_routing
 from workers.kv_cache_manager import BlockAllocator
+from workers.preemption import PreemptionCostModel, PreemptionRule
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.preemption import PreemptionRule
-from workers.scheduling_policy import PreemptionCostModel, SchedulingPolicy
+from workers.scheduling_policy import SchedulingPolicy
 from workers.sequence import Sequence, SequenceStatus
 from workers.step_output import StepShape, step_shape
 

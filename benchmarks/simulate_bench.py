@@ -306,7 +306,7 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
                      f"Poisson, {config.arrival_rate_per_worker:g} requests/s per worker (seed {config.seed})"),
         "trace": str(config.trace_path if config.workload == "trace" else config.answers_path),
         "predictor": (f"noisy oracle, log-normal sigma {config.sigma}: s3 plans by its 90% quantile, s3_peak by "
-                      "its point (SchedulingPolicy.prediction_from); sglang_ratio and the other baselines read none"),
+                      "its point (PlanningRule.prediction_from); sglang_ratio and the other baselines read none"),
         "config": _config_dict(config),
         "calibration": None if calibration is None else {
             "model": calibration.model.describe(), "calibrated_on": calibration.calibrated_on,

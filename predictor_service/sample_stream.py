@@ -28,7 +28,7 @@ class TrainingSample:
     temperature: float
     true_output_tokens: int
     # The estimate the request was planned by: the upper bound, or the point under a policy that takes
-    # blocks on demand (s3_peak plans by the point, `SchedulingPolicy.prediction_from`).
+    # blocks on demand (s3_peak plans by the point, `PlanningRule.prediction_from`).
     predicted_upper_bound_tokens: int | None = None
 
     def example(self) -> LengthExample:

@@ -19,6 +19,7 @@ PURE_MODULES = [
     "workers.policies",
     "workers.sglang_ratio",
     "workers.scheduling_policy",
+    "workers.planning_rule",
     "workers.preemption",
     "workers.length_distribution",
     "workers.repetition",

@@ -1,7 +1,7 @@
 """`s3serve bench peers --workload natural`: seeded arrivals, its errors, its ratios, and our side end to end.
 
 As for the P8 workload, vLLM runs only where `make peers` made its environment; its side is exercised by
-running the benchmark (README, "bench peers").
+running the benchmark (docs/benchmarks.md, "bench peers").
 """
 
 import json

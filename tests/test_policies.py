@@ -19,10 +19,9 @@ from workers.policies import (
     make_policy,
     next_bound,
 )
+from workers.preemption import PreemptionCostModel, PreemptionMode, PreemptionRule
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.preemption import PreemptionRule
-from workers.scheduling_policy import PreemptionCostModel, PreemptionMode
 from workers.sequence import Sequence, SequenceStatus
 
 
@@ -162,11 +161,12 @@ def test_sglang_ratio_charges_the_newcomer_its_limit_and_the_running_their_remai
     policy = SGLangRatioPolicy(init_ratio=0.5, min_ratio=0.1)
     running = [_running("a", 8, 8, 40)]  # holds 16 tokens, 32 remaining: planned 16 + 16 = 32 tokens = 8 blocks
     newcomer = Sequence("n", list(range(8)), SamplingParams(max_tokens=24))  # 8 + 24 = 32 tokens = 8 blocks
-    assert policy.planned_tokens_of(running[0]) == 32
+    assert policy.expected_tokens_of(running[0]) == 32
     assert policy.can_admit(newcomer, running, num_blocks=16, block_size=4, step_token_budget=64)
     assert not policy.can_admit(newcomer, running, num_blocks=15, block_size=4, step_token_budget=64)
     policy.ratio = 0.25  # after some decay the running one is expected to need 8 more tokens
-    assert policy.planned_tokens_of(running[0]) == 24
+    assert policy.expected_tokens_of(running[0]) == 24
+    assert policy.planned_tokens_of(running[0]) == 32  # the rule the controller shares stays at init_ratio
     assert policy.can_admit(newcomer, running, num_blocks=14, block_size=4, step_token_budget=64)
 
 

@@ -6,10 +6,9 @@ import pytest
 from policy_driver import BLOCK_SIZE, make_requests, run_step, simulate
 from workers.kv_cache_manager import BlockAllocator
 from workers.policies import POLICY_NAMES, make_policy
-from workers.preemption import PreemptionRule, SwapSpace
+from workers.preemption import PreemptionCostModel, PreemptionRule, SwapSpace
 from workers.sampling_params import SamplingParams
 from workers.scheduler import Scheduler, SchedulerConfig
-from workers.scheduling_policy import PreemptionCostModel
 from workers.sequence import Sequence
 
 UNBOUNDED = 10**6

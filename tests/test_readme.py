@@ -23,12 +23,34 @@ def test_layout_table_lists_every_package_and_folder_that_exists():
     assert not unlisted, f"packages missing from the README's layout table: {unlisted}"
 
 
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
 def test_readme_links_the_architecture_document_inside_the_repository():
     assert "(docs/architecture.md)" in README and (ROOT / "docs" / "architecture.md").is_file()
     assert "../shared/docs/DESIGN.md" not in README
-    for path in re.findall(r"`((?:cluster|workers|kv_kernels|benchmarks|predictor_service|s3serve_cli)/[\w/]+\.py)`",
-                           README + (ROOT / "docs" / "architecture.md").read_text()):
-        assert (ROOT / path).is_file(), f"a named module does not exist: {path}"
+    for text in [README, *(doc.read_text() for doc in DOCS)]:
+        for path in re.findall(r"`((?:cluster|workers|kv_kernels|benchmarks|predictor_service|s3serve_cli|deploy|tests)"
+                               r"/[\w/]+\.(?:py|yaml|json))`", text):
+            assert (ROOT / path).is_file(), f"a named file does not exist: {path}"
+
+
+def test_the_readme_is_short_and_every_link_in_it_and_the_docs_resolves():
+    assert len(README.splitlines()) < 200, "the README should read in five minutes: move detail to docs/"
+    for source, text in [(ROOT / "README.md", README), *((doc, doc.read_text()) for doc in DOCS)]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+            if "://" in target:
+                continue
+            assert (source.parent / target).exists(), f"{source.name} links to {target}, which does not exist"
+
+
+def test_user_docs_name_no_path_outside_the_repository():
+    """A user of the project has no ../shared; only the benchmarks default to the data it is developed with."""
+    for source, text in [(ROOT / "README.md", README), *((doc, doc.read_text()) for doc in DOCS)]:
+        if source.name == "benchmarks.md":
+            assert "the data this repository is developed with" in text
+            continue
+        assert "../shared" not in text, f"{source.name} names a path outside the repository"
 
 
 def test_the_default_policy_and_routing_are_the_ones_the_readme_names():

@@ -36,19 +36,25 @@ def test_s3_peak_stretches_its_budget_while_it_refuses_and_halves_it_after_a_pre
         return policy.can_admit(newcomer, [held], num_blocks=8, block_size=16, step_token_budget=64)
 
     assert not admits()  # together they would hold 10 blocks of 8 in 60 steps
+    assert not admits()  # asking twice changes nothing: the scheduler reports a real refusal
+    policy.on_refused(newcomer, [held])
     policy.on_step([held])
     assert policy.overcommit == 0.25 and admits()  # 8 x 1.25 = 10 blocks
     for _ in range(3):
         policy.on_step([held])
     assert policy.overcommit == 0.25  # no refusal since: nothing to stretch for
     for _ in range(2):  # 210 planned tokens: 14 blocks, refused each step
-        assert not policy.can_admit(waiting_seq("big", 2.0, predicted=200), [held], 8, 16, 64)
+        big = waiting_seq("big", 2.0, predicted=200)
+        assert not policy.can_admit(big, [held], 8, 16, 64)
+        policy.on_refused(big, [held])
         policy.on_step([held])
     assert policy.overcommit == 0.6  # capped at max_overcommit
     policy.on_preempted(held, [held])
     policy.on_step([held])
     assert policy.overcommit == 0.3  # a sequence could not grow: half the stretch
-    assert not policy.can_admit(waiting_seq("big", 2.0, predicted=200), [], 8, 16, 64)
+    big = waiting_seq("big", 2.0, predicted=200)
+    assert not policy.can_admit(big, [], 8, 16, 64)
+    policy.on_refused(big, [])
     policy.on_step([])
     assert policy.overcommit == 0.3  # refused with nothing running: no stretch, and none given back while idle
     for options in ({"overcommit_step": -0.1}, {"max_overcommit": -1.0}):
@@ -76,6 +82,7 @@ def _kv_scarce(policy: S3PeakPolicy) -> S3PeakPolicy:
     """`policy` after its peak test refused a request in the last step."""
     huge = waiting_seq("huge", arrival_s=0.0, predicted=10_000)
     assert not policy.can_admit(huge, RUNNING, num_blocks=4, block_size=16, step_token_budget=64)
+    policy.on_refused(huge, RUNNING)
     policy.on_step(RUNNING)
     return policy
 
@@ -216,8 +223,8 @@ def test_s3_peak_ranks_an_overrun_around_its_prediction_not_around_the_bound_the
     seq = waiting_seq("over", 0.0, predicted=50, decoded=60)
     seq.predicted_center_tokens = 50  # as the engine sets it from the prediction
     before = policy.remaining_tokens(seq)
-    policy.on_overrun(seq)  # 60 decoded past a bound of 50: the plan moves to the next bucket
-    assert seq.predicted_output_tokens == 100
+    assert policy.bound_after_overrun(seq) == 100  # 60 decoded past a bound of 50: the plan moves to the next bucket
+    seq.predicted_output_tokens = 100  # as the scheduler writes it
     assert policy.remaining_tokens(seq) == before == policy.lengths.remaining_of(50, 60, 500)
     seq.is_looping = True  # once it repeats itself it is expected to run to its limit
     assert policy.remaining_tokens(seq) == 500 - 60

@@ -1,13 +1,14 @@
 """Scheduling policies: how much KV to plan for, in which order to admit, whom to preempt.
 
-Pure decisions (no torch, no Ray, no Redis). Each policy has ONE planning rule,
-`planned_tokens(num_prompt, num_output, max_tokens, predicted, forced)`: the KV tokens a
-request is planned to hold at its peak. The worker's scheduler reserves by it (or, for
-on-demand policies, admits by it), the controller's ledger places by it (`placement_tokens`:
-except for s3_peak and sglang_ratio, whose worker-side tests need progress only the worker
-sees), and a moved request carries the bound it works from. The registry below is the only list of names; the
-interface every policy implements is `workers.scheduling_policy.SchedulingPolicy`.
-Same engine, same budget:
+Pure decisions (no torch, no Ray, no Redis). Each policy has ONE planning rule, stateless
+(`workers.planning_rule.PlanningRule`), `planned_tokens(num_prompt, num_output, max_tokens,
+predicted, forced)`: the KV tokens a request is planned to hold at its peak. The worker's
+scheduler reserves by it (or, for on-demand policies, admits by it), the controller's ledger
+places by it (`placement_tokens`: except for s3_peak and sglang_ratio, whose worker-side tests
+need progress only the worker sees), and a moved request carries the bound it works from. What
+one worker learns (s3_peak's stretch of its budget, sglang_ratio's ratio) is admission state
+(`workers.scheduling_policy.SchedulingPolicy`), never read by the rule. The registry below is the
+only list of names; docs/policies.md is the contract. Same engine, same budget:
 
 | policy         | reservation at admission      | when a sequence outruns it               |
 |----------------|-------------------------------|------------------------------------------|
@@ -28,6 +29,7 @@ A policy chooses whom to preempt, never how: every victim gives up its KV by the
 
 from workers.kv_peak import peak_fits
 from workers.length_distribution import LengthDistribution
+from workers.planning_rule import PlanningRule
 from workers.sglang_ratio import SGLangRatioPolicy
 from workers.scheduling_policy import SchedulingPolicy
 from workers.sequence import Sequence
@@ -122,12 +124,10 @@ class S3Policy(SchedulingPolicy):
         # Decreasing planned total size, arrival order among equals (sort is stable).
         return sorted(waiting, key=self.planned_tokens_of, reverse=True)
 
-    def on_overrun(self, seq: Sequence) -> None:
+    def bound_after_overrun(self, seq: Sequence) -> int | None:
         if seq.num_output_tokens <= self._bound(seq):
-            return  # still inside the bound; only the last block was missing
-        seq.predicted_output_tokens = next_bound(
-            self._bound(seq), seq.num_output_tokens, seq.params.max_tokens, self.bucket_tokens
-        )
+            return None  # still inside the bound; only the last block was missing
+        return next_bound(self._bound(seq), seq.num_output_tokens, seq.params.max_tokens, self.bucket_tokens)
 
     def growth_tokens(self, seq: Sequence) -> int:
         return self.reservation_tokens(seq)
@@ -240,7 +240,8 @@ class S3PeakPolicy(S3Policy):
         self.pressure_window_steps = pressure_window_steps
         self.overcommit_step = overcommit_step
         self.max_overcommit = max_overcommit
-        # State of one worker's scheduler, as sglang's ratio.
+        # Admission state of one worker's scheduler (what it learns from refusals and preemptions); the planning
+        # rule above it reads none of it.
         self._steps_since_refusal = pressure_window_steps
         self._refused = False
         self._preempted = False
@@ -305,9 +306,10 @@ class S3PeakPolicy(S3Policy):
             (s.num_tokens, self.planned_tokens_of(s), max(0, -(-s.num_uncomputed_tokens // step_token_budget) - 1))
             for s in [*running, seq]
         ]
-        fits = peak_fits(plans, block_size, int(num_blocks * (1 + self.overcommit)))
-        self._refused = self._refused or not fits
-        return fits
+        return peak_fits(plans, block_size, int(num_blocks * (1 + self.overcommit)))
+
+    def on_refused(self, seq: Sequence, running: list[Sequence]) -> None:
+        self._refused = True
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {
@@ -317,7 +319,8 @@ POLICIES: dict[str, type[SchedulingPolicy]] = {
 POLICY_NAMES = tuple(POLICIES)
 SERVING_POLICY_NAMES = tuple(name for name, cls in POLICIES.items() if cls.is_serving)
 #: What the service runs unless told otherwise: the policy that measured best with the shipped predictor on
-#: throughput and latency together (README, "Scheduling policies"); s3 stays for reproducing the paper.
+#: throughput and latency together (docs/features.md, "The defaults, and the measurements behind them"); s3
+#: stays for reproducing the paper.
 DEFAULT_POLICY = "s3_peak"
 
 
@@ -337,6 +340,12 @@ def length_range_tokens(max_model_len: int | None) -> int:
     """The output lengths the buckets span for this context: max_model_len, at most BUCKET_RANGE_TOKENS (that
     with none given)."""
     return BUCKET_RANGE_TOKENS if max_model_len is None else min(max_model_len, BUCKET_RANGE_TOKENS)
+
+
+def make_rule(name: str, max_model_len: int | None = None, **kwargs) -> PlanningRule:
+    """The planning rule of policy `name`, for the router and the controller: they ask only what every worker
+    shares (which estimate, what to charge, what a moved request plans by), never a worker's admission state."""
+    return make_policy(name, max_model_len, **kwargs)
 
 
 def make_policy(name: str, max_model_len: int | None = None, **kwargs) -> SchedulingPolicy:

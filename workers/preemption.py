@@ -14,11 +14,44 @@ alternative would be to recompute it), so swap-outs are refused while moved KV f
 Pure: no torch.
 """
 
+import enum
 from dataclasses import dataclass, field
 
-from workers.scheduling_policy import PreemptionCostModel, PreemptionMode
-
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"  # drop the KV; prefill prompt + outputs again later
+    SWAP = "swap"  # copy the KV to host memory; copy it back on re-admission
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionCostModel:
+    """Chooses swap or recompute by estimated seconds.
+
+    Attributes:
+        prefill_s_per_token: time to recompute one token's KV.
+        swap_bytes_per_s: device<->host copy bandwidth.
+        kv_bytes_per_token: KV bytes of one token across all layers.
+        swap_overhead_s: fixed cost of one copy, so very short sequences recompute.
+    """
+
+    prefill_s_per_token: float = 1e-3
+    swap_bytes_per_s: float = 5e9
+    kv_bytes_per_token: int = 46_080
+    swap_overhead_s: float = 1e-3
+
+    def recompute_s(self, num_tokens: int) -> float:
+        return num_tokens * self.prefill_s_per_token
+
+    def swap_s(self, num_tokens: int) -> float:
+        # out now, back in later, each copy with a fixed launch/bookkeeping cost
+        return 2 * (self.swap_overhead_s + num_tokens * self.kv_bytes_per_token / self.swap_bytes_per_s)
+
+    def cheaper_mode(self, num_tokens: int) -> PreemptionMode:
+        if self.swap_s(num_tokens) < self.recompute_s(num_tokens):
+            return PreemptionMode.SWAP
+        return PreemptionMode.RECOMPUTE
 
 
 @dataclass(frozen=True, slots=True)

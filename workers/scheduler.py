@@ -250,12 +250,12 @@ class Scheduler:
         """
         if self.allocator.num_reserved_tokens(seq.seq_id) >= seq.num_tokens:
             return True, 0
-        predicted = seq.predicted_output_tokens
-        self.policy.on_overrun(seq)
-        if seq.predicted_output_tokens != predicted:
+        bound = self.policy.bound_after_overrun(seq)
+        if bound is not None and bound != seq.predicted_output_tokens:
             self.stats.mispredictions.append(
-                MispredictionEvent(seq.seq_id, predicted, seq.num_output_tokens, self.num_steps)
+                MispredictionEvent(seq.seq_id, seq.predicted_output_tokens, seq.num_output_tokens, self.num_steps)
             )
+            seq.predicted_output_tokens = bound
         target_tokens = max(self.policy.growth_tokens(seq), seq.num_tokens)
         freed_tokens = 0
         while self.allocator.extend(seq.seq_id, target_tokens) is None:
@@ -302,6 +302,7 @@ class Scheduler:
                                                                                                   held_only=True)
         if not self.policy.can_admit(seq, self.running, num_blocks, self.allocator.block_size,
                                      self.config.max_num_batched_tokens):
+            self.policy.on_refused(seq, self.running)
             return None
         return self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq), hashes)
 

@@ -52,14 +52,26 @@ class SGLangRatioPolicy(SchedulingPolicy):
         self.ratio = init_ratio
 
     def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
-        return num_output_tokens + math.ceil((max_tokens - num_output_tokens) * self.ratio - 1e-9)  # 3.0000000000000004 is 3
+        return self._expected_output_tokens(num_output_tokens, max_tokens, self.init_ratio)
+
+    @staticmethod
+    def _expected_output_tokens(num_output_tokens: int, max_tokens: int, ratio: float) -> int:
+        return num_output_tokens + math.ceil((max_tokens - num_output_tokens) * ratio - 1e-9)  # 3.0000000000000004 is 3
+
+    def expected_tokens_of(self, seq: Sequence) -> int:
+        """KV tokens running `seq` is expected to hold at its end by the current ratio (the admission test's
+        estimate; the planning rule, which the controller shares, stays at `init_ratio`)."""
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            return seq.num_tokens
+        return seq.num_prompt_tokens + self._expected_output_tokens(seq.num_output_tokens, seq.params.max_tokens,
+                                                                    self.ratio)
 
     def can_admit(
         self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int, step_token_budget: int
     ) -> bool:
         # The newcomer is charged its whole limit; the running ones what the ratio expects of them.
         need = -(-(seq.num_prompt_tokens + seq.params.max_tokens) // block_size)
-        need += sum(-(-self.planned_tokens_of(s) // block_size) for s in running)
+        need += sum(-(-self.expected_tokens_of(s) // block_size) for s in running)
         return need <= num_blocks
 
     def on_step(self, running: list[Sequence]) -> None:

@@ -38,7 +38,7 @@ class WorkerSettings(SettingsTree):
     policy: str = setting(
         DEFAULT_POLICY, "KV reservation policy of placement and workers: s3_peak (the default: blocks on demand, "
                         "admission by the predicted future peak of KV use, shortest expected remaining first while KV "
-                        "is scarce; it measured fastest with the shipped predictor, see the README), s3 (the "
+                        "is scarce; it measured fastest with the shipped predictor, see docs/features.md), s3 (the "
                         "paper's whole reservations, for reproduction), paged_greedy (vLLM-style blocks on demand), "
                         "sglang_ratio or max_reserve (the worst case, every request at max_tokens)", choices=tuple(POLICIES))
     overcommit_step: float | None = setting(

@@ -39,7 +39,7 @@ from cluster.control.store import ControllerStore
 from cluster.control.store_resync import StoreResync
 from cluster.control.worker_pool import WorkerBackend, WorkerPool
 from predictor_service.sample_stream import DEFAULT_STREAM_KEY, TrainingSample, sample_fields
-from workers.policies import make_policy
+from workers.policies import make_rule
 from workers.work_types import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class ControlPlane:
     def adopt(self, config: ServiceConfig) -> None:
         """Plan with `config` from now on (running workers keep their engine settings)."""
         self.config = config
-        self.policy = make_policy(config.policy, max_model_len=config.max_model_len)
+        self.policy = make_rule(config.policy, max_model_len=config.max_model_len)  # the workers' planning rule
         self.scaling = ScalingPolicy(config.min_workers_resolved, config.max_workers_resolved,
                                      config.scale_up_queue_depth, config.scale_down_idle_s)
 

@@ -22,7 +22,7 @@ from cluster.control.messages import RequestRecord
 from cluster.control.placement import blocks_for, migration_target
 from cluster.control.rebalance import WorkerLoad, choose_rebalance
 from cluster.control.worker_pool import WorkerPool
-from workers.scheduling_policy import SchedulingPolicy
+from workers.planning_rule import PlanningRule
 from workers.work_types import WorkerStats
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class Mover:
                 del self.moving[request_id]
                 self._moving_since_s.pop(request_id, None)
 
-    async def move_overruns(self, policy: SchedulingPolicy, block_size: int, migrate_kv_min_tokens: int) -> None:
+    async def move_overruns(self, policy: PlanningRule, block_size: int, migrate_kv_min_tokens: int) -> None:
         """Each preempted overrun the workers report goes where the policy's plan of its next bound fits (charged
         in the ledger by `placement_tokens`)."""
         for worker_id, stats in list(self.pool.latest.items()):

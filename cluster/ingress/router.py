@@ -33,7 +33,7 @@ from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
 from workers.models import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
-from workers.policies import length_range_tokens, make_policy
+from workers.policies import length_range_tokens, make_rule
 from workers.prefix_cache import prefix_cache_salt, salt_hash
 from workers.sampling_params import SamplingParams
 
@@ -67,7 +67,7 @@ class Router:
 
     def __init__(self, config: dict, redis_url: str, predictor=None) -> None:
         self.config = ServiceConfig(**config)
-        self.policy = make_policy(self.config.policy)  # which predicted length the workers plan by
+        self.policy = make_rule(self.config.policy)  # which predicted length the workers plan by
         self.predictor = (DeploymentPredictor(predictor) if predictor is not None else
                           InRouterPredictor(self.config.predictor_root, self.config.quantile,
                                             length_range_tokens(self.config.max_model_len), self.config.model))
