@@ -68,6 +68,10 @@ class Router:
     def __init__(self, config: dict, redis_url: str, predictor=None) -> None:
         self.config = ServiceConfig(**config)
         self.policy = make_rule(self.config.policy)  # which predicted length the workers plan by
+        # First, so that the workers load their model while this replica loads the predictor and the tokenizer.
+        self.controller = get_or_create_controller(self.config, redis_url)
+        # A running controller keeps the config it was created with; a rollout brings the new one.
+        self.controller.reconfigure.remote(self.config.model_dump())
         self.predictor = (DeploymentPredictor(predictor) if predictor is not None else
                           InRouterPredictor(self.config.predictor_root, self.config.quantile,
                                             length_range_tokens(self.config.max_model_len), self.config.model))
@@ -77,9 +81,6 @@ class Router:
                                         self.config.chat_template)
         # Workers name cached blocks with the same salt, so these hashes match what they report.
         self._prefix_root = salt_hash(prefix_cache_salt(self.config.model, self.config.dtype))
-        self.controller = get_or_create_controller(self.config, redis_url)
-        # A running controller keeps the config it was created with; a rollout brings the new one.
-        self.controller.reconfigure.remote(self.config.model_dump())
         self.workers = WorkerHandles()
         self.metrics = ServiceMetrics(model_name=self.config.model_id)
         app.state.allowed_origins = self.config.allowed_origins
