@@ -65,3 +65,14 @@ def test_the_default_policy_and_routing_are_the_ones_the_readme_names():
     assert config.policy == WorkerSettings.of().policy == policy.group(1)
     assert config.routing == routing.group(1)
     assert config.length_probe == probe.group(1)
+
+
+def test_the_architecture_documents_path_names_a_file_that_exists_at_every_hop():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = re.search(r"One line per hop.*?```\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md lost its hop-by-hop path"
+    hops = [line.split() for line in block.group(1).splitlines() if line.strip()]
+    assert len(hops) >= 10
+    for hop in hops:
+        path = next((word for word in hop if word.endswith(".py") and "/" in word), None)
+        assert path and (ROOT / path).is_file(), f"hop {' '.join(hop[:3])!r} names no file that exists"
