@@ -24,10 +24,11 @@ APP_NAME = "s3serve"
 
 
 def wait_until_healthy(base_url: str, timeout_s: float, api_key: str | None = None, progress=print,
-                       progress_every_s: float = 15.0) -> dict:
+                       progress_every_s: float = 15.0, started_s: float | None = None) -> dict:
     """Poll /health until it answers 200, saying what it waits for (again every `progress_every_s`);
-    raise TimeoutError with its last answer otherwise."""
-    start_s = time.monotonic()
+    raise TimeoutError with its last answer otherwise. `timeout_s` counts from `started_s` (time.monotonic();
+    now by default), so a start-up's earlier steps spend the same budget."""
+    start_s = time.monotonic() if started_s is None else started_s
     deadline = start_s + timeout_s
     last = "no answer yet"
     last_note, last_said_s = None, start_s
@@ -73,6 +74,14 @@ def allow_slow_serve_proxy() -> None:
     whose processes inherit the environment."""
     for name, value_s in SERVE_PROXY_TIMEOUTS_S.items():
         os.environ.setdefault(name, str(value_s))
+
+
+def _check_deadline(started_s: float, timeout_s: float, done: str) -> None:
+    """Give up between start-up steps once `timeout_s` since `started_s` have passed (--start-timeout counts the
+    whole start-up, not only the wait for /health)."""
+    if time.monotonic() - started_s >= timeout_s:
+        raise TimeoutError(f"the service did not start within {timeout_s:.0f} s (raise --start-timeout on a busy or "
+                           f"slow machine); it had got as far as {done}")
 
 
 def start_serve(http_options: dict, deadline_s: float, progress=print) -> None:
@@ -127,23 +136,26 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
             progress(f"s3serve: starting a local Ray cluster ({num_cpus} logical CPUs)")
             allow_slow_serve_proxy()
             ray.init(num_cpus=num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING")
+            _check_deadline(started_s, ready_timeout_s, "starting Ray")
         redis_url = config.redis_url_resolved
         if redis_url is None:
             step = f"starting the embedded Redis in {data_dir / 'redis'}"
             redis = RedisSupervisor(EmbeddedRedis(data_dir / "redis"))  # restarted if it dies
             redis_url = redis.start()
             progress(f"s3serve: embedded Redis at {redis_url} (data in {data_dir / 'redis'})")
+            _check_deadline(started_s, ready_timeout_s, "starting Redis")
         config = config.model_copy(update={"redis_url": redis_url})
         step = f"starting Serve's HTTP proxy on {config.host}:{config.port}"
         progress(f"s3serve: {step}")
         start_serve({"host": config.host, "port": config.port}, started_s + ready_timeout_s, progress)
+        _check_deadline(started_s, ready_timeout_s, "starting Serve's HTTP proxy")
         step = "deploying the router"
         progress(f"s3serve: {step} (it loads the length predictor and the tokenizer)")
         serve.run(build_app(config.model_dump()), name=APP_NAME, route_prefix="/", blocking=False)
         base_url = f"http://{'127.0.0.1' if config.host in ('0.0.0.0', '::') else config.host}:{config.port}"
         progress(f"s3serve: waiting for {config.num_workers} worker(s) to load {config.model}")
         step = "waiting for the service to become healthy"
-        health = wait_until_healthy(base_url, ready_timeout_s, progress=progress)
+        health = wait_until_healthy(base_url, ready_timeout_s, progress=progress, started_s=started_s)
     except BaseException as error:
         _stop_quietly(RunningService(config, "", "", redis, {}))
         if isinstance(error, Exception) and not isinstance(error, (TimeoutError, ValueError)):
@@ -218,6 +230,8 @@ def stop_service(service: RunningService) -> None:
         controller = ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE)
         ray.get(controller.shutdown.remote(), timeout=30)
         ray.kill(controller, no_restart=True)
+    except ValueError:
+        pass  # no actor by that name: start-up gave up before the router created it
     except Exception as error:  # noqa: BLE001 - stopping must go on whatever is already gone
         print(f"s3serve: controller already gone ({type(error).__name__})", file=sys.stderr)
     try:

@@ -57,7 +57,7 @@ def test_a_start_up_that_gives_up_says_why_in_one_line(tmp_path, model_cache_dir
     errors = [line for line in done.stderr.splitlines() if line.startswith("s3serve serve: error:")]
     assert len(errors) == 1 and "--start-timeout" in errors[0], done.stderr
     assert "Traceback" not in done.stderr and "Traceback" not in done.stdout
-    assert "starting the HTTP server" in done.stdout or "loading the model" in done.stdout  # progress was shown
+    assert "s3serve: starting a local Ray cluster" in done.stdout  # progress was shown
 
 
 def _tail(path: Path, num_lines: int = 40) -> str:
