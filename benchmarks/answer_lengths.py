@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks.jsonl import jsonl_records
 from benchmarks.traces import TraceRow
-from workers.models import chat_token_ids
+from workers.engine.models import chat_token_ids
 
 DEFAULT_ANSWERS = Path("../shared/data/prompts/text-davinci-003_predictions.jsonl")
 _FIELDS = ("instruction", "input", "response")

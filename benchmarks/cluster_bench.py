@@ -37,7 +37,7 @@ from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_resu
 from benchmarks.natural_workload import compare_outputs
 from benchmarks.policy_summary import PROBE_SUFFIX
 from benchmarks.report import environment, format_table, percentile, write_json
-from workers.ports import free_port
+from workers.actors.ports import free_port
 
 STATS_SETTLE_S = 1.5  # the controller polls worker stats every 0.5 s; let the last poll land
 TABLE_KEYS = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "latency_mean_s", "latency_p50_s",
@@ -186,7 +186,7 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
 def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", model_cache_dir: Path | None = None,
         json_path: Path | None = None) -> dict:
     """Every policy in turn on the same replay; print the table and ratios; write JSON."""
-    from workers.models import load_tokenizer, resolve_model_dir
+    from workers.engine.models import load_tokenizer, resolve_model_dir
 
     config.check()
     tokenizer = load_tokenizer(resolve_model_dir(model_name, model_cache_dir))

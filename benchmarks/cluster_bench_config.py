@@ -10,8 +10,8 @@ from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, check_routing
 from predictor_service.probe_files import check_probe_folder
-from workers.policies import SERVING_POLICY_NAMES
-from workers.runtime import DTYPE_CHOICES
+from workers.engine.runtime import DTYPE_CHOICES
+from workers.scheduling.policies import SERVING_POLICY_NAMES
 
 POLICIES = SERVING_POLICY_NAMES
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")

@@ -30,7 +30,7 @@ from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, 
                                        migration_target)
 from cluster.control.rebalance import Rebalance, WorkerLoad, choose_rebalance
 from cluster.control.routing import LENGTHS, LiveWork, route
-from workers.sequence import Sequence
+from workers.values.sequence import Sequence
 
 STEADY_FRACTION = 0.9  # the steady rate counts until this share of the requests has finished
 MAX_IDLE_TICKS = 1000  # ticks in a row with nothing running before the run is declared stalled

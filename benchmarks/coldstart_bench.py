@@ -27,7 +27,7 @@ from tqdm import tqdm
 from benchmarks.http_load import LoadPlan, LoadRequest, drive
 from benchmarks.prompt_pool import DEFAULT_PROMPTS, read_prompts
 from benchmarks.report import environment, format_table, write_json
-from workers.ports import free_port
+from workers.actors.ports import free_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +118,8 @@ def run(config: ColdStartConfig, model: str | None = None, model_cache_dir: Path
     from cluster.config import RAY_NAMESPACE, ServiceConfig
     from predictor_service.sample_stream import SampleStream
     from cluster.service import allow_slow_serve_proxy, start_service, stop_service
-    from workers.models import DEFAULT_MODEL, resolve_model_dir
-    from workers.policies import length_range_tokens
+    from workers.engine.models import DEFAULT_MODEL, resolve_model_dir
+    from workers.scheduling.policies import length_range_tokens
 
     model = model or str(resolve_model_dir(DEFAULT_MODEL, model_cache_dir))  # as a path: no artifact is for it
     with tempfile.TemporaryDirectory(prefix="s3serve-coldstart-") as work:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.simulated_workers import SimulatedWorkerBackend
-from workers.ports import free_port
+from workers.actors.ports import free_port
 
 OVERHEAD_HEADER = "x-s3-overhead-ms"
 OFFERED_SHARE_OF_CAPACITY = 0.9  # the latency run offers at most this share of the measured capacity

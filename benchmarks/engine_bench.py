@@ -27,11 +27,11 @@ from tqdm import tqdm
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS, encode_chat, read_prompts, spread_sample
 from benchmarks.report import environment, format_table, write_json
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
-from workers.runtime import resolve_dtype
-from workers.sampling_params import GrammarSpec, SamplingParams
+from workers.engine.engine import Engine
+from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.engine.runtime import resolve_dtype
+from workers.scheduling.engine_config import EngineConfig
+from workers.values.sampling_params import GrammarSpec, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

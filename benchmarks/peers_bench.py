@@ -41,10 +41,10 @@ from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.traces import ReplayRequest, TraceRow, build_requests, load_prompt_texts
 from predictor_service.length_predictor import LengthQuery
-from workers.model_runner import pool_shape_for
-from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
-from workers.policies import DEFAULT_POLICY
-from workers.runtime import resolve_dtype, usable_cores
+from workers.engine.model_runner import pool_shape_for
+from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.engine.runtime import resolve_dtype, usable_cores
+from workers.scheduling.policies import DEFAULT_POLICY
 
 PEER_VENV = Path(".venv-peers")
 PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")

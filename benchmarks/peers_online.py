@@ -31,11 +31,11 @@ from benchmarks.policy_replay import WARMUP_OUTPUT_TOKENS, run_policy, warm_up_p
 from benchmarks.report import environment, format_table, percentile, write_json
 from cluster.control.worker_probe import load_length_probe
 from predictor_service.length_predictor import LengthQuery
-from workers.length_probe import LengthProbe
-from workers.model_runner import pool_shape_for
-from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
-from workers.policies import DEFAULT_POLICY
-from workers.runtime import resolve_dtype
+from workers.engine.model_runner import pool_shape_for
+from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.engine.runtime import resolve_dtype
+from workers.scheduling.length_probe import LengthProbe
+from workers.scheduling.policies import DEFAULT_POLICY
 
 ORACLE = "oracle"  # in `policies`: the default policy planning by the true lengths, the ceiling
 PROBED = "probe"  # in `policies`: the default policy with the hidden-state probe re-predicting inside the engine

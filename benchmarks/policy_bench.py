@@ -25,8 +25,8 @@ from predictor_service.artifacts import load_predictor
 from predictor_service.length_example import TextOf
 from predictor_service.length_predictor import LengthPredictor, LengthQuery
 from predictor_service.server import DEFAULT_ARTIFACT_ROOT
-from workers.model_runner import pool_shape_for
-from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.engine.model_runner import pool_shape_for
+from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 
 
 def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed: int,
@@ -58,7 +58,7 @@ def _bench_model(config: PolicyBenchConfig, model_dir: Path, vocab_size: int):
 
     if config.model_shape is None:
         return load_model(model_dir, device=config.device)
-    from workers.model_shapes import make_shaped_model, shape_parameters
+    from workers.engine.model_shapes import make_shaped_model, shape_parameters
 
     dtype = torch.bfloat16 if config.device.startswith("cuda") else torch.float32
     print(f"model shape {config.model_shape}: {shape_parameters(config.model_shape) / 1e9:.2f} B parameters "

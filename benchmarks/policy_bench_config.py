@@ -6,8 +6,8 @@ from pathlib import Path
 
 from benchmarks.natural_workload import HELD_OUT_LABELS
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from workers.engine_config import DEFAULT_SWAP_SPACE_BYTES
-from workers.policies import POLICY_NAMES
+from workers.scheduling.engine_config import DEFAULT_SWAP_SPACE_BYTES
+from workers.scheduling.policies import POLICY_NAMES
 
 POLICIES = POLICY_NAMES
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
@@ -33,7 +33,7 @@ class PolicyBenchConfig:
         max_num_batched_tokens: engine tokens per step.
         seed: predictor noise seed.
         prefix_caching: the engines' prefix cache (on by default, as in the service).
-        model_shape: a `workers.model_shapes` name: a randomly initialised model of that shape replaces the
+        model_shape: a `workers.engine.model_shapes` name: a randomly initialised model of that shape replaces the
             model's weights (outputs are forced, so throughput does not depend on them); the tokenizer stays.
         device: where the engines run ("cpu" or "cuda"); a shaped model is built there (bf16 on CUDA).
         workload: "trace" (prompt text cut to the trace's lengths, outputs forced to them) or "natural"

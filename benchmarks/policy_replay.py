@@ -14,12 +14,12 @@ from tqdm import tqdm
 from benchmarks.natural_workload import output_digest
 from benchmarks.policy_bench_config import PolicyBenchConfig
 from benchmarks.policy_summary import NO_CACHE_SUFFIX, PROBE_SUFFIX
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.length_probe import LengthProbe
-from workers.policies import make_policy, overcommit_options
-from workers.sampling_params import SamplingParams
-from workers.scheduler import SchedulerStats
+from workers.engine.engine import Engine
+from workers.scheduling.engine_config import EngineConfig
+from workers.scheduling.length_probe import LengthProbe
+from workers.scheduling.policies import make_policy, overcommit_options
+from workers.scheduling.scheduler import SchedulerStats
+from workers.values.sampling_params import SamplingParams
 
 MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
 WARMUP_REQUESTS = 2  # untimed, through every fresh engine before its replay

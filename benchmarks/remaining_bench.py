@@ -9,9 +9,9 @@ remaining tokens, per checkpoint and per prompt source:
 
 - `point`: the shipped predictor's point estimate minus what was decoded (at least 1);
 - `distribution`: the expected remaining output of a log-normal around that point, cut at
-  max_tokens, given that the answer is still going (`workers.length_distribution`);
+  max_tokens, given that the answer is still going (`workers.scheduling.length_distribution`);
 - `distribution+loop`: the same, but max_tokens - decoded once the answer repeats itself
-  (`workers.repetition`: what s3_peak and the worker's stats use);
+  (`workers.scheduling.repetition`: what s3_peak and the worker's stats use);
 - `probe`: the shipped hidden-state probe's point (`--length-probe default`: trained with a
   pairwise ranking loss on the pool's other prompts), read from the engine's own rows at
   each checkpoint, as the worker reads it;
@@ -35,11 +35,11 @@ from predictor_service.artifacts import load_predictor
 from predictor_service.length_predictor import LengthQuery
 from predictor_service.metrics import kendall_tau
 from predictor_service.server import DEFAULT_ARTIFACT_ROOT
-from workers.engine import Engine, EngineConfig
-from workers.length_distribution import LengthDistribution
-from workers.length_probe import LengthProbe, ProbeQuery
-from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.scheduling.length_distribution import LengthDistribution
+from workers.scheduling.length_probe import LengthProbe, ProbeQuery
+from workers.values.sampling_params import SamplingParams
 
 CHECKPOINTS = (0, 64, 256)
 ESTIMATES = ("point", "distribution", "distribution+loop", "probe", "probe+loop")

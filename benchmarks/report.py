@@ -43,7 +43,7 @@ def _cpu_model() -> str:
 
 def environment() -> dict:
     """Where the numbers were measured."""
-    from workers.runtime import cpu_has_bf16, usable_cores
+    from workers.engine.runtime import cpu_has_bf16, usable_cores
 
     return {
         "python": platform.python_version(),

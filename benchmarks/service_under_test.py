@@ -10,7 +10,7 @@ import httpx
 import psutil
 
 from benchmarks.small_disk import SmallDisk
-from workers.ports import free_port
+from workers.actors.ports import free_port
 
 
 def _own_pid(actor) -> int:

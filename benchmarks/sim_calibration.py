@@ -20,11 +20,11 @@ from benchmarks.sim_worker import SimConfig, SimRequest, simulate_worker
 from benchmarks.step_time import (CalibrationError, LinearStepModel, RooflineStepModel, StepModel, calibration_error,
                                   fit_linear, gpu_kind, shape_cost)
 from predictor_service.length_predictor import LengthQuery
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.policies import make_policy
-from workers.sampling_params import SamplingParams
-from workers.step_output import StepShape
+from workers.engine.engine import Engine
+from workers.scheduling.engine_config import EngineConfig
+from workers.scheduling.policies import make_policy
+from workers.values.sampling_params import SamplingParams
+from workers.values.step_output import StepShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +125,8 @@ def calibration_model(device: str, model_shape: str, model_dir: Path, vocab_size
     """The model the calibration's real engine runs: SmolLM2's weights on the CPU, a random bf16 shape on a GPU."""
     import torch
 
-    from workers.model_shapes import make_shaped_model
-    from workers.models import load_model
+    from workers.engine.model_shapes import make_shaped_model
+    from workers.engine.models import load_model
 
     if device == "cpu":
         return load_model(model_dir)
@@ -141,8 +141,8 @@ def calibrate_on_trace(rows, model_name: str, model_cache_dir: Path | None, *, d
     bounds (`sigma`) and KV for 4 worst-case sequences; on a GPU (`device` not "cpu") the roofline of `kind` and
     `model_shape` is checked too."""
     from benchmarks.traces import build_requests, load_prompt_texts
-    from workers.model_runner import pool_shape_for
-    from workers.models import load_tokenizer, resolve_model_dir
+    from workers.engine.model_runner import pool_shape_for
+    from workers.engine.models import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)

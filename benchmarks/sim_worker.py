@@ -1,6 +1,6 @@
 """One simulated worker: the engine's own scheduler and allocator, stepped on a modelled clock.
 
-`SimWorker` steps a `workers.scheduler.Scheduler` exactly as `Engine.step` does (schedule,
+`SimWorker` steps a `workers.scheduling.scheduler.Scheduler` exactly as `Engine.step` does (schedule,
 swap, compute the chunks, append a token where a chunk completes a sequence's known tokens,
 finish at the forced length), but instead of a forward pass a step costs
 `StepModel.step_s(step_shape(chunks))` plus its swap copies. `simulate_worker` runs one alone
@@ -14,13 +14,13 @@ from benchmarks.step_time import StepModel
 from cluster.control.placement import DEFAULT_MAX_WAIT_S
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, check_routing
-from workers.kv_cache_manager import BlockAllocator
-from workers.preemption import PreemptionCostModel, PreemptionRule
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
-from workers.scheduling_policy import SchedulingPolicy
-from workers.sequence import Sequence, SequenceStatus
-from workers.step_output import StepShape, step_shape
+from workers.scheduling.kv_cache_manager import BlockAllocator
+from workers.scheduling.preemption import PreemptionCostModel, PreemptionRule
+from workers.scheduling.scheduler import Scheduler, SchedulerConfig
+from workers.scheduling.scheduling_policy import SchedulingPolicy
+from workers.values.sampling_params import SamplingParams
+from workers.values.sequence import Sequence, SequenceStatus
+from workers.values.step_output import StepShape, step_shape
 
 SIMULATED_TOKEN = 0  # outputs are forced: their values never matter
 MAX_EMPTY_STEPS = 4  # steps in a row that run no chunk before a worker counts as stuck

@@ -39,7 +39,7 @@ from benchmarks.traces import read_trace
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, check_routing
 from predictor_service.length_predictor import LengthQuery
-from workers.policies import POLICY_NAMES, make_policy, overcommit_options
+from workers.scheduling.policies import POLICY_NAMES, make_policy, overcommit_options
 
 STATEMENT = ("SIMULATION: the service's scheduler, policies and placement code driven by a modelled clock; "
              "GPU step times are a datasheet roofline with assumed efficiencies, not measured on a GPU")
@@ -61,7 +61,7 @@ class SimulateBenchConfig:
     Attributes:
         workload: "trace" (the rows of `trace_path`) or "paper" (the answers of `answers_path`).
         kind: a GPU kind of `benchmarks.step_time.GPU_KINDS`, or "cpu" (the step model calibrated here).
-        model_shape: a `workers.model_shapes` name (ignored for "cpu": SmolLM2-135M, as calibrated).
+        model_shape: a `workers.engine.model_shapes` name (ignored for "cpu": SmolLM2-135M, as calibrated).
         worker_counts: cluster sizes.
         requests_per_worker: trace rows replayed per worker (rows are reused from the start when the
             trace runs out); every request arrives at t=0, so tokens/s is the cluster's capacity.
@@ -337,7 +337,7 @@ def _workload_rows(config: SimulateBenchConfig, model_name: str, model_cache_dir
     """(rows, one line saying what they are) for the config's workload."""
     if config.workload == "trace":
         return read_trace(config.trace_path), f"trace {config.trace_path}"
-    from workers.models import load_tokenizer, resolve_model_dir
+    from workers.engine.models import load_tokenizer, resolve_model_dir
 
     rows = read_answer_rows(config.answers_path, load_tokenizer(resolve_model_dir(model_name, model_cache_dir)))
     prompt = sum(r.context_tokens for r in rows) / len(rows)

@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from cluster.control.worker_pool import WorkerBackend
-from workers.work_types import BoundReport, OverrunReport, WorkerStats
+from workers.values.work_types import BoundReport, OverrunReport, WorkerStats
 
 
 @dataclass(slots=True)

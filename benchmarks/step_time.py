@@ -15,8 +15,8 @@ and context tokens attended over. Two models turn it into seconds:
 
 from dataclasses import dataclass
 
-from workers.model_shapes import MODEL_SHAPES, shape_parameters
-from workers.step_output import StepShape
+from workers.engine.model_shapes import MODEL_SHAPES, shape_parameters
+from workers.values.step_output import StepShape
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from cluster.context_length import resolve_max_model_len
 from cluster.control.redis_host import ensure_redis
 from cluster.ingress.router import build_router
 from predictor_service.deployment import PredictorDeployment
-from workers.policies import length_range_tokens
+from workers.scheduling.policies import length_range_tokens
 
 
 def build_app(args: dict):

@@ -1,8 +1,8 @@
 """Service configuration: one pydantic model, filled from a YAML file and then from flags.
 
 The service's own settings are declared here; the workers' (model, policy, KV memory, the engine's scheduler
-and cache) are declared once in the worker's settings tree (`workers.worker_settings.WorkerSettings`,
-`workers.engine_config`) and `ServiceConfig` is generated with them, flat, so a YAML file or a flag names each
+and cache) are declared once in the worker's settings tree (`workers.actors.worker_settings.WorkerSettings`,
+`workers.scheduling.engine_config`) and `ServiceConfig` is generated with them, flat, so a YAML file or a flag names each
 by its leaf name. `s3serve serve --help` and docs/configuration.md are generated from both. Validation
 happens here, once, with errors that show the offending values.
 """
@@ -17,10 +17,10 @@ from cluster.control.placement import DEFAULT_MAX_WAIT_S
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS, check_routing
 from predictor_service.probe_files import check_probe_folder
-from workers.kv_memory import parse_kv_cache_memory
-from workers.policies import SERVING_POLICY_NAMES
-from workers.setting import build, leaves
-from workers.worker_settings import WorkerSettings
+from workers.actors.worker_settings import WorkerSettings
+from workers.scheduling.policies import SERVING_POLICY_NAMES
+from workers.values.kv_memory import parse_kv_cache_memory
+from workers.values.setting import build, leaves
 
 REDIS_URL_ENV = "S3_REDIS_URL"
 RAY_NAMESPACE = "s3serve"

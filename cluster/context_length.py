@@ -3,7 +3,7 @@
     max_model_len set            -> itself
     not set (the default)        -> the model's max_position_embeddings (its text config's, for a multimodal
                                     config), capped at the tokens one worker's KV cache will hold where that is
-                                    known before any worker starts (`workers.kv_memory.kv_token_room`: on the CPU,
+                                    known before any worker starts (`workers.values.kv_memory.kv_token_room`: on the CPU,
                                     or a size given in bytes); on GPUs with a share or auto the worker measures its
                                     memory, and the start-up line says how many such sequences fit
 
@@ -15,8 +15,8 @@ worker see one number.
 from pathlib import Path
 
 from cluster.config import ServiceConfig
-from workers.device import free_memory_bytes
-from workers.kv_memory import kv_token_room, parse_kv_cache_memory
+from workers.engine.device import free_memory_bytes
+from workers.values.kv_memory import kv_token_room, parse_kv_cache_memory
 
 
 def default_max_model_len(model_limit: int, room_tokens: int | None) -> int:
@@ -32,8 +32,8 @@ def workers_on_cpu(config: ServiceConfig) -> bool:
 
 def kv_bytes_per_token(text_config, dtype, tensor_parallel_size: int) -> int:
     """KV bytes one token takes on one rank (K and V of every layer, 1/tp of the KV heads), as the worker's block pool
-    lays them out (`workers.model_runner.pool_shape_for`, a block of one token); `dtype` a torch dtype."""
-    from workers.model_runner import pool_shape_for
+    lays them out (`workers.engine.model_runner.pool_shape_for`, a block of one token); `dtype` a torch dtype."""
+    from workers.engine.model_runner import pool_shape_for
 
     return pool_shape_for(text_config, 1, 1, dtype, tensor_parallel_size).bytes_per_block
 
@@ -51,8 +51,8 @@ def resolve_max_model_len(config: ServiceConfig) -> tuple[ServiceConfig, str]:
     import torch
     from transformers import AutoConfig
 
-    from workers.models import config_dtype, resolve_model_dir
-    from workers.runtime import resolve_dtype
+    from workers.engine.models import config_dtype, resolve_model_dir
+    from workers.engine.runtime import resolve_dtype
 
     cache_dir = Path(config.model_cache_dir) if config.model_cache_dir else None
     model_dir = resolve_model_dir(config.model, cache_dir, config.revision)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 from benchmarks.chaos_accounting import FAULTS
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from workers.models import DEFAULT_MODEL
-from workers.worker_settings import WorkerSettings
+from workers.actors.worker_settings import WorkerSettings
+from workers.engine.models import DEFAULT_MODEL
 from s3serve_cli.args import add_model_args, given
 from s3serve_cli.bench_cluster import add_cluster_parser
 from s3serve_cli.bench_coldstart import add_coldstart_parser

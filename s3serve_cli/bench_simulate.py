@@ -9,9 +9,9 @@ from benchmarks.step_time import GPU_KINDS
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
 from s3serve_cli.args import add_model_args, add_rebalance_arg, given
 from s3serve_cli.config_flags import add_setting_flags
-from workers.model_shapes import MODEL_SHAPES
-from workers.policies import POLICY_NAMES
-from workers.worker_settings import WorkerSettings
+from workers.actors.worker_settings import WorkerSettings
+from workers.engine.model_shapes import MODEL_SHAPES
+from workers.scheduling.policies import POLICY_NAMES
 
 
 def _bench_simulate(args: argparse.Namespace) -> int:

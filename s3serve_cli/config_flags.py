@@ -1,14 +1,14 @@
 """Flags generated from declared settings: the service's config for `s3serve serve`, tree leaves for the benches.
 
 Every flag's name, type, choices, help and default come from the one declaration of its setting
-(`cluster.config`, `workers.setting`); a flag left out is None, so the config file or the default stands.
+(`cluster.config`, `workers.values.setting`); a flag left out is None, so the config file or the default stands.
 """
 
 import argparse
 import types
 import typing
 
-from workers.setting import flag_of, leaves
+from workers.values.setting import flag_of, leaves
 
 if typing.TYPE_CHECKING:  # pydantic only where the service runs: the benches run where it is missing
     from pydantic import BaseModel

@@ -16,10 +16,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.prompt_pool import PromptRecord, encode_chat, read_prompts
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine
+from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.scheduling.engine_config import EngineConfig
+from workers.values.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,7 +122,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         serve.description = f"unavailable here: the service needs {error.name}"
         return
     workers = serve.add_argument_group("model and workers", "settings of each worker and its engine "
-                                                            "(workers/worker_settings.py, workers/engine_config.py)")
+                                                            "(workers/actors/worker_settings.py, workers/scheduling/engine_config.py)")
     add_config_flags(workers, ServiceConfig, WORKER_SETTING_NAMES)
     service = serve.add_argument_group("service", "settings of the router, controller and predictor "
                                                   "(cluster/config.py)")
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(part for part in ("s3serve", args.command, getattr(args, "bench", None),
                                             getattr(args, "probe", None)) if part)
     if args.command in ("bench", "label", "probe", "calibrate"):
-        from workers.runtime import tune_cpu_runtime
+        from workers.engine.runtime import tune_cpu_runtime
 
         tune_cpu_runtime()  # these run engines in this process
     from cluster.start_error import ServiceStartError

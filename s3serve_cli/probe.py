@@ -4,7 +4,7 @@ import argparse
 from pathlib import Path
 
 from s3serve_cli.args import add_label_args, add_model_args
-from workers.models import DEFAULT_MODEL
+from workers.engine.models import DEFAULT_MODEL
 
 
 def feature_jobs(label_paths, prompt_paths, tokenizer, max_len: int, limit: int | None = None) -> tuple[list, dict]:
@@ -42,7 +42,7 @@ def run_extract(label_paths, prompt_paths, out: Path, max_len: int = 1024, inter
     from tqdm import tqdm
 
     from s3serve_cli.probe_features import extract_hidden_features, report_dict
-    from workers.models import load_model, load_tokenizer, resolve_model_dir
+    from workers.engine.models import load_model, load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     jobs, skipped = feature_jobs(label_paths, prompt_paths, load_tokenizer(model_dir), max_len, limit)

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from predictor_service.hidden_features import HiddenFeatures
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine
+from workers.scheduling.engine_config import EngineConfig
+from workers.scheduling.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
+from workers.values.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

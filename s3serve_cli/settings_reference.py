@@ -9,10 +9,10 @@ import textwrap
 
 import yaml
 
-from workers.setting import flag_of
+from workers.values.setting import flag_of
 
-SECTIONS = (("Model and workers", "each worker and its engine: `workers/worker_settings.py`, "
-                                  "`workers/engine_config.py`"),
+SECTIONS = (("Model and workers", "each worker and its engine: `workers/actors/worker_settings.py`, "
+                                  "`workers/scheduling/engine_config.py`"),
             ("Service", "the router, the controller and the length predictor: `cluster/config.py`"))
 
 

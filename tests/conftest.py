@@ -35,14 +35,14 @@ def model_cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(model_cache_dir: Path) -> Path:
     """The real SmolLM2-135M-Instruct as a local safetensors folder."""
-    from workers.models import DEFAULT_MODEL, resolve_model_dir
+    from workers.engine.models import DEFAULT_MODEL, resolve_model_dir
 
     return resolve_model_dir(DEFAULT_MODEL, model_cache_dir)
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir: Path):
-    from workers.models import load_tokenizer
+    from workers.engine.models import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
 
@@ -56,7 +56,7 @@ def prefill_logits():
     """
     import torch
 
-    from workers.sampling_params import SamplingParams
+    from workers.values.sampling_params import SamplingParams
 
     def run(engine, prompt: list[int]) -> torch.Tensor:
         assert engine.runner.path == "fast"

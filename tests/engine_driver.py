@@ -12,9 +12,9 @@ import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from workers.engine import Engine, EngineConfig, StepOutput
-from workers.models import make_tiny_model, redraw_matrices
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine, EngineConfig, StepOutput
+from workers.engine.models import make_tiny_model, redraw_matrices
+from workers.values.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4

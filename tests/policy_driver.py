@@ -7,11 +7,11 @@ tokens are all cached, and finishes sequences at their forced length.
 
 import random
 
-from workers.kv_cache_manager import BlockAllocator
-from workers.preemption import PreemptionRule
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
-from workers.sequence import Sequence, SequenceStatus
+from workers.scheduling.kv_cache_manager import BlockAllocator
+from workers.scheduling.preemption import PreemptionRule
+from workers.scheduling.scheduler import Scheduler, SchedulerConfig
+from workers.values.sampling_params import SamplingParams
+from workers.values.sequence import Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
 MAX_LEN = 256

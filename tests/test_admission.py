@@ -4,11 +4,11 @@ policies), and a more urgent request takes a slot from a less urgent one when `m
 import pytest
 
 from policy_driver import run_step
-from workers.kv_cache_manager import BlockAllocator
-from workers.policies import S3PeakPolicy, S3Policy
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
-from workers.sequence import Sequence, SequenceStatus
+from workers.scheduling.kv_cache_manager import BlockAllocator
+from workers.scheduling.policies import S3PeakPolicy, S3Policy
+from workers.scheduling.scheduler import Scheduler, SchedulerConfig
+from workers.values.sampling_params import SamplingParams
+from workers.values.sequence import Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
 

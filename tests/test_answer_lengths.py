@@ -5,7 +5,7 @@ import json
 import pytest
 
 from benchmarks.answer_lengths import read_answer_rows, user_turn
-from workers.models import chat_token_ids
+from workers.engine.models import chat_token_ids
 
 
 def _write(path, records):

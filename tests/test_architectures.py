@@ -15,9 +15,9 @@ from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Conf
 
 from engine_driver import (ARCHITECTURES, WINDOW, hf_greedy_runner, make_prompt, run_engine, sliding_window,
                            tiny_architecture)
-from workers.engine import Engine, EngineConfig
-from workers.model_runner import pool_shape_for
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.model_runner import pool_shape_for
+from workers.values.sampling_params import SamplingParams
 
 
 def test_the_sliding_window_is_read_as_the_model_applies_it():

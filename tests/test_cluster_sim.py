@@ -8,13 +8,13 @@ from benchmarks.cluster_sim import ClusterSimulation
 from benchmarks.sim_worker import SimConfig, SimRequest, simulate_worker
 from benchmarks.step_time import (LinearStepModel, RooflineStepModel, calibration_error, fit_linear, gpu_kind,
                                   shape_cost)
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.model_shapes import MODEL_SHAPES, shape_parameters
-from workers.models import make_tiny_model
-from workers.policies import make_policy
-from workers.sampling_params import SamplingParams
-from workers.step_output import StepShape
+from workers.engine.engine import Engine
+from workers.engine.model_shapes import MODEL_SHAPES, shape_parameters
+from workers.engine.models import make_tiny_model
+from workers.scheduling.engine_config import EngineConfig
+from workers.scheduling.policies import make_policy
+from workers.values.sampling_params import SamplingParams
+from workers.values.step_output import StepShape
 
 POLICIES = ("max_reserve", "paged_greedy", "s3", "s3_peak", "oracle")
 MAX_LEN = 256

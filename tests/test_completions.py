@@ -15,8 +15,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from cluster.ingress import openai_protocol as protocol
 from cluster.ingress.completions import Completions
 from cluster.ingress.errors import APIError
-from workers.step_output import TokenLogprob
-from workers.work_types import WorkEvent
+from workers.values.step_output import TokenLogprob
+from workers.values.work_types import WorkEvent
 
 MODEL_ID = "smollm2"
 
@@ -246,7 +246,7 @@ def test_a_detokenizer_failure_is_our_error_not_a_503_to_retry(smollm2_tokenizer
 
 
 def test_chat_with_a_model_that_has_no_template_is_a_400_and_a_template_file_fixes_it(smollm2_dir, tmp_path):
-    from workers.models import load_tokenizer
+    from workers.engine.models import load_tokenizer
 
     chat = protocol.ChatCompletionRequest.model_validate({"model": MODEL_ID,
                                                          "messages": [{"role": "user", "content": "Hi"}]})

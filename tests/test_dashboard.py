@@ -12,8 +12,8 @@ import pytest
 
 from cluster.control.messages import ClusterStatus, WorkerRecord
 from cluster.ingress.dashboard import DASHBOARD_HTML, RouterNumbers, ThroughputMeter, dashboard_data, generated_tokens_by_worker
-from workers.ports import free_port
-from workers.work_types import WorkerStats
+from workers.actors.ports import free_port
+from workers.values.work_types import WorkerStats
 
 CHROMIUM = Path("/usr/bin/chromium")
 API_KEY = "dash-key-1"

@@ -12,9 +12,9 @@ import multiprocessing
 import pytest
 import torch
 
-from workers.model_runner import wrap_with_deepspeed
-from workers.models import make_tiny_model
-from workers.ports import free_port
+from workers.actors.ports import free_port
+from workers.engine.model_runner import wrap_with_deepspeed
+from workers.engine.models import make_tiny_model
 
 PROMPT = [[5, 9, 3, 7, 11]]
 
@@ -36,7 +36,7 @@ def test_one_rank_wraps_without_replacing_a_module_and_computes_the_same():
 
 
 def _tensor_parallel_rank(rank: int, world_size: int, port: int, results) -> None:
-    from workers.rank_group import join_ranks
+    from workers.actors.rank_group import join_ranks
 
     torch.set_num_threads(1)
     join_ranks(rank, world_size, "127.0.0.1", port, "cpu")

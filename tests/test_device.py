@@ -3,7 +3,7 @@
 import pytest
 
 from cluster.config import ServiceConfig
-from workers.device import cgroup_room_bytes, check_device, free_memory_bytes, resolve_device
+from workers.engine.device import cgroup_room_bytes, check_device, free_memory_bytes, resolve_device
 
 
 def test_auto_takes_the_gpu_ray_gave_the_actor_and_the_cpu_otherwise():
@@ -57,8 +57,8 @@ def test_device_settings_travel_from_the_service_config_to_the_worker_settings()
 
 
 def test_a_tensor_parallel_worker_needs_its_placement_group():
-    from workers.rank_group import start_ranks
-    from workers.worker_settings import WorkerSettings
+    from workers.actors.rank_group import start_ranks
+    from workers.actors.worker_settings import WorkerSettings
 
     with pytest.raises(ValueError, match="needs a placement group of 2 bundles"):
         start_ranks(WorkerSettings.of(tensor_parallel_size=2), None, load_model=None)
@@ -67,9 +67,9 @@ def test_a_tensor_parallel_worker_needs_its_placement_group():
 
 
 def test_a_worker_engine_built_for_the_cpu_runs_there():
-    from workers.sampling_params import SamplingParams
-    from workers.worker_actor import build_engine
-    from workers.worker_settings import WorkerSettings
+    from workers.actors.worker_actor import build_engine
+    from workers.actors.worker_settings import WorkerSettings
+    from workers.values.sampling_params import SamplingParams
 
     engine = build_engine(WorkerSettings.of(tiny_model_seed=0, device="cpu", dtype="float32",
                                          kv_cache_memory="64KiB", block_size=4, max_model_len=64))
@@ -81,8 +81,8 @@ def test_a_worker_engine_built_for_the_cpu_runs_there():
 def test_a_cpu_worker_sizes_its_kv_from_the_memory_available():
     """auto: room for max_num_seqs whole sequences (the tiny model's few bytes per token never reach the 10% cap);
     a share: that share of the memory available once the model is loaded."""
-    from workers.worker_actor import build_engine
-    from workers.worker_settings import WorkerSettings
+    from workers.actors.worker_actor import build_engine
+    from workers.actors.worker_settings import WorkerSettings
 
     auto = build_engine(WorkerSettings.of(tiny_model_seed=0, device="cpu", dtype="float32", block_size=4,
                                        max_model_len=64, max_num_seqs=8))

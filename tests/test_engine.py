@@ -10,8 +10,8 @@ import pytest
 
 from engine_driver import (BLOCK_SIZE, BYTES_PER_BLOCK, assert_pool_empty, drain, greedy, make_engine, make_model,
                            make_prompt, run_engine)
-from workers.engine import Engine, EngineConfig, hits_stop_string
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine, EngineConfig, hits_stop_string
+from workers.values.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -189,7 +189,7 @@ def test_a_stop_string_of_many_tokens_per_character_is_found(smollm2_tokenizer):
 def test_mispredicted_sequences_preempted_by_swap_or_recompute_keep_exact_greedy_tokens(
     tiny_model, hf_greedy, mode, policy_name
 ):
-    from workers.policies import make_policy
+    from workers.scheduling.policies import make_policy
 
     engine = Engine(
         copy.deepcopy(tiny_model),
@@ -219,7 +219,7 @@ def test_mispredicted_sequences_preempted_by_swap_or_recompute_keep_exact_greedy
 def test_swapped_kv_stays_within_swap_space_and_the_rest_recomputes_with_exact_greedy_tokens(
     tiny_model, hf_greedy, policy_name
 ):
-    from workers.policies import make_policy
+    from workers.scheduling.policies import make_policy
 
     swap_space_blocks = 3
     engine = Engine(
@@ -244,7 +244,7 @@ def test_swapped_kv_stays_within_swap_space_and_the_rest_recomputes_with_exact_g
 
 
 def test_a_swap_out_that_fails_is_recomputed_instead_and_answers_are_unchanged(tiny_model, hf_greedy):
-    from workers.policies import make_policy
+    from workers.scheduling.policies import make_policy
 
     engine = Engine(copy.deepcopy(tiny_model),
                     EngineConfig.of(kv_cache_bytes=14 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=6,
@@ -277,7 +277,7 @@ def _large_request_wait_steps(tiny_model, max_overtaken_steps: int, max_steps: i
     """An engine (tiny model, s3_peak, 30 blocks of 4 tokens) running a 60-token answer, a 100-token one waiting,
     and a 60-token one queued behind it whenever fewer than two wait: (the step the large one starts, if it does;
     whether it then finished while the short ones kept arriving)."""
-    from workers.policies import make_policy
+    from workers.scheduling.policies import make_policy
 
     engine = Engine(copy.deepcopy(tiny_model),
                     EngineConfig.of(kv_cache_bytes=30 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=16,

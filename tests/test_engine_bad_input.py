@@ -6,8 +6,8 @@ import copy
 import pytest
 
 from engine_driver import BLOCK_SIZE, BYTES_PER_BLOCK, VOCAB, assert_pool_empty, drain, greedy, make_engine, make_prompt
-from workers.engine import Engine, EngineConfig, StepOutput
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine, EngineConfig, StepOutput
+from workers.values.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -135,7 +135,7 @@ def test_a_malformed_prediction_is_refused_at_the_door(tiny_model, hf_greedy, pr
 
 
 def test_oracle_policy_refuses_a_request_without_its_true_length_and_keeps_serving(tiny_model, hf_greedy):
-    from workers.policies import OraclePolicy
+    from workers.scheduling.policies import OraclePolicy
 
     model = copy.deepcopy(tiny_model)
     engine = Engine(model, EngineConfig.of(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE,

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from workers.engine import Engine, EngineConfig
-from workers.engine_loop import EngineLoop, WorkEvent, WorkRequest
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.engine_loop import EngineLoop, WorkEvent, WorkRequest
+from workers.values.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
@@ -298,7 +298,7 @@ def test_close_aborts_open_streams(tiny_model):
 
 
 def test_stats_report_preempted_sequences_as_overruns(tiny_model):
-    from workers.policies import make_policy
+    from workers.scheduling.policies import make_policy
 
     engine = Engine(copy.deepcopy(tiny_model),
                     EngineConfig.of(kv_cache_bytes=6 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=4,

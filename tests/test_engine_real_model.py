@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from benchmarks.prompt_pool import encode_chat, read_prompts, spread_sample
-from workers.engine import Engine, EngineConfig
-from workers.models import load_model
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.models import load_model
+from workers.values.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,7 @@
 import pytest
 
 from engine_driver import greedy, make_engine, make_model, make_prompt
-from workers.sampling_params import SamplingParams
+from workers.values.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ from transformers.models.llama import modeling_llama
 from engine_driver import ARCHITECTURES, SHAPE, tiny_architecture
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
-from workers.engine import Engine, EngineConfig
-from workers.fast_decoder import FastDecoder, unsupported_reason
-from workers.models import make_tiny_model, tiny_llama_config
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.fast_decoder import FastDecoder, unsupported_reason
+from workers.engine.models import make_tiny_model, tiny_llama_config
+from workers.values.sampling_params import SamplingParams
 
 cpu_build.load()
 

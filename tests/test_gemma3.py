@@ -13,10 +13,10 @@ import torch
 from cluster.config import ServiceConfig
 from engine_driver import sliding_window
 from cluster.service import start_service, stop_service
-from workers.engine import Engine, EngineConfig
-from workers.models import GEMMA3_MODEL, load_model, load_tokenizer, resolve_model_dir
-from workers.ports import free_port
-from workers.sampling_params import SamplingParams
+from workers.actors.ports import free_port
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.models import GEMMA3_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.values.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

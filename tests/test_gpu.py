@@ -16,11 +16,11 @@ import torch
 
 from engine_driver import byte_tokenizer, hf_greedy_runner, make_prompt, run_engine, tiny_architecture
 from kv_kernels import reference, triton_kernels
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.model_runner import pool_shape_for
-from workers.models import make_tiny_model
-from workers.sampling_params import GrammarSpec, SamplingParams
+from workers.engine.engine import Engine
+from workers.engine.model_runner import pool_shape_for
+from workers.engine.models import make_tiny_model
+from workers.scheduling.engine_config import EngineConfig
+from workers.values.sampling_params import GrammarSpec, SamplingParams
 
 DEVICES = pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 BLOCK_SIZE = 4
@@ -122,7 +122,7 @@ def test_the_length_probe_reads_hidden_states_where_the_engine_runs(device, synt
     """The engine's rows stay on the device; the probe (a host model) takes them from there."""
     from cluster.control.worker_probe import PredictorLengthProbe
     from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
-    from workers.policies import S3PeakPolicy
+    from workers.scheduling.policies import S3PeakPolicy
 
     model = make_tiny_model(seed=9, init_std=0.2).to(device)
     probe = HiddenStateProbe(ProbeConfig(max_len=128, hidden_units=8, num_epochs=1, interval_tokens=4),

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kv_kernels import cpu_build
-from workers.grammar_masks import GrammarMasks, mask_disallowed
-from workers.sampling_params import GrammarSpec, SamplingParams
+from workers.engine.grammar_masks import GrammarMasks, mask_disallowed
+from workers.values.sampling_params import GrammarSpec, SamplingParams
 
 
 @pytest.mark.parametrize("kernel", ["c++", "torch"])
@@ -33,7 +33,7 @@ def test_mask_disallowed_leaves_only_the_allowed_tokens_of_the_constrained_rows(
 
 
 def test_a_grammar_wins_where_min_tokens_bans_would_leave_a_row_nothing():
-    from workers.sampling import Sampler
+    from workers.engine.sampling import Sampler
 
     logits = torch.randn(2, 64)
     bitmask = torch.zeros(1, 2, dtype=torch.int32)
@@ -89,9 +89,9 @@ def test_a_moved_request_resumes_its_grammar_and_bad_input_is_refused(smollm2_to
 def test_the_engine_answers_match_their_grammar_greedy_and_sampled(smollm2_dir, smollm2_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from workers.engine import Engine
-    from workers.engine_config import EngineConfig
-    from workers.models import chat_token_ids
+    from workers.engine.engine import Engine
+    from workers.engine.models import chat_token_ids
+    from workers.scheduling.engine_config import EngineConfig
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     engine = Engine(model, EngineConfig.of(kv_cache_bytes=128 * 2**20, max_model_len=1024), tokenizer=smollm2_tokenizer)

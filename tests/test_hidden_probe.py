@@ -12,15 +12,15 @@ from cluster.control.worker_probe import PredictorLengthProbe, load_length_probe
 from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
 from predictor_service.metrics import kendall_tau
 from s3serve_cli.probe_features import FeatureJob, HiddenStateRecorder, extract_hidden_features
-from workers.engine import Engine, EngineConfig
-from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate, refined_bound, remaining_for
-from workers.policies import PagedGreedyPolicy, S3PeakPolicy, S3Policy
-from workers.models import make_tiny_model
-from workers.sampling_params import SamplingParams
-from workers.work_types import BoundReport
-from workers.worker_actor import build_engine
-from workers.worker_settings import WorkerSettings
-from workers.worker_snapshot import LoopCounters, snapshot
+from workers.actors.worker_actor import build_engine
+from workers.actors.worker_settings import WorkerSettings
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.models import make_tiny_model
+from workers.engine.worker_snapshot import LoopCounters, snapshot
+from workers.scheduling.length_probe import LengthProbe, ProbeQuery, RemainingEstimate, refined_bound, remaining_for
+from workers.scheduling.policies import PagedGreedyPolicy, S3PeakPolicy, S3Policy
+from workers.values.sampling_params import SamplingParams
+from workers.values.work_types import BoundReport
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,59 +1,56 @@
-"""The layering holds: pure decision modules and cross-process messages import with torch, Ray and Redis absent,
-the router and controller modules load no torch, the serving packages import one another only in DESIGN's
-direction, and never the CLI or the benchmarks.
+"""The layering holds, by the rules of docs/architecture.md's "Layers" table, the one place they are written: each
+row's modules import with the row's packages refused, and import from this repository only what the row allows;
+every source folder has a row; no module imports itself through others.
 
-Each check runs in a fresh interpreter whose import system refuses the named packages, so a
-new top-level import anywhere on the path fails here with the chain that pulled it in.
+The refusals run in a fresh interpreter whose import system refuses the named packages, so a new top-level import
+anywhere on the path fails here with the chain that pulled it in.
 """
 
 import ast
+import re
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-# Decisions (pure: no Ray, Redis or torch), and the messages the router and controller read.
-PURE_MODULES = [
-    "workers.policies",
-    "workers.sglang_ratio",
-    "workers.scheduling_policy",
-    "workers.planning_rule",
-    "workers.preemption",
-    "workers.length_distribution",
-    "workers.repetition",
-    "workers.scheduler",
-    "workers.kv_cache_manager",
-    "workers.length_probe",
-    "workers.kv_peak",
-    "workers.sequence",
-    "workers.sampling_params",
-    "workers.engine_config",
-    "workers.setting",
-    "workers.worker_settings",
-    "workers.work_types",
-    "workers.step_output",
-    "workers.grammar",
-    "workers.model_support",
-    "cluster.control.placement",
-    "cluster.control.routing",
-    "cluster.control.scaling",
-    "cluster.control.messages",
-    "cluster.control.rebound",
-    "cluster.control.rebalance",
-    "predictor_service.label_stats",
-    "predictor_service.probe_files",
-    "cluster.control.worker_probe",
-]
-# Processes that never run a model: Ray and Redis are fine there, torch is not.
-NO_TORCH_MODULES = [
-    "cluster.config",
-    "cluster.control.controller",
-    "cluster.ingress.router",
-    "cluster.ingress.generation",
-    "workers.worker_actor",  # the controller imports it to start workers
-]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    paths: tuple[str, ...]  # folders ("workers/engine/") or files ("cluster/control/placement.py")
+    refused: frozenset[str]  # top-level packages a fresh interpreter refuses while importing the row's modules
+    allowed: tuple[str, ...]  # dotted prefixes of this repository's modules the row's files may import
+
+    def files(self) -> list[Path]:
+        return sorted(path for name in self.paths
+                      for path in ((ROOT / name).glob("*.py") if name.endswith("/") else [ROOT / name]))
+
+
+def _ticked(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def layer_rules(text: str) -> list[LayerRule]:
+    """The rows of the "Layers" section's table: path | its job | refused at import | imports from this repository."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    rules = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rules.append(LayerRule(tuple(_ticked(cells[0])), frozenset(_ticked(cells[2])), tuple(_ticked(cells[3]))))
+    return rules
+
+
+RULES = layer_rules((ROOT / "docs" / "architecture.md").read_text())
+PACKAGES = sorted({path.split("/")[0] for rule in RULES for path in rule.paths})
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
 def _import_refusing(modules: list[str], refused: list[str]) -> subprocess.CompletedProcess:
@@ -81,70 +78,66 @@ def _import_refusing(modules: list[str], refused: list[str]) -> subprocess.Compl
     return subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
 
 
-def test_pure_modules_import_without_torch_ray_or_redis():
-    result = _import_refusing(PURE_MODULES, ["torch", "ray", "redis", "transformers", "triton", "deepspeed"])
+def test_the_layers_table_is_read_and_names_every_source_folder():
+    assert len(RULES) >= 10 and {"workers", "cluster", "kv_kernels", "benchmarks", "s3serve_cli"} <= set(PACKAGES)
+    folders = {str(path.parent.relative_to(ROOT)) + "/" for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+    rows = {path for rule in RULES for path in rule.paths}
+    assert folders <= rows, f"source folders without a row in docs/architecture.md's Layers table: {folders - rows}"
+    missing = [path for rule in RULES for path in rule.paths if not (ROOT / path).exists()]
+    assert not missing, f"the Layers table names paths that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("refused", sorted({rule.refused for rule in RULES if rule.refused}, key=sorted),
+                         ids=lambda refused: " ".join(sorted(refused)))
+def test_each_layer_imports_with_its_refused_packages_absent(refused):
+    modules = [_module_name(path) for rule in RULES if rule.refused >= refused for path in rule.files()]
+    assert modules
+    result = _import_refusing(modules, sorted(refused))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_router_and_controller_modules_import_without_torch():
-    result = _import_refusing(NO_TORCH_MODULES, ["torch", "transformers", "triton", "deepspeed"])
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-@pytest.mark.parametrize("module", ["workers.engine", "kv_kernels.reference"])
+@pytest.mark.parametrize("module", ["workers.engine.engine", "kv_kernels.reference"])
 def test_the_guard_does_catch_a_module_that_needs_torch(module):
     result = _import_refusing([module], ["torch"])
     assert result.returncode == 1 and "refused import of torch" in result.stdout
 
 
-SERVING_PACKAGES = ["cluster", "workers", "kv_kernels", "predictor_service", "deploy"]
-TOOL_PACKAGES = {"benchmarks", "s3serve_cli"}
-
-
-def _imported_top_levels(path: Path) -> set[str]:
-    """Top-level packages a file imports anywhere (inside functions too)."""
+def _imported_modules(path: Path) -> set[str]:
+    """The modules of this repository a file imports anywhere (inside functions too)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names
+            names.add(node.module)
+    return {name for name in names if name.split(".")[0] in PACKAGES}
 
 
-def test_serving_packages_never_import_the_cli_or_the_benchmarks():
-    root = Path(__file__).resolve().parents[1]
-    offenders = {str(path.relative_to(root)): sorted(_imported_top_levels(path) & TOOL_PACKAGES)
-                 for package in SERVING_PACKAGES for path in (root / package).rglob("*.py")}
-    offenders = {path: names for path, names in offenders.items() if names}
-    assert not offenders, f"serving code imports the CLI or the benchmarks: {offenders}"
-    assert _imported_top_levels(root / "s3serve_cli" / "bench.py") & TOOL_PACKAGES  # the scan sees such imports
+def _allows(rule: LayerRule, module: str) -> bool:
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in rule.allowed)
 
 
-# DESIGN's import direction: kv_kernels <-- workers <-- cluster --> predictor_service (deploy and the tools on top).
-FORBIDDEN_IMPORTS = {
-    "kv_kernels": {"workers", "cluster", "predictor_service", "deploy"},
-    "workers": {"cluster", "predictor_service", "deploy"},
-    "predictor_service": {"workers", "cluster", "deploy"},
-    "cluster": {"deploy"},
-    "benchmarks": {"s3serve_cli"},  # the service's start and stop are cluster.service's, not the CLI's
-}
-
-
-def test_serving_packages_import_one_another_only_in_the_design_direction():
-    root = Path(__file__).resolve().parents[1]
-    offenders = {str(path.relative_to(root)): sorted(_imported_top_levels(path) & forbidden)
-                 for package, forbidden in FORBIDDEN_IMPORTS.items() for path in (root / package).rglob("*.py")}
-    offenders = {path: names for path, names in offenders.items() if names}
-    assert not offenders, f"imports against DESIGN's direction: {offenders}"
-    assert _imported_top_levels(root / "cluster" / "control" / "worker_probe.py") >= {"workers", "predictor_service"}
+def test_each_layer_imports_from_this_repository_only_what_its_row_allows():
+    offenders = {}
+    for rule in RULES:
+        for path in rule.files():
+            bad = sorted(name for name in _imported_modules(path) if not _allows(rule, name))
+            if bad:
+                offenders.setdefault(str(path.relative_to(ROOT)), set()).update(bad)
+    assert not offenders, f"imports against docs/architecture.md's Layers table: {offenders}"
+    # the scan sees imports, across layers and inside functions
+    assert {"workers.scheduling.length_probe", "predictor_service.hidden_probe"} <= _imported_modules(
+        ROOT / "cluster" / "control" / "worker_probe.py")
+    assert "workers.engine.engine" in _imported_modules(ROOT / "workers" / "actors" / "worker_actor.py")
+    engine_rule = next(rule for rule in RULES if rule.paths == ("workers/engine/",))
+    assert not _allows(engine_rule, "workers.actors.worker_actor") and _allows(engine_rule, "kv_kernels.layout")
 
 
 def _module_graph(root: Path) -> dict[str, set[str]]:
     """Every source module (the packages, the tools and the tests' helpers, imported by bare name) -> the source
     modules it imports anywhere, inside functions and TYPE_CHECKING blocks too."""
     paths = {".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
-             for package in (*SERVING_PACKAGES, *TOOL_PACKAGES) for path in (root / package).rglob("*.py")}
+             for package in PACKAGES for path in (root / package).rglob("*.py")}
     paths.update({path.stem: path for path in (root / "tests").glob("*.py")})
     graph = {}
     for module, path in paths.items():
@@ -191,7 +184,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_module_imports_itself_through_others():
     root = Path(__file__).resolve().parents[1]
     graph = _module_graph(root)
-    assert {"workers.worker_actor", "benchmarks.cluster_plan", "engine_driver"} <= set(graph)
-    assert "workers.rank_group" in graph["workers.worker_actor"]  # imports inside functions are seen
+    assert {"workers.actors.worker_actor", "benchmarks.cluster_plan", "engine_driver"} <= set(graph)
+    assert "workers.actors.rank_group" in graph["workers.actors.worker_actor"]  # imports inside functions are seen
     assert not _circles(graph)
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

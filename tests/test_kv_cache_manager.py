@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from workers.kv_cache_manager import BlockAllocator
+from workers.scheduling.kv_cache_manager import BlockAllocator
 
 
 def make_allocator(num_blocks: int = 16, block_size: int = 4) -> BlockAllocator:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from workers.kv_memory import (AUTO_CPU_SHARE, AUTO_CUDA_SHARE, KvCacheMemory, kv_budget_bytes, kv_token_room,
+from workers.values.kv_memory import (AUTO_CPU_SHARE, AUTO_CUDA_SHARE, KvCacheMemory, kv_budget_bytes, kv_token_room,
                                parse_kv_cache_memory)
 
 GIB = 1024**3

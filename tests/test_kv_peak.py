@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from workers.kv_peak import peak_fits, planned_totals
+from workers.scheduling.kv_peak import peak_fits, planned_totals
 
 
 def _brute_totals(plans, block_size):

@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from workers.engine import Engine, EngineConfig
-from workers.kv_transfer import ExportedKV
-from workers.policies import make_policy
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.kv_transfer import ExportedKV
+from workers.scheduling.policies import make_policy
+from workers.values.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from workers.length_distribution import LengthDistribution, normal_quantile
+from workers.scheduling.length_distribution import LengthDistribution, normal_quantile
 
 
 def _monte_carlo_remaining(point: int, sigma: float, decoded: int, max_tokens: int, draws: int = 200_000) -> float:

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from workers.logit_adjustments import adjust_logits
-from workers.sampling import Sampler, _truncate
-from workers.sampling_params import SamplingParams
+from workers.engine.logit_adjustments import adjust_logits
+from workers.engine.sampling import Sampler, _truncate
+from workers.values.sampling_params import SamplingParams
 
 VOCAB = 40
 EOS = frozenset({2})

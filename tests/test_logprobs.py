@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.engine_driver import BLOCK_SIZE, BYTES_PER_BLOCK, make_model, make_prompt, run_engine, tiny_architecture
-from workers.engine import Engine
-from workers.engine_config import EngineConfig
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine
+from workers.scheduling.engine_config import EngineConfig
+from workers.values.sampling_params import SamplingParams
 
 TOLERANCE = 1e-4  # fp32: the engine's paged attention against HF's eager one
 

@@ -15,10 +15,10 @@ import pytest
 import ray
 
 from cluster.ingress.generation import LOST_ACTOR_ERRORS
-from workers.engine_loop import WorkRequest
-from workers.sampling_params import SamplingParams
-from workers.worker_actor import WorkerActor
-from workers.worker_settings import WorkerSettings
+from workers.actors.worker_actor import WorkerActor
+from workers.actors.worker_settings import WorkerSettings
+from workers.engine.engine_loop import WorkRequest
+from workers.values.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from cluster.config import ServiceConfig
-from workers.ports import free_port
-from workers.models import (find_default_gguf, gguf_cache_name, resolve_model_dir, resolve_tokenizer_dir,
+from workers.actors.ports import free_port
+from workers.engine.models import (find_default_gguf, gguf_cache_name, resolve_model_dir, resolve_tokenizer_dir,
                             tiny_llama_config)
 
 

@@ -13,8 +13,8 @@ import pytest
 from transformers import (DeepseekV3Config, Gemma2Config, Gemma2ForCausalLM, Gemma3TextConfig, LlamaConfig,
                           MistralConfig, Phi3Config, Qwen2Config, Qwen3Config)
 
-from workers.model_support import check_servable, refusal
-from workers.ports import free_port
+from workers.actors.ports import free_port
+from workers.values.model_support import check_servable, refusal
 
 
 def test_the_architectures_our_attention_implements_are_served():
@@ -44,7 +44,7 @@ def _tiny_gemma2() -> Gemma2Config:
 def test_the_engine_refuses_a_model_it_would_answer_wrongly():
     import torch
 
-    from workers.engine import Engine, EngineConfig
+    from workers.engine.engine import Engine, EngineConfig
 
     torch.manual_seed(0)
     model = Gemma2ForCausalLM(_tiny_gemma2()).eval()

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.models import COMPLETE_MARKER, convert_gguf, find_default_gguf, load_model, load_tokenizer, resolve_model_dir
+from workers.engine.models import COMPLETE_MARKER, convert_gguf, find_default_gguf, load_model, load_tokenizer, resolve_model_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONVERT_SCRIPT = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from workers.models import convert_gguf, find_default_gguf
+    from workers.engine.models import convert_gguf, find_default_gguf
     print(convert_gguf(find_default_gguf(), Path(sys.argv[1])))
     """
 )

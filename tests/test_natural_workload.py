@@ -81,7 +81,7 @@ def test_online_arrivals_follow_the_trace_and_offline_ones_are_zero(smollm2_toke
 
 def test_as_http_requests_the_prompts_go_as_their_chat_messages_and_nothing_is_forced(smollm2_tokenizer,
                                                                                         shared_data):
-    from workers.models import chat_token_ids
+    from workers.engine.models import chat_token_ids
 
     pool, trace = shared_data / "prompts" / "pool.jsonl", shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"
     requests, split = natural_load_requests(smollm2_tokenizer, 3, 256, 96, "online", 0.5, trace, pool)

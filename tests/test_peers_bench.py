@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from benchmarks.peers_bench import PeersBenchConfig, build_workload, p8_output_lengths, peer_environment
-from workers.runtime import resolve_dtype
+from workers.engine.runtime import resolve_dtype
 
 
 def test_p8_lengths_are_the_ones_peers_md_gives():

@@ -2,9 +2,9 @@
 
 import pytest
 
-from workers.policies import POLICIES, SERVING_POLICY_NAMES, make_policy
-from workers.sampling_params import SamplingParams
-from workers.sequence import Sequence
+from workers.scheduling.policies import POLICIES, SERVING_POLICY_NAMES, make_policy
+from workers.values.sampling_params import SamplingParams
+from workers.values.sequence import Sequence
 
 
 def plan(name: str, *args, **kwargs) -> int:

@@ -8,8 +8,8 @@ import random
 import pytest
 
 from policy_driver import BLOCK_SIZE, MAX_LEN, make_requests, simulate
-from workers.kv_cache_manager import BlockAllocator
-from workers.policies import (
+from workers.scheduling.kv_cache_manager import BlockAllocator
+from workers.scheduling.policies import (
     MaxReservePolicy,
     OraclePolicy,
     PagedGreedyPolicy,
@@ -19,10 +19,10 @@ from workers.policies import (
     make_policy,
     next_bound,
 )
-from workers.preemption import PreemptionCostModel, PreemptionMode, PreemptionRule
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
-from workers.sequence import Sequence, SequenceStatus
+from workers.scheduling.preemption import PreemptionCostModel, PreemptionMode, PreemptionRule
+from workers.scheduling.scheduler import Scheduler, SchedulerConfig
+from workers.values.sampling_params import SamplingParams
+from workers.values.sequence import Sequence, SequenceStatus
 
 
 def test_max_reserve_never_preempts_and_stays_in_budget():

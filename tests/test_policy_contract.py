@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from policy_driver import BLOCK_SIZE, make_requests, simulate
-from workers.policies import POLICY_NAMES, make_policy, make_rule
-from workers.scheduling_policy import SchedulingPolicy
-from workers.sequence import Sequence, SequenceStatus
+from workers.scheduling.policies import POLICY_NAMES, make_policy, make_rule
+from workers.scheduling.scheduling_policy import SchedulingPolicy
+from workers.values.sequence import Sequence, SequenceStatus
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "policies.md"
 

@@ -1,9 +1,9 @@
-"""workers.ports: listening ports come from below the ephemeral range, and never one already taken."""
+"""workers.actors.ports: listening ports come from below the ephemeral range, and never one already taken."""
 
 import random
 import socket
 
-from workers.ports import FALLBACK_EPHEMERAL_LOW, LISTEN_PORT_LOW, ephemeral_low, free_port
+from workers.actors.ports import FALLBACK_EPHEMERAL_LOW, LISTEN_PORT_LOW, ephemeral_low, free_port
 
 
 def _range_file(tmp_path, text):

@@ -4,12 +4,12 @@ recompute. Pure: no torch."""
 import pytest
 
 from policy_driver import BLOCK_SIZE, make_requests, run_step, simulate
-from workers.kv_cache_manager import BlockAllocator
-from workers.policies import POLICY_NAMES, make_policy
-from workers.preemption import PreemptionCostModel, PreemptionRule, SwapSpace
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
-from workers.sequence import Sequence
+from workers.scheduling.kv_cache_manager import BlockAllocator
+from workers.scheduling.policies import POLICY_NAMES, make_policy
+from workers.scheduling.preemption import PreemptionCostModel, PreemptionRule, SwapSpace
+from workers.scheduling.scheduler import Scheduler, SchedulerConfig
+from workers.values.sampling_params import SamplingParams
+from workers.values.sequence import Sequence
 
 UNBOUNDED = 10**6
 # Each policy set to preempt on this workload (its settings, KV blocks): under-predicted s3 plans; a ratio that

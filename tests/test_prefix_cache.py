@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from workers.kv_cache_manager import BlockAllocator
-from workers.prefix_cache import PrefixCache, block_hashes, salt_hash
+from workers.scheduling.kv_cache_manager import BlockAllocator
+from workers.scheduling.prefix_cache import PrefixCache, block_hashes, salt_hash
 
 BS = 4  # tokens per block
 

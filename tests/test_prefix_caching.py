@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from workers.engine import Engine, EngineConfig
-from workers.policies import make_policy
-from workers.sampling_params import SamplingParams
+from workers.engine.engine import Engine, EngineConfig
+from workers.scheduling.policies import make_policy
+from workers.values.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 BYTES_PER_BLOCK = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4  # K and V, 2 layers, 2 kv heads, head_dim 16, fp32
@@ -218,8 +218,8 @@ def test_an_urgent_sequence_admitted_later_grows_at_the_expense_of_an_earlier_le
 
 
 def test_a_router_computes_the_hashes_its_workers_report(tiny_model):
-    from workers.prefix_cache import block_hashes, prefix_cache_salt, salt_hash
-    from workers.work_types import MAX_REPORTED_PREFIX_HASHES
+    from workers.scheduling.prefix_cache import block_hashes, prefix_cache_salt, salt_hash
+    from workers.values.work_types import MAX_REPORTED_PREFIX_HASHES
 
     salt = prefix_cache_salt("smollm2-135m-instruct", "auto")  # what router and worker settings both build
     config = EngineConfig.of(kv_cache_bytes=64 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_batched_tokens=64,

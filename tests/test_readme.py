@@ -18,7 +18,7 @@ def test_layout_table_lists_every_package_and_folder_that_exists():
     missing = [folder for folder in listed if not (ROOT / folder).is_dir()]
     assert not missing, f"the layout table names folders that do not exist: {missing}"
     packages = {path.parent.relative_to(ROOT).as_posix() for path in ROOT.glob("*/__init__.py")}
-    packages |= {path.parent.relative_to(ROOT).as_posix() for path in ROOT.glob("cluster/*/__init__.py")}
+    packages |= {path.parent.relative_to(ROOT).as_posix() for path in ROOT.glob("*/*/__init__.py")}
     unlisted = sorted(packages - set(listed))
     assert not unlisted, f"packages missing from the README's layout table: {unlisted}"
 
@@ -55,7 +55,7 @@ def test_user_docs_name_no_path_outside_the_repository():
 
 def test_the_default_policy_and_routing_are_the_ones_the_readme_names():
     from cluster.config import ServiceConfig
-    from workers.worker_settings import WorkerSettings
+    from workers.actors.worker_settings import WorkerSettings
 
     policy = re.search(r"The default policy is `(\w+)`", README)
     routing = re.search(r"the default routing is `(\w+)`", README)

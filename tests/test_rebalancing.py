@@ -14,8 +14,8 @@ from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig, worker
 from cluster.control.controller import get_or_create_controller
 from cluster.control.redis_server import EmbeddedRedis
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
-from workers.models import chat_token_ids
-from workers.sampling_params import SamplingParams
+from workers.engine.models import chat_token_ids
+from workers.values.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,8 @@ import time
 
 from cluster.control.messages import RequestRecord
 from cluster.control.rebound import rebounded_records
-from workers.policies import make_policy
-from workers.work_types import BoundReport, WorkerStats
+from workers.scheduling.policies import make_policy
+from workers.values.work_types import BoundReport, WorkerStats
 
 
 def _stats(worker_id: str, *reports: BoundReport) -> WorkerStats:

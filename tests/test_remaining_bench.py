@@ -1,7 +1,7 @@
 """`bench remaining`'s probe columns: the shipped probe is read at the checkpoints and changes no bound."""
 
 from benchmarks.remaining_bench import CHECKPOINTS, _ProbeRecorder
-from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
+from workers.scheduling.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
 
 
 class _Halves(LengthProbe):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from workers.length_distribution import LengthDistribution
-from workers.repetition import LOOP_CHECK_EVERY, repeats_itself
+from workers.scheduling.length_distribution import LengthDistribution
+from workers.scheduling.repetition import LOOP_CHECK_EVERY, repeats_itself
 
 
 def test_the_last_ngram_occurring_earlier_is_a_loop_and_nothing_else_is():
@@ -32,9 +32,9 @@ def test_a_looping_answer_is_expected_to_run_to_its_limit():
 @pytest.mark.parametrize("init_std, loops", [(0.05, True), (0.2, False)])
 def test_the_engine_flags_an_answer_that_repeats_itself_and_not_a_forced_one(init_std, loops):
     from engine_driver import BLOCK_SIZE, BYTES_PER_BLOCK, VOCAB, make_prompt
-    from workers.engine import Engine, EngineConfig
-    from workers.models import make_tiny_model
-    from workers.sampling_params import SamplingParams
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.engine.models import make_tiny_model
+    from workers.values.sampling_params import SamplingParams
 
     # A tiny random Llama with small weights falls into repeating one token under greedy; at std 0.2 it does not.
     model = make_tiny_model(0, vocab_size=VOCAB, init_std=init_std)
@@ -62,8 +62,8 @@ def test_a_resumed_answer_that_already_repeats_itself_is_flagged_on_arrival(tiny
     import copy
 
     from engine_driver import BLOCK_SIZE, BYTES_PER_BLOCK, make_prompt
-    from workers.engine import Engine, EngineConfig
-    from workers.sampling_params import SamplingParams
+    from workers.engine.engine import Engine, EngineConfig
+    from workers.values.sampling_params import SamplingParams
 
     engine = Engine(copy.deepcopy(tiny_model), EngineConfig.of(kv_cache_bytes=64 * BYTES_PER_BLOCK,
                                                             block_size=BLOCK_SIZE))

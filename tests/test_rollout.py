@@ -26,7 +26,7 @@ import yaml
 
 from deploy.rollout import AppBaseline, AppTarget, RolloutError, app_progress
 from deploy.rollout import main as rollout_main
-from workers.ports import free_port
+from workers.actors.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

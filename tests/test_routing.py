@@ -54,7 +54,7 @@ def _record(request_id: str, worker_id: str | None, predicted: int, max_tokens: 
 
 
 def test_live_work_by_worker_reads_the_ledger_and_the_latest_stats():
-    from workers.work_types import WorkerStats
+    from workers.values.work_types import WorkerStats
 
     stats = WorkerStats("w0", 100, 50, 40, 50, 16, 1024, 1, 0, 10, 100, 0, 0, 0, 0, (), ("a",),
                         remaining_tokens=(25,))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workers import runtime
+from workers.engine import runtime
 
 
 def test_auto_dtype_follows_the_cpu_bf16_flags(monkeypatch):
@@ -30,7 +30,7 @@ def test_auto_dtype_on_cuda_keeps_the_models_half_type(monkeypatch):
 def test_a_model_folders_stated_dtype_is_read(tmp_path):
     import json
 
-    from workers.models import config_dtype
+    from workers.engine.models import config_dtype
 
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
     assert config_dtype(tmp_path) == "float16"

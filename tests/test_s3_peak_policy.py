@@ -3,11 +3,11 @@
 import pytest
 
 from policy_driver import BLOCK_SIZE, MAX_LEN, make_requests, simulate, waiting_seq
-from workers.kv_cache_manager import BlockAllocator
-from workers.policies import S3PeakPolicy, S3Policy
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, SchedulerConfig
-from workers.sequence import Sequence, SequenceStatus
+from workers.scheduling.kv_cache_manager import BlockAllocator
+from workers.scheduling.policies import S3PeakPolicy, S3Policy
+from workers.scheduling.scheduler import Scheduler, SchedulerConfig
+from workers.values.sampling_params import SamplingParams
+from workers.values.sequence import Sequence, SequenceStatus
 
 
 def _mean(values: list[int]) -> float:

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from workers.sampling import Sampler
-from workers.sampling_params import SamplingParams
+from workers.engine.sampling import Sampler
+from workers.values.sampling_params import SamplingParams
 
 VOCAB = 50
 

@@ -4,10 +4,10 @@ import random
 
 import pytest
 
-from workers.kv_cache_manager import BlockAllocator
-from workers.sampling_params import SamplingParams
-from workers.scheduler import Scheduler, ScheduledChunk, SchedulerConfig
-from workers.sequence import Sequence, SequenceStatus
+from workers.scheduling.kv_cache_manager import BlockAllocator
+from workers.scheduling.scheduler import Scheduler, ScheduledChunk, SchedulerConfig
+from workers.values.sampling_params import SamplingParams
+from workers.values.sequence import Sequence, SequenceStatus
 
 BLOCK_SIZE = 4
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from workers.ports import free_port
+from workers.actors.ports import free_port
 
 pytestmark = pytest.mark.slow
 

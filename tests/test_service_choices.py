@@ -22,8 +22,8 @@ from pydantic import BaseModel
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
 from cluster.service import start_service, stop_service
-from workers.models import load_tokenizer, resolve_model_dir
-from workers.ports import free_port
+from workers.actors.ports import free_port
+from workers.engine.models import load_tokenizer, resolve_model_dir
 
 pytestmark = pytest.mark.slow
 

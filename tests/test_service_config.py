@@ -57,7 +57,7 @@ def test_the_starvation_guard_setting_reaches_the_workers_scheduler():
     from dataclasses import replace
 
     from cluster.control.controller import worker_settings
-    from workers.worker_actor import build_engine
+    from workers.actors.worker_actor import build_engine
 
     settings = worker_settings(ServiceConfig(max_overtaken_steps=7, policy="s3_peak", max_model_len=512,
                                              length_probe="none"))

@@ -23,8 +23,8 @@ from cluster.control.redis_server import connect
 from fuzz_bodies import fuzz_body
 from cluster.service import start_service, stop_service
 from service_driver import assert_openai_error, controller_status, post, wait_idle
-from workers.models import load_tokenizer, resolve_model_dir
-from workers.ports import free_port
+from workers.actors.ports import free_port
+from workers.engine.models import load_tokenizer, resolve_model_dir
 
 pytestmark = pytest.mark.slow
 

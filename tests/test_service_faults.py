@@ -29,7 +29,7 @@ from cluster.control.redis_server import EmbeddedRedis
 from cluster.service import start_service, stop_service
 from service_driver import (assert_openai_error, controller_status, post, streamed_completion, wait_idle,
                             wait_running)
-from workers.ports import free_port
+from workers.actors.ports import free_port
 
 pytestmark = pytest.mark.slow
 

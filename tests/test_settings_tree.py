@@ -10,9 +10,9 @@ import pytest
 from cluster.config import WORKER_SETTING_NAMES, ServiceConfig, ServiceSettings, load_config
 from s3serve_cli.main import build_parser
 from s3serve_cli.settings_reference import example_yaml, markdown
-from workers.engine_config import CacheConfig, EngineConfig, SchedulerConfig
-from workers.setting import build, flat, leaves
-from workers.worker_settings import WorkerSettings
+from workers.actors.worker_settings import WorkerSettings
+from workers.scheduling.engine_config import CacheConfig, EngineConfig, SchedulerConfig
+from workers.values.setting import build, flat, leaves
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LAYERS = ("workers", "cluster")  # where the service's settings classes live
@@ -39,8 +39,8 @@ def test_no_setting_is_declared_twice():
     twice = {name: owners for name, owners in declared.items() if len(owners) > 1}
     assert not twice, f"declared in more than one settings class: {twice}"
     # the tree's classes are among those scanned, so the check sees them
-    assert {"workers/engine_config.py:SchedulerConfig", "workers/engine_config.py:CacheConfig",
-            "workers/engine_config.py:EngineConfig", "workers/worker_settings.py:WorkerSettings",
+    assert {"workers/scheduling/engine_config.py:SchedulerConfig", "workers/scheduling/engine_config.py:CacheConfig",
+            "workers/scheduling/engine_config.py:EngineConfig", "workers/actors/worker_settings.py:WorkerSettings",
             "cluster/config.py:ServiceSettings"} <= set(_settings_classes())
 
 

@@ -129,8 +129,8 @@ def test_a_calibration_checks_the_roofline_on_the_same_measured_steps():
     from benchmarks.sim_calibration import calibrate
     from benchmarks.sim_worker import SimRequest
     from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
-    from workers.model_runner import pool_shape_for
-    from workers.models import make_tiny_model
+    from workers.engine.model_runner import pool_shape_for
+    from workers.engine.models import make_tiny_model
 
     model = make_tiny_model(seed=0)
     pool = pool_shape_for(model.config, 1, 16, model.dtype)

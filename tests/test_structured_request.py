@@ -7,7 +7,7 @@ import pytest
 from cluster.ingress import openai_protocol as protocol
 from cluster.ingress.errors import APIError
 from cluster.ingress.structured_request import grammar_spec
-from workers.sampling_params import GrammarSpec
+from workers.values.sampling_params import GrammarSpec
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

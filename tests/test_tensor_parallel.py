@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine import Engine, EngineConfig
-from workers.model_runner import pool_shape_for
-from workers.models import make_tiny_model, tiny_llama_config
-from workers.policies import S3Policy
-from workers.ports import free_port
-from workers.sampling_params import SamplingParams
+from workers.actors.ports import free_port
+from workers.engine.engine import Engine, EngineConfig
+from workers.engine.model_runner import pool_shape_for
+from workers.engine.models import make_tiny_model, tiny_llama_config
+from workers.scheduling.policies import S3Policy
+from workers.values.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24  # six requests of up to 44 tokens: they must take turns, and preempted ones swap
@@ -46,8 +46,8 @@ def _rank(rank: int, port: int, results) -> None:
     import os
 
     torch.set_num_threads(1)
-    from workers.rank_group import join_ranks
-    from workers.tensor_parallel import follow_engine
+    from workers.actors.rank_group import join_ranks
+    from workers.engine.tensor_parallel import follow_engine
 
     join_ranks(rank, 2, "127.0.0.1", port, "cpu")
     model = make_tiny_model(seed=0, init_std=0.2)
@@ -202,7 +202,7 @@ def test_tensor_parallel_needs_the_ranks_running_and_heads_that_split():
 
 
 def test_splitting_a_host_copy_by_heads_and_joining_it_back_is_exact():
-    from workers.tensor_parallel import join_heads, split_heads
+    from workers.engine.tensor_parallel import join_heads, split_heads
 
     generator = torch.Generator().manual_seed(0)
     layers = [(torch.randn(3, BLOCK_SIZE, 4, 8, generator=generator),

@@ -5,7 +5,7 @@ from pydantic import ValidationError
 
 from cluster.ingress.errors import APIError
 from cluster.ingress.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
-from workers.models import DEFAULT_MODEL, chat_token_ids, load_tokenizer, resolve_model_dir
+from workers.engine.models import DEFAULT_MODEL, chat_token_ids, load_tokenizer, resolve_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -132,7 +132,7 @@ def test_auto_without_a_call_is_a_text_answer_and_an_unread_format_is_a_400(herm
 
 def test_required_keeps_each_schema_whole_so_its_refs_resolve(smollm2_tokenizer):
     from cluster.ingress.tool_calls import tool_grammar
-    from workers.grammar import check_grammar
+    from workers.values.grammar import check_grammar
 
     nested = {"type": "function", "function": {"name": "book", "parameters": {
         "type": "object", "properties": {"guest": {"$ref": "#/$defs/Guest"}}, "required": ["guest"],

@@ -9,11 +9,11 @@ import pytest
 import ray
 import torch
 
-from workers.engine_loop import WorkEvent, WorkRequest
-from workers.sampling_params import SamplingParams
-from workers.tensor_parallel import LeadRunner
-from workers.worker_actor import WorkerActor, build_engine
-from workers.worker_settings import WorkerSettings
+from workers.actors.worker_actor import WorkerActor, build_engine
+from workers.actors.worker_settings import WorkerSettings
+from workers.engine.engine_loop import WorkEvent, WorkRequest
+from workers.engine.tensor_parallel import LeadRunner
+from workers.values.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("ray")  # `make test`: one Ray cluster at a time
 
@@ -182,7 +182,7 @@ def test_a_tensor_parallel_worker_runs_its_ranks_in_one_placement_group(ray_clus
     the first, a follower rank in the second; gloo between them, DeepSpeed AutoTP in each."""
     from ray.util.placement_group import get_placement_group
 
-    from workers.rank_group import rank_group_name
+    from workers.actors.rank_group import rank_group_name
 
     backend = _two_rank_backend()
     handle = backend.start("tp")
@@ -211,7 +211,7 @@ def test_a_tensor_parallel_worker_whose_follower_dies_fails_its_stats_poll_namin
     """The controller's stats poll is what finds dead workers: once a follower rank has died, the worker's
     stats call fails (so its requests are requeued and it is replaced) instead of answering while every
     step it runs waits for the missing rank."""
-    from workers.rank_group import follower_name
+    from workers.actors.rank_group import follower_name
 
     backend = _two_rank_backend()
     handle = backend.start("tpdead")
@@ -267,7 +267,7 @@ def _held_lead_runner(runner=None) -> LeadRunner:
 def test_a_lead_rank_is_inside_a_shared_call_from_sending_it_until_it_returns(monkeypatch):
     from types import SimpleNamespace
 
-    import workers.tensor_parallel as tensor_parallel
+    import workers.engine.tensor_parallel as tensor_parallel
 
     seen = {}
 

@@ -9,8 +9,8 @@ import ray
 
 from cluster.control.messages import Placement
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerGone, WorkerHandles, run_job
-from workers.sampling_params import SamplingParams
-from workers.work_types import WorkEvent
+from workers.values.sampling_params import SamplingParams
+from workers.values.work_types import WorkEvent
 
 pytestmark = pytest.mark.xdist_group("ray")  # `make test`: one Ray cluster at a time
 

@@ -1,6 +1,9 @@
-"""Worker side: models, engine, model runner, KV cache manager, scheduler and policies, sampling.
+"""A worker: four layers, each importing only those before it (docs/architecture.md, "Layers").
 
-Import from the modules (`workers.engine`, `workers.policies`, ...). Nothing is
-re-exported here on purpose: the policies, scheduler and allocator are pure
-and must import without torch, which the engine modules pull in.
+    workers/values/      plain values and their checks (no torch, Ray or Redis)
+    workers/scheduling/  the scheduler, the policies, the KV block accounting (pure)
+    workers/engine/      torch: models, the engine's step, model runner, sampling
+    workers/actors/      Ray: the worker actor, its settings, tensor-parallel ranks
+
+Nothing is re-exported here on purpose: import from the modules.
 """

@@ -5,7 +5,7 @@ from collections.abc import Mapping
 
 from cluster.control.ledger import Ledger
 from cluster.control.placement import RoomIndex, prefix_affinity
-from workers.work_types import WorkerStats
+from workers.values.work_types import WorkerStats
 
 
 class Affinity:

@@ -39,8 +39,8 @@ from cluster.control.store import ControllerStore
 from cluster.control.store_resync import StoreResync
 from cluster.control.worker_pool import WorkerBackend, WorkerPool
 from predictor_service.sample_stream import DEFAULT_STREAM_KEY, TrainingSample, sample_fields
-from workers.policies import make_rule
-from workers.work_types import WorkerStats
+from workers.scheduling.policies import make_rule
+from workers.values.work_types import WorkerStats
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from cluster.control.messages import ClusterStatus, Placement, RequestOutcome
 from cluster.control.redis_server import connect_async
 from cluster.control.store import ControllerStore
 from cluster.control.worker_pool import RayWorkerBackend
-from workers.policies import length_range_tokens
-from workers.worker_settings import WorkerSettings
+from workers.actors.worker_settings import WorkerSettings
+from workers.scheduling.policies import length_range_tokens
 
 logger = logging.getLogger(__name__)
 

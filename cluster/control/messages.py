@@ -6,7 +6,7 @@ Redis); the rest crosses the router <-> controller boundary through Ray.
 
 from dataclasses import dataclass
 
-from workers.work_types import WorkerStats
+from workers.values.work_types import WorkerStats
 
 WORKER_STATES = ("starting", "ready", "dead")
 REQUEST_STATES = ("pending", "placed")

@@ -22,8 +22,8 @@ from cluster.control.messages import RequestRecord
 from cluster.control.placement import blocks_for, migration_target
 from cluster.control.rebalance import WorkerLoad, choose_rebalance
 from cluster.control.worker_pool import WorkerPool
-from workers.planning_rule import PlanningRule
-from workers.work_types import WorkerStats
+from workers.scheduling.planning_rule import PlanningRule
+from workers.values.work_types import WorkerStats
 
 logger = logging.getLogger(__name__)
 

@@ -171,7 +171,7 @@ def prefix_affinity(prefix_hashes: Sequence[int], num_blocks: int, free_blocks: 
     caller places by room as usual (`roomiest_fit`).
 
     Args:
-        prefix_hashes: the request's chained block hashes (`workers.prefix_cache.block_hashes`).
+        prefix_hashes: the request's chained block hashes (`workers.scheduling.prefix_cache.block_hashes`).
         num_blocks: its reservation.
         free_blocks: free blocks per ready worker.
         total_blocks: total blocks per worker.

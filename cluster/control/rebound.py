@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from cluster.control.messages import RequestRecord
 from cluster.control.placement import blocks_for
-from workers.work_types import WorkerStats
+from workers.values.work_types import WorkerStats
 
 # (num_prompt_tokens, num_output_tokens, max_tokens, predicted_output_tokens) -> planned total tokens
 PlannedTokens = Callable[[int, int, int, int | None], int]

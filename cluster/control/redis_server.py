@@ -17,7 +17,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from workers.ports import free_port
+from workers.actors.ports import free_port
 
 _LOG_FILE_NAME = "redis.log"
 _LOG_TAIL_LINES = 20

@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 from cluster.control.messages import RequestRecord
 from cluster.control.placement import RoomIndex, roomiest_fit
-from workers.length_distribution import LengthDistribution
-from workers.work_types import WorkerStats
+from workers.scheduling.length_distribution import LengthDistribution
+from workers.values.work_types import WorkerStats
 
 ROUTINGS = ("predicted_work", "room", "least_requests")
 DEFAULT_ROUTING = "predicted_work"

@@ -23,7 +23,7 @@ from cluster.control.messages import WorkerRecord
 from cluster.control.placement import WorkerBudget
 from cluster.control.store import ControllerStore
 from cluster.control.worker_probe import load_length_probe
-from workers.work_types import WorkerStats
+from workers.values.work_types import WorkerStats
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class RayWorkerBackend(WorkerBackend):
     def start(self, worker_id: str):
         import ray
 
-        from workers.worker_actor import WorkerActor
+        from workers.actors.worker_actor import WorkerActor
 
         settings = self._settings()
         options = {}
@@ -99,7 +99,7 @@ class RayWorkerBackend(WorkerBackend):
             # One node, a bundle per rank; the worker actor is rank 0 in bundle 0 and starts the others.
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            from workers.rank_group import rank_group, rank_group_name
+            from workers.actors.rank_group import rank_group, rank_group_name
 
             group = rank_group(rank_group_name(self.actor_name(worker_id)), settings.engine.tensor_parallel_size,
                                self._num_cpus, self._num_gpus)
@@ -127,7 +127,7 @@ class RayWorkerBackend(WorkerBackend):
     def kill(self, worker_id: str, handle) -> None:
         import ray
 
-        from workers.rank_group import rank_group_name, remove_rank_group
+        from workers.actors.rank_group import rank_group_name, remove_rank_group
 
         try:
             if handle is not None:

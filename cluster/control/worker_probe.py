@@ -1,13 +1,13 @@
 """The predictor's hidden-state probe, wired into the worker's engine.
 
 `workers` never imports `predictor_service` and the reverse: the engine asks for a
-`workers.length_probe.LengthProbe`, the predictor ships a `HiddenStateProbe`, and this
+`workers.scheduling.length_probe.LengthProbe`, the predictor ships a `HiddenStateProbe`, and this
 module, on the cluster side that knows both, wraps one in the other. The controller hands
 `load_length_probe` to each worker actor it starts; the actor calls it once its model is
 loaded, in its own process (the probe needs torch, which the controller never loads).
 """
 
-from workers.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
+from workers.scheduling.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
 
 
 class PredictorLengthProbe(LengthProbe):

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from cluster.ingress.logprob_format import CompletionLogprobs, chat_logprobs, join_completion_logprobs
 from cluster.ingress.text_stream import TextStream
 from cluster.ingress.tool_calls import calls_of, text_besides_calls
-from workers.step_output import TokenLogprob
-from workers.work_types import WorkEvent
+from workers.values.step_output import TokenLogprob
+from workers.values.work_types import WorkEvent
 
 
 @dataclass(frozen=True, slots=True)

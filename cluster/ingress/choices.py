@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from cluster.ingress.generation import GenerationJob, GenerationResult
-from workers.work_types import WorkEvent
+from workers.values.work_types import WorkEvent
 
 StartJob = Callable[[GenerationJob, GenerationResult], AsyncIterator[WorkEvent]]
 

@@ -27,9 +27,9 @@ from cluster.ingress.openai_responses import created_unix_s, openai_finish_reaso
 from cluster.ingress.request_sampling import sampling_params
 from cluster.ingress.tool_calls import template_messages, tool_choice
 from predictor_service.length_example import constrained_text, join_messages
-from workers.models import NoChatTemplate, chat_token_ids
-from workers.prefix_cache import block_hashes
-from workers.sampling_params import SamplingParams
+from workers.engine.models import NoChatTemplate, chat_token_ids
+from workers.scheduling.prefix_cache import block_hashes
+from workers.values.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import ray
 
 from cluster.config import RAY_NAMESPACE
 from cluster.control.messages import RequestOutcome
-from workers.sampling_params import SamplingParams
-from workers.work_types import WorkEvent, WorkRequest
+from workers.values.sampling_params import SamplingParams
+from workers.values.work_types import WorkEvent, WorkRequest
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ then holds that replacement's UTF-8, as vLLM's do).
 
 from collections.abc import Sequence
 
-from workers.step_output import TokenLogprob
+from workers.values.step_output import TokenLogprob
 
 
 def token_text(tokenizer, token_id: int) -> str:

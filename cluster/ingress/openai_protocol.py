@@ -36,7 +36,7 @@ from cluster.ingress.openai_responses import (
 from cluster.ingress.chat_messages import ChatMessage, FunctionSpec, ToolSpec
 from cluster.ingress.unsupported_params import (CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, SHARED_UNSUPPORTED,
                                                  reject_non_default)
-from workers.sampling_params import MAX_LOGPROBS
+from workers.values.sampling_params import MAX_LOGPROBS
 
 __all__ = [
     "MAX_STOP_SEQUENCES", "SSE_DONE", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "FunctionSpec",
@@ -228,7 +228,7 @@ class CompletionRequest(_SamplingRequest):
             (default 0): admitted first, preempted last, placed first.
         user: end-user id, recorded only.
         logit_bias, presence_penalty, frequency_penalty: OpenAI's; top_k, min_p, repetition_penalty,
-            min_tokens, stop_token_ids: vLLM's (see `workers.sampling_params.SamplingParams`).
+            min_tokens, stop_token_ids: vLLM's (see `workers.values.sampling_params.SamplingParams`).
     """
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {**SHARED_UNSUPPORTED, **COMPLETION_UNSUPPORTED}

@@ -4,7 +4,7 @@
 from cluster.ingress import openai_protocol as protocol
 from cluster.ingress.errors import bad_request, prompt_too_long
 from cluster.ingress.structured_request import grammar_spec
-from workers.sampling_params import SamplingParams
+from workers.values.sampling_params import SamplingParams
 
 # request field -> SamplingParams field, each passed only when the request sets it
 _EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")

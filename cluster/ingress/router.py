@@ -32,10 +32,10 @@ from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHa
 from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
-from workers.models import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
-from workers.policies import length_range_tokens, make_rule
-from workers.prefix_cache import prefix_cache_salt, salt_hash
-from workers.sampling_params import SamplingParams
+from workers.engine.models import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
+from workers.scheduling.policies import length_range_tokens, make_rule
+from workers.scheduling.prefix_cache import prefix_cache_salt, salt_hash
+from workers.values.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from cluster.ingress.errors import bad_request
 from cluster.ingress.tool_calls import tool_grammar
-from workers.grammar import check_grammar
-from workers.sampling_params import GrammarSpec
+from workers.values.grammar import check_grammar
+from workers.values.sampling_params import GrammarSpec
 
 ANY_JSON_OBJECT = '{"type": "object"}'
 _STRUCTURED_OUTPUTS_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from cluster.ingress.errors import bad_request
 from cluster.ingress.openai_protocol import ChatMessage
-from workers.models import NoChatTemplate, chat_token_ids
+from workers.engine.models import NoChatTemplate, chat_token_ids
 
 
 class TokenizeRequest(BaseModel):

@@ -23,8 +23,8 @@ import uuid
 from typing import Any
 
 from cluster.ingress.errors import bad_request
-from workers.grammar import JSON_LAYOUT
-from workers.sampling_params import GrammarSpec
+from workers.values.grammar import JSON_LAYOUT
+from workers.values.sampling_params import GrammarSpec
 
 HERMES_OPEN = "<tool_call>"
 HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -1,4 +1,4 @@
-// The fused elementwise ops of a decoder layer on CPU (workers/fast_decoder.py):
+// The fused elementwise ops of a decoder layer on CPU (workers/engine/fast_decoder.py):
 // RMSNorm (Llama's or Gemma's rounding), residual add + RMSNorm, rotary embedding, SiLU x up. Each rounds to the
 // tensor's dtype exactly where the Hugging Face modules do (every bf16 op rounds its
 // result), so bf16 outputs track HF's bf16 forward; in fp32 rounding is the identity.

@@ -1,4 +1,4 @@
-// Structured output's token mask on CPU (workers/grammar_masks.py): set every logit a row's grammar does not allow
+// Structured output's token mask on CPU (workers/engine/grammar_masks.py): set every logit a row's grammar does not allow
 // to -inf, reading the grammar engine's bitmask (bit i of int32 word w allows token 32 * w + i). A word of all ones
 // (most of a free-text position) costs one compare; only mixed words are read bit by bit. torch's masked_fill over
 // an unpacked [rows, vocab] bool mask took 4-5 ms at 64 rows of SmolLM2's 49,152 tokens; this takes a fraction.

@@ -1,0 +1,359 @@
+"""Scheduling policies: how much KV to plan for, in which order to admit, whom to preempt.
+
+Pure decisions (no torch, no Ray, no Redis). Each policy has ONE planning rule, stateless
+(`workers.scheduling.planning_rule.PlanningRule`), `planned_tokens(num_prompt, num_output, max_tokens,
+predicted, forced)`: the KV tokens a request is planned to hold at its peak. The worker's
+scheduler reserves by it (or, for on-demand policies, admits by it), the controller's ledger
+places by it (`placement_tokens`: except for s3_peak and sglang_ratio, whose worker-side tests
+need progress only the worker sees), and a moved request carries the bound it works from. What
+one worker learns (s3_peak's stretch of its budget, sglang_ratio's ratio) is admission state
+(`workers.scheduling.scheduling_policy.SchedulingPolicy`), never read by the rule. The registry below is the
+only list of names; docs/policies.md is the contract. Same engine, same budget:
+
+| policy         | reservation at admission      | when a sequence outruns it               |
+|----------------|-------------------------------|------------------------------------------|
+| max_reserve    | prompt + max_tokens           | never happens                            |
+| paged_greedy   | the tokens known so far       | grow one block; if none, preempt newest  |
+| s3             | prompt + predicted upper bound| grow to the next bound from free blocks, |
+|                | (queue by size, first fit)    | else preempt it and requeue it with the  |
+|                |                               | next bound                               |
+| oracle         | prompt + true output length   | never happens (benchmarks only)          |
+| sglang_ratio   | the tokens known so far; admit| retract the fewest-decoded sequence;     |
+|                | if prompt + max_tokens of the | reset the ratio from what the running    |
+|                | new one + remaining x ratio of| ones decoded                             |
+|                | the running ones fit          |                                          |
+
+A policy chooses whom to preempt, never how: every victim gives up its KV by the scheduler's
+`workers.scheduling.preemption.PreemptionRule` (swap within a host budget, or recompute), the same for all.
+"""
+
+from workers.scheduling.kv_peak import peak_fits
+from workers.scheduling.length_distribution import LengthDistribution
+from workers.scheduling.planning_rule import PlanningRule
+from workers.scheduling.scheduling_policy import SchedulingPolicy
+from workers.scheduling.sglang_ratio import SGLangRatioPolicy
+from workers.values.sequence import Sequence
+
+
+class MaxReservePolicy(SchedulingPolicy):
+    """Worst case: reserve prompt + max_tokens (FasterTransformer, ORCA-max)."""
+
+    name = "max_reserve"
+
+    def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
+        return max_tokens
+
+
+class PagedGreedyPolicy(SchedulingPolicy):
+    """On-demand paging: blocks for what is known, grow as needed, preempt the newest (vLLM's default)."""
+
+    name = "paged_greedy"
+    holds_plan = False
+
+    def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
+        return num_output_tokens  # plans nothing ahead: what it holds now
+
+
+class OraclePolicy(SchedulingPolicy):
+    """Reserve prompt + the true output length (benchmarks force it, so it is known).
+
+    Args:
+        from_prediction: the true length arrives as the prediction instead (a benchmark that lets
+            answers end naturally gives the labelled length there); it is then not forced.
+    """
+
+    name = "oracle"
+    is_serving = False
+
+    def __init__(self, from_prediction: bool = False) -> None:
+        self.from_prediction = from_prediction
+
+    def _true_length(self, predicted: int | None, forced: int | None, where: str) -> int:
+        true = predicted if self.from_prediction else forced
+        if true is None:
+            field_name = "predicted_output_tokens" if self.from_prediction else "forced_output_tokens"
+            raise ValueError(f"the oracle policy needs {field_name} (the true length), a benchmark setting{where}")
+        return true
+
+    def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
+        return self._true_length(predicted_output_tokens, forced_output_tokens, "")
+
+    def reservation_tokens(self, seq: Sequence) -> int:
+        self._true_length(seq.predicted_output_tokens, seq.params.forced_output_tokens, f", on request {seq.seq_id!r}")
+        return super().reservation_tokens(seq)
+
+
+def next_bound(current_bound: int, num_output_tokens: int, max_tokens: int, bucket_tokens: int) -> int:
+    """The next larger output-length bound after an overrun: the next bucket edge, at least double, at most max_tokens."""
+    next_edge = (num_output_tokens // bucket_tokens + 1) * bucket_tokens
+    return min(max_tokens, max(next_edge, 2 * current_bound, num_output_tokens + 1))
+
+
+class S3Policy(SchedulingPolicy):
+    """Reserve prompt + predicted upper bound; pack largest first; on overrun grow or preempt and re-bound.
+
+    Args:
+        bucket_tokens: width of the predictor's length buckets (max_len / 10 in the paper);
+            overruns move the bound to the next bucket edge at least.
+    """
+
+    name = "s3"
+    reads_prediction = True
+    is_first_fit = True
+
+    def __init__(self, bucket_tokens: int = 102) -> None:
+        if bucket_tokens < 1:
+            raise ValueError(f"bucket_tokens must be >= 1, got {bucket_tokens}")
+        self.bucket_tokens = bucket_tokens
+
+    def _bound(self, seq: Sequence) -> int:
+        return self._clamped(seq.predicted_output_tokens, seq.params.max_tokens)
+
+    @staticmethod
+    def _clamped(bound: int | None, max_tokens: int) -> int:
+        return max_tokens if bound is None else min(max(1, bound), max_tokens)
+
+    def planned_output_tokens(self, num_output_tokens, max_tokens, predicted_output_tokens, forced_output_tokens=None):
+        """The predicted bound; past it, the next one (the overrun is coming)."""
+        bound = self._clamped(predicted_output_tokens, max_tokens)
+        if num_output_tokens >= bound:
+            return next_bound(bound, num_output_tokens, max_tokens, self.bucket_tokens)
+        return bound
+
+    def admission_order(self, waiting: list[Sequence]) -> list[Sequence]:
+        # Decreasing planned total size, arrival order among equals (sort is stable).
+        return sorted(waiting, key=self.planned_tokens_of, reverse=True)
+
+    def bound_after_overrun(self, seq: Sequence) -> int | None:
+        if seq.num_output_tokens <= self._bound(seq):
+            return None  # still inside the bound; only the last block was missing
+        return next_bound(self._bound(seq), seq.num_output_tokens, seq.params.max_tokens, self.bucket_tokens)
+
+    def growth_tokens(self, seq: Sequence) -> int:
+        return self.reservation_tokens(seq)
+
+    def choose_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence:
+        # The sequence that was mispredicted pays, not its neighbours.
+        return seq
+
+
+class S3PeakPolicy(S3Policy):
+    r"""Our extension of s3: plan the *future peak* of KV use instead of holding whole reservations.
+
+    s3 holds prompt + bound blocks for a sequence's whole life although it
+    fills them one token per step. Here blocks are taken on demand, as in
+    paging, and a request is admitted only if, with every running sequence
+    growing one token per step up to its predicted bound and then leaving,
+    the KV in use never exceeds the budget at any future step:
+
+        blocks
+          ^         seq A ends
+        B +-----------|----------------  budget
+          |      ___/|      ___
+          |  ___/    |  ___/   \___    total planned use (peak checked at
+          | /        | /                 each running sequence's last step)
+          +------------------------> steps
+
+    With exact bounds it preempts only when prefill chunks shared by several
+    prompts stretch a plan (each prompt is planned as if it had the step's
+    token budget to itself); an overrun moves the bound to the next one, as in s3.
+
+    It plans by the predictor's point estimate, not its upper bound
+    (`prediction_from`): an underestimate costs a stretched plan, not a
+    preemption, and the worker's length probe refines it as decoding goes on.
+    While KV is scarce (within `pressure_window_steps` steps of the peak test
+    refusing a request or a sequence being preempted for want of blocks, and
+    while anything runs) waiting requests are admitted shortest predicted
+    remaining first, aged by arrival (`wait_s_per_token`), so blocks go to
+    those that give them back soonest; otherwise in queue order (arrival, the
+    preempted first), as paging admits. "Remaining" is not the point minus what
+    was decoded but the expected remaining output of the request's length
+    distribution given that it is still going (`workers.scheduling.length_distribution`:
+    a log-normal around its point, cut at max_tokens), so a sequence that outran
+    its prediction, likely one that loops to the limit, stops looking nearly
+    done. With room for all, the order only
+    decides which prompts are prefilled first, and shortest first then makes
+    the batch swing from short answers with many prefills to long answers
+    decoding nearly alone, which costs tokens/s (simulated Azure conv,
+    LLaMA-7B on A100s, 64 workers: 0.98x paged_greedy shortest first always,
+    1.00x so). When a sequence cannot grow, the running one expected to hold
+    its blocks longest is preempted, so those about to finish and free theirs
+    keep going; and, as TRAIL limits preemption as a request grows, a sequence
+    that has decoded at least `protect_fraction` of its expected length is
+    preempted only when every candidate has.
+
+    The future peak needs every running sequence's progress, which only the
+    worker sees, so the controller charges a request only its prompt
+    (`admits_at_worker`) and this test decides when it runs. Charged its whole
+    plan, the controller sent each worker no more than the plans' sum fits,
+    and the peak test never had a say: in a simulated LLaMA-30B cluster on
+    A100s, where KV is scarce, s3_peak then ran at 0.86x paged_greedy's
+    tokens/s, and at 1.09x once the worker decided.
+
+    The plans are estimates, and the peak they add up to is rarely reached:
+    even with every plan exact (the oracle's lengths), holding the peak within
+    the pool left KV emptier than paging keeps it (0.65 used against 0.79 on
+    the CPU natural bench) and ran at 0.88x and 0.98x its tokens/s in two runs,
+    while requests waited seconds for their first token (paging: 0.3 s). So the
+    budget the peak test checks stretches as congestion control would: by
+    `overcommit_step` of the pool after each step in which the test refused a
+    request while something ran and nothing was preempted, up to
+    `max_overcommit`, and it halves after each step that preempted for want of
+    blocks. It keeps its value while the worker idles: it measures how far the
+    plans overstate the peak, not how busy the worker is. Requests then wait
+    no longer than preemptions say they must, and the plans still decide who
+    goes first and who is preempted.
+
+    Args:
+        wait_s_per_token: seconds of waiting that outweigh one predicted
+            remaining token in the admission order (0: first come first served).
+        pressure_window_steps: steps after the peak test last refused a request
+            (or a sequence was preempted) during which admission stays shortest first.
+        overcommit_step: share of the pool the checked budget grows by per refusing
+            step without a preemption (0: the peak always within the pool).
+        max_overcommit: the most the checked budget exceeds the pool by, as a share of it.
+        length_sigma: spread of each request's log output length around its point estimate (the
+            distribution that ranks remaining work).
+        protect_fraction: share of its expected length a sequence must have decoded to be preempted last
+            (1 or more: never protected).
+    """
+
+    name = "s3_peak"
+    holds_plan = False
+    admits_at_worker = True
+
+    def __init__(self, bucket_tokens: int = 102, wait_s_per_token: float = 0.05, pressure_window_steps: int = 64,
+                 overcommit_step: float = 0.01, max_overcommit: float = 1.0, length_sigma: float = 1.0,
+                 protect_fraction: float = 0.5) -> None:
+        super().__init__(bucket_tokens)
+        if protect_fraction <= 0:
+            raise ValueError(f"protect_fraction must be > 0, got {protect_fraction}")
+        self.lengths = LengthDistribution(default_sigma=length_sigma)
+        self.protect_fraction = protect_fraction
+        if wait_s_per_token < 0 or pressure_window_steps < 1:
+            raise ValueError(f"need wait_s_per_token >= 0 and pressure_window_steps >= 1, got {wait_s_per_token} "
+                             f"and {pressure_window_steps}")
+        if overcommit_step < 0 or max_overcommit < 0:
+            raise ValueError(f"need overcommit_step >= 0 and max_overcommit >= 0, got {overcommit_step} and "
+                             f"{max_overcommit}")
+        self.wait_s_per_token = wait_s_per_token
+        self.pressure_window_steps = pressure_window_steps
+        self.overcommit_step = overcommit_step
+        self.max_overcommit = max_overcommit
+        # Admission state of one worker's scheduler (what it learns from refusals and preemptions); the planning
+        # rule above it reads none of it.
+        self._steps_since_refusal = pressure_window_steps
+        self._refused = False
+        self._preempted = False
+        self.overcommit = 0.0  # the checked budget is the pool x (1 + this)
+
+    @property
+    def kv_scarce(self) -> bool:
+        """The peak test refused a request, or a sequence was preempted, in one of the last
+        `pressure_window_steps` steps; never with nothing running (every block is free then)."""
+        return self._steps_since_refusal < self.pressure_window_steps
+
+    def on_step(self, running: list[Sequence]) -> None:
+        if self._preempted:
+            self.overcommit /= 2
+        elif running and self._refused:
+            self.overcommit = min(self.max_overcommit, self.overcommit + self.overcommit_step)
+        if not running:
+            self._steps_since_refusal = self.pressure_window_steps
+        else:
+            self._steps_since_refusal = 0 if self._refused else self._steps_since_refusal + 1
+        self._refused = self._preempted = False
+
+    def on_preempted(self, victim: Sequence, running: list[Sequence]) -> None:
+        self._refused = True  # a sequence could not grow: as scarce as a refusal
+        self._preempted = True
+
+    def remaining_tokens(self, seq: Sequence) -> float:
+        """Output tokens `seq` is expected to generate still, given that it is still going (its length distribution
+        around its point, refined by the worker's probe where one runs); max_tokens - decoded without a prediction."""
+        return self.lengths.remaining_of(seq.length_center_tokens, seq.num_output_tokens, seq.params.max_tokens,
+                                         seq.is_looping)
+
+    def is_protected(self, seq: Sequence) -> bool:
+        """It has decoded `protect_fraction` of its expected length: preempted only if every candidate is."""
+        decoded = seq.num_output_tokens
+        return decoded > 0 and decoded >= self.protect_fraction * (decoded + self.remaining_tokens(seq))
+
+    def admission_order(self, waiting: list[Sequence]) -> list[Sequence]:
+        if not self.kv_scarce:
+            return list(waiting)
+        # Shortest predicted remaining first, aged: the key is arrival plus `wait_s_per_token` seconds per
+        # remaining token, so a newer request overtakes an older one only when it is predicted shorter by
+        # more than their arrival gap / wait_s_per_token tokens, and nobody waits forever (0: first come first served).
+        return sorted(waiting, key=lambda s: s.arrival_s + self.wait_s_per_token * self.remaining_tokens(s))
+
+    def choose_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence:
+        # Unprotected first (TRAIL); then the one expected to hold its blocks longest, among those preempted least
+        # often (so the same long request is not pushed out again each time it comes back); then the one with least
+        # KV to redo or copy.
+        return max(running, key=lambda s: (not self.is_protected(s), -s.num_preemptions, self.remaining_tokens(s),
+                                           -s.num_computed_tokens))
+
+    def growth_tokens(self, seq: Sequence) -> int:
+        return seq.num_tokens
+
+    def can_admit(
+        self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int, step_token_budget: int
+    ) -> bool:
+        # Per sequence: tokens held now, tokens at its last step, and steps of
+        # prefill left before it starts growing (a chunked prompt takes several).
+        plans = [
+            (s.num_tokens, self.planned_tokens_of(s), max(0, -(-s.num_uncomputed_tokens // step_token_budget) - 1))
+            for s in [*running, seq]
+        ]
+        return peak_fits(plans, block_size, int(num_blocks * (1 + self.overcommit)))
+
+    def on_refused(self, seq: Sequence, running: list[Sequence]) -> None:
+        self._refused = True
+
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {
+    cls.name: cls
+    for cls in (MaxReservePolicy, PagedGreedyPolicy, S3Policy, S3PeakPolicy, SGLangRatioPolicy, OraclePolicy)
+}
+POLICY_NAMES = tuple(POLICIES)
+SERVING_POLICY_NAMES = tuple(name for name, cls in POLICIES.items() if cls.is_serving)
+#: What the service runs unless told otherwise: the policy that measured best with the shipped predictor on
+#: throughput and latency together (docs/features.md, "The defaults, and the measurements behind them"); s3
+#: stays for reproducing the paper.
+DEFAULT_POLICY = "s3_peak"
+
+
+def overcommit_options(name: str, overcommit_step: float | None) -> dict:
+    """make_policy's keyword for s3_peak's `overcommit_step` when one is set (None: the policy's default)."""
+    return {"overcommit_step": overcommit_step} if name == "s3_peak" and overcommit_step is not None else {}
+
+
+#: Output lengths the s3 family's 10 buckets (and the length predictor's histogram) span at most: the paper's
+#: 10 buckets over a 2048-token context. A model's own, longer context (SmolLM2's 8,192, Gemma 3's 32,768, the
+#: service's default max_model_len) would make each bucket wider than most answers are long; a longer answer
+#: falls in the last bucket and outruns its bound as any other does.
+BUCKET_RANGE_TOKENS = 2048
+
+
+def length_range_tokens(max_model_len: int | None) -> int:
+    """The output lengths the buckets span for this context: max_model_len, at most BUCKET_RANGE_TOKENS (that
+    with none given)."""
+    return BUCKET_RANGE_TOKENS if max_model_len is None else min(max_model_len, BUCKET_RANGE_TOKENS)
+
+
+def make_rule(name: str, max_model_len: int | None = None, **kwargs) -> PlanningRule:
+    """The planning rule of policy `name`, for the router and the controller: they ask only what every worker
+    shares (which estimate, what to charge, what a moved request plans by), never a worker's admission state."""
+    return make_policy(name, max_model_len, **kwargs)
+
+
+def make_policy(name: str, max_model_len: int | None = None, **kwargs) -> SchedulingPolicy:
+    """Build a policy by registry name. With `max_model_len`, the s3 family's length buckets are a tenth of
+    `length_range_tokens(max_model_len)` wide (the paper's max_len / 10), unless `bucket_tokens` is given."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    cls = POLICIES[name]
+    if issubclass(cls, S3Policy) and max_model_len is not None:
+        kwargs.setdefault("bucket_tokens", max(1, length_range_tokens(max_model_len) // 10))
+    return cls(**kwargs)

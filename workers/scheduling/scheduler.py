@@ -1,0 +1,373 @@
+"""The in-worker scheduler: applies a `SchedulingPolicy` to the block allocator each step.
+
+Pure (no torch): it decides which token chunks run in the next step, which
+sequences are swapped out or back in, and keeps the allocator in step with
+those decisions. The engine carries them out.
+
+Priority classes (`Sequence.priority`, lower is more urgent) come before the policy:
+waiting sequences are considered class by class (the policy's order within a class); a
+victim is always taken from the least urgent class present (the policy's choice within it),
+so a sequence never loses its blocks to a less urgent one; and a sequence that does not fit
+at admission, for want of blocks or of a slot (`max_num_seqs`), preempts running sequences of
+less urgent classes until it does.
+
+With prefix caching, a waiting sequence whose first block a running sequence is computing
+right now waits (others may go ahead): a step later that block is cached and it shares the
+prefix instead of computing it a second time.
+
+How a victim gives up its KV (swap or recompute) is the scheduler's `PreemptionRule`, the same
+under every policy, with swapped copies held in a bounded `SwapSpace` (`workers.scheduling.preemption`).
+"""
+
+from dataclasses import dataclass, field
+
+from workers.scheduling.engine_config import SchedulerConfig
+from workers.scheduling.kv_cache_manager import BlockAllocator
+from workers.scheduling.policies import PagedGreedyPolicy
+from workers.scheduling.preemption import PreemptionRule, SwapSpace
+from workers.scheduling.scheduling_policy import SchedulingPolicy
+from workers.values.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Compute `num_tokens` of `seq`, starting at its first uncomputed token, in the blocks of `block_table` (the
+    sequence's, in token order, as the step's schedule left them: the model runner reads them from here)."""
+
+    seq: Sequence
+    num_tokens: int
+    block_table: list[int] = field(default_factory=list)
+
+    @property
+    def completes_sequence_tokens(self) -> bool:
+        """After this chunk every known token has KV, so the step samples a new one."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's decisions. Swaps run before the forward, swap-outs first."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # blocks to copy to host
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # new blocks to copy back into
+
+
+@dataclass(frozen=True, slots=True)
+class MispredictionEvent:
+    """A sequence outran the reservation its predicted bound bought."""
+
+    seq_id: str
+    predicted_output_tokens: int | None
+    num_output_tokens: int
+    step: int
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_swaps: int = 0
+    num_swapped_blocks: int = 0
+    num_swaps_over_budget: int = 0  # victims the rule would have swapped, recomputed for want of swap space
+    num_recomputed_tokens: int = 0
+    num_prompt_tokens_admitted: int = 0  # prompts at their first admission
+    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed again)
+    mispredictions: list[MispredictionEvent] = field(default_factory=list)
+
+
+class Scheduler:
+    """Admission, reservation and preemption of one worker, as the policy decides.
+
+    Args:
+        config: step limits.
+        allocator: the worker's block allocator.
+        policy: decisions; on-demand paging (vLLM-style) when None.
+        preemption: how victims give up their KV, whatever the policy; recompute only when None.
+    """
+
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, policy: SchedulingPolicy | None = None,
+                 preemption: PreemptionRule | None = None):
+        self.config = config
+        self.allocator = allocator
+        self.policy = policy or PagedGreedyPolicy()
+        self.preemption = preemption or PreemptionRule(mode="recompute")
+        self.swap_space = SwapSpace(self.preemption.swap_space_blocks)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+        self.num_steps = 0
+        self._first_block: dict[str, int] = {}  # running sequence -> hash of its first full block
+        # waiting sequence -> (its known tokens, the block hashes it could share): hashed once while it waits
+        self._prefix_hashes: dict[str, tuple[int, list[int]]] = {}
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq`; one that brings its KV (a moved request, `is_swapped`) holds that copy in swap space."""
+        if seq.is_swapped:
+            self.swap_space.hold(seq.seq_id, self.allocator.blocks_for(seq.num_computed_tokens))
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick the chunks of the next step, reserving the blocks they write."""
+        self.num_steps += 1
+        self.policy.on_step(self.running)
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        preemptions_before = self.stats.num_preemptions
+        # Most urgent class first (a victim is taken from the least urgent, so it is rarely scheduled
+        # yet); within a class decodes first (one token each, in admission order), then prefill
+        # chunks: a long prompt must not take the step's budget from decodes.
+        for seq in sorted(self.running, key=lambda s: (s.priority, s.num_uncomputed_tokens > 1)):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            fits, freed_tokens = self._ensure_capacity(seq, out)
+            budget += freed_tokens
+            if not fits:
+                continue
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if num_tokens > 0:
+                out.chunks.append(ScheduledChunk(seq, num_tokens))
+                budget -= num_tokens
+        if self.stats.num_preemptions == preemptions_before:
+            # Admitting right after a preemption would hand the freed blocks
+            # straight back and thrash.
+            self._admit(out, budget)
+        # The tables once every growth, preemption and admission of the step is done.
+        out.chunks = [ScheduledChunk(c.seq, c.num_tokens, self.allocator.block_table(c.seq.seq_id))
+                      for c in out.chunks]
+        return out
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step: blocks the sequence filled with computed KV become shareable (prefix caching)."""
+        self.allocator.commit(seq.seq_id, seq.num_computed_tokens, seq.tokens_between)
+
+    def trim(self, seq: Sequence) -> int:
+        """After its bound dropped: a policy that holds its plan gives back the blocks beyond the new plan
+        (keeping room for the token being sampled now); returns the blocks freed."""
+        if not self.policy.holds_plan or not self.allocator.has(seq.seq_id):
+            return 0
+        return self.allocator.shrink(seq.seq_id, max(self.policy.reservation_tokens(seq), seq.num_tokens + 1))
+
+    def recompute_instead(self, seq: Sequence, num_blocks: int) -> None:
+        """The host copy of a sequence preempted by swapping (`num_blocks` blocks) could not be made: it computes
+        its KV again."""
+        if seq.is_swapped:
+            seq.is_swapped = False
+            self.swap_space.release(seq.seq_id)
+            self.stats.num_swaps -= 1
+            self.stats.num_swapped_blocks -= num_blocks
+            self.stats.num_recomputed_tokens += seq.num_computed_tokens
+            seq.num_computed_tokens = 0
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a finished or aborted sequence's blocks."""
+        self.allocator.release(seq.seq_id)
+        self.swap_space.release(seq.seq_id)
+        self._first_block.pop(seq.seq_id, None)
+        self._prefix_hashes.pop(seq.seq_id, None)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        queue_position = {seq.seq_id: index for index, seq in enumerate(self.waiting)}  # arrival (preempted first)
+        last_admitted: dict[int, int] = {}  # class -> queue position of its latest arrival admitted this step
+        # sorted() is stable: the policy's order holds within each class, after those passed long enough.
+        order = sorted(self.policy.admission_order(self.waiting),
+                       key=lambda s: (s.priority, not self._passed_enough(s)))
+        for seq in order:
+            if budget <= 0 or (len(self.running) >= self.config.max_num_seqs and not self._has_less_urgent(seq)):
+                break
+            if self._first_block_in_progress(seq):
+                continue
+            blocks = self._try_allocate(seq)
+            while blocks is None and self._less_urgent_would_make_room(seq):
+                budget += self._preempt_less_urgent(seq, out)
+                blocks = self._try_allocate(seq)
+            if blocks is None:
+                if self.policy.is_first_fit and not self._passed_enough(seq):
+                    continue
+                break  # FCFS, or passed long enough: nobody overtakes it
+            last_admitted[seq.priority] = max(last_admitted.get(seq.priority, -1), queue_position[seq.seq_id])
+            if len(self.running) >= self.config.max_num_seqs:  # no slot left: a less urgent one gives up its own
+                budget += self._preempt_less_urgent(seq, out)
+            self.waiting.remove(seq)
+            seq.first_passed_step = None
+            self._prefix_hashes.pop(seq.seq_id, None)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            first = None if seq.is_swapped else self.allocator.first_block_hash(seq.prompt_token_ids)
+            if first is not None:
+                self._first_block[seq.seq_id] = first
+            num_cached = self.allocator.num_cached_tokens(seq.seq_id)
+            if seq.num_preemptions == 0 and not seq.is_swapped:
+                self.stats.num_prompt_tokens_admitted += seq.num_prompt_tokens
+                self.stats.num_prefix_hit_tokens += min(num_cached, seq.num_prompt_tokens)
+            if num_cached > seq.num_computed_tokens:  # its prefill starts after the cached prefix
+                seq.num_computed_tokens = num_cached
+            if seq.is_swapped:
+                out.swap_in.append((seq, blocks[: self.allocator.blocks_for(seq.num_computed_tokens)]))
+                self.swap_space.release(seq.seq_id)
+                seq.is_swapped = False
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if num_tokens > 0:
+                out.chunks.append(ScheduledChunk(seq, num_tokens))
+                budget -= num_tokens
+        if self.policy.is_first_fit and last_admitted:
+            self._mark_passed(queue_position, last_admitted)
+
+    def _has_less_urgent(self, seq: Sequence) -> bool:
+        return any(s.priority > seq.priority for s in self.running)
+
+    def _mark_passed(self, queue_position: dict[str, int], last_admitted: dict[int, int]) -> None:
+        """Waiting sequences that arrived before one of their class or a less urgent one admitted this step were
+        passed (a more urgent one passing is priority, not starvation)."""
+        for seq in self.waiting:
+            position = queue_position.get(seq.seq_id)
+            if seq.first_passed_step is not None or position is None:
+                continue
+            if any(position < last for priority, last in last_admitted.items() if priority >= seq.priority):
+                seq.first_passed_step = self.num_steps
+
+    def _passed_enough(self, seq: Sequence) -> bool:
+        """Later ones were admitted past waiting `seq` for `max_overtaken_steps` steps: it goes first, and
+        nobody of its class or a less urgent one passes it again."""
+        passed = seq.first_passed_step
+        return passed is not None and self.num_steps - passed >= self.config.max_overtaken_steps
+
+    def _ensure_capacity(self, seq: Sequence, out: SchedulerOutput) -> tuple[bool, int]:
+        """Make room for all of `seq`'s known tokens, preempting as the policy says.
+
+        Returns (False when `seq` itself was preempted, the step tokens victims already
+        scheduled this step gave back).
+        """
+        if self.allocator.num_reserved_tokens(seq.seq_id) >= seq.num_tokens:
+            return True, 0
+        bound = self.policy.bound_after_overrun(seq)
+        if bound is not None and bound != seq.predicted_output_tokens:
+            self.stats.mispredictions.append(
+                MispredictionEvent(seq.seq_id, seq.predicted_output_tokens, seq.num_output_tokens, self.num_steps)
+            )
+            seq.predicted_output_tokens = bound
+        target_tokens = max(self.policy.growth_tokens(seq), seq.num_tokens)
+        freed_tokens = 0
+        while self.allocator.extend(seq.seq_id, target_tokens) is None:
+            if self.allocator.extend(seq.seq_id, seq.num_tokens) is not None:
+                return True, freed_tokens  # the full growth does not fit, but the next token does
+            victim = self._choose_victim(seq, self.running)
+            freed_tokens += self._unschedule(victim, out)
+            self._preempt(victim, out)
+            self.policy.on_preempted(victim, self.running)
+            if victim is seq:
+                return False, freed_tokens
+        return True, freed_tokens
+
+    @staticmethod
+    def _unschedule(seq: Sequence, out: SchedulerOutput) -> int:
+        """Take `seq`'s chunk out of this step (it is about to be preempted); returns its tokens."""
+        for chunk in out.chunks:
+            if chunk.seq is seq:
+                out.chunks.remove(chunk)
+                return chunk.num_tokens
+        return 0
+
+    def _first_block_in_progress(self, seq: Sequence) -> bool:
+        """A running sequence is computing the (uncached) first block `seq` would share (a sequence that scores its
+        prompt shares nothing, so never waits)."""
+        if seq.is_swapped or seq.prompt_logprobs is not None:
+            return False
+        first = self.allocator.first_block_hash(seq.prompt_token_ids)
+        if first is None or self.allocator.is_cached(first):
+            return False
+        return any(self._first_block.get(s.seq_id) == first and s.num_computed_tokens < self.allocator.block_size
+                   for s in self.running)
+
+    def _try_allocate(self, seq: Sequence) -> list[int] | None:
+        """The blocks admitting `seq` takes now, if the policy admits it and they are free; else None."""
+        hashes = self._shareable_hashes(seq)
+        # Policies plan per sequence; a block several running sequences hold (now, or once `seq` shares
+        # it) is in several plans but in the pool once. An approximation: the credit is today's sharing,
+        # applied to the whole horizon of the plan (s3_peak may admit a little early; overruns still
+        # preempt). Cached blocks nobody holds are free blocks already and get no credit.
+        num_blocks = self.allocator.num_blocks
+        if hashes is not None:
+            num_blocks += self.allocator.num_shared_holdings + self.allocator.cached_prefix_blocks(hashes,
+                                                                                                  held_only=True)
+        if not self.policy.can_admit(seq, self.running, num_blocks, self.allocator.block_size,
+                                     self.config.max_num_batched_tokens):
+            self.policy.on_refused(seq, self.running)
+            return None
+        return self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq), hashes)
+
+    def _shareable_hashes(self, seq: Sequence) -> list[int] | None:
+        """The block hashes waiting `seq` could share; None when it brings its own KV back (swapped in), must
+        compute its prompt to score it (`prompt_logprobs`) or caching is off. Hashed once per length while it
+        waits, not at every admission attempt."""
+        if seq.is_swapped or seq.prompt_logprobs is not None or not self.allocator.enable_prefix_caching:
+            return None
+        known = self._prefix_hashes.get(seq.seq_id)
+        if known is None or known[0] != seq.num_tokens:
+            hashes = self.allocator.prefix_hashes(seq.tokens_between(0, seq.num_tokens))
+            known = self._prefix_hashes[seq.seq_id] = (seq.num_tokens, hashes)
+        return known[1]
+
+    def _choose_victim(self, seq: Sequence, pool: list[Sequence]) -> Sequence:
+        """From the least urgent class in `pool`, whom the policy picks (the newest if it picks outside it)."""
+        worst = max(s.priority for s in pool)
+        candidates = [s for s in pool if s.priority == worst]
+        victim = self.policy.choose_victim(seq, candidates)
+        return victim if victim in candidates else candidates[-1]
+
+    def _less_urgent_would_make_room(self, seq: Sequence) -> bool:
+        """Preempting every running sequence less urgent than `seq` would let it in (blocks and policy alike).
+
+        Conservative: only blocks no more urgent sequence also holds count as reclaimable, and
+        the policy must admit `seq` beside the sequences that would stay.
+        """
+        less_urgent = [s.seq_id for s in self.running if s.priority > seq.priority]
+        if not less_urgent:
+            return False
+        reclaimable = self.allocator.num_free_blocks + self.allocator.num_blocks_freed_by(less_urgent)
+        if self.allocator.blocks_for(self.policy.reservation_tokens(seq)) > reclaimable:
+            return False
+        staying = [s for s in self.running if s.priority <= seq.priority]
+        return self.policy.can_admit(seq, staying, self.allocator.num_blocks, self.allocator.block_size,
+                                     self.config.max_num_batched_tokens)
+
+    def _preempt_less_urgent(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Preempt one running sequence less urgent than waiting `seq`; returns the step tokens it gave back."""
+        victim = self._choose_victim(seq, [s for s in self.running if s.priority > seq.priority])
+        freed = self._unschedule(victim, out)
+        self._preempt(victim, out)
+        return freed
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        assert all(chunk.seq is not seq for chunk in out.chunks), f"{seq.seq_id} already runs this step"
+        num_cached_blocks = self.allocator.blocks_for(seq.num_computed_tokens)
+        swap = self.preemption.wants_swap(seq.num_computed_tokens)
+        if swap and not self.swap_space.fits(num_cached_blocks):
+            swap = False
+            self.stats.num_swaps_over_budget += 1
+        if swap:
+            out.swap_out.append((seq, self.allocator.block_table(seq.seq_id)[:num_cached_blocks]))
+            self.swap_space.hold(seq.seq_id, num_cached_blocks)
+            seq.is_swapped = True
+            self.stats.num_swaps += 1
+            self.stats.num_swapped_blocks += num_cached_blocks
+        else:
+            self.stats.num_recomputed_tokens += seq.num_computed_tokens
+            seq.num_computed_tokens = 0
+        self.allocator.release(seq.seq_id)
+        self._first_block.pop(seq.seq_id, None)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.insert(0, seq)
