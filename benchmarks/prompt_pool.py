@@ -92,7 +92,8 @@ def spread_sample(records: list[PromptRecord], num_prompts: int) -> list[PromptR
 def encode_chat(tokenizer, record: PromptRecord, max_prompt_tokens: int | None = None) -> list[int] | None:
     """Token ids of the chat-templated prompt (for a base model without a chat template, the messages' text as a
     plain prompt); None when longer than `max_prompt_tokens`."""
-    from workers.engine.models import chat_token_ids  # here: the CLI imports this module, and --help must not load torch
+    # here: the CLI imports this module, and --help must not load torch
+    from workers.engine.models import chat_token_ids
 
     if getattr(tokenizer, "chat_template", None):
         ids = chat_token_ids(tokenizer, record.messages)

@@ -2,8 +2,8 @@
 
 The service's own settings are declared here; the workers' (model, policy, KV memory, the engine's scheduler
 and cache) are declared once in the worker's settings tree (`workers.actors.worker_settings.WorkerSettings`,
-`workers.scheduling.engine_config`) and `ServiceConfig` is generated with them, flat, so a YAML file or a flag names each
-by its leaf name. `s3serve serve --help` and docs/configuration.md are generated from both. Validation
+`workers.scheduling.engine_config`) and `ServiceConfig` is generated with them, flat, so a YAML file or a flag
+names each by its leaf name. `s3serve serve --help` and docs/configuration.md are generated from both. Validation
 happens here, once, with errors that show the offending values.
 """
 

@@ -3,9 +3,10 @@
     max_model_len set            -> itself
     not set (the default)        -> the model's max_position_embeddings (its text config's, for a multimodal
                                     config), capped at the tokens one worker's KV cache will hold where that is
-                                    known before any worker starts (`workers.values.kv_memory.kv_token_room`: on the CPU,
-                                    or a size given in bytes); on GPUs with a share or auto the worker measures its
-                                    memory, and the start-up line says how many such sequences fit
+                                    known before any worker starts (`workers.values.kv_memory.kv_token_room`:
+                                    on the CPU, or a size given in bytes); on GPUs with a share or auto the
+                                    worker measures its memory, and the start-up line says how many such
+                                    sequences fit
 
 as vLLM defaults --max-model-len to the model's limit and SGLang's --context-length to the config's. Resolved once,
 where the service is built (`s3serve serve` and `cluster.app.build_app`), so the routers, the controller and every

@@ -187,7 +187,8 @@ def check_redis(url: str, max_retry_s: float = 3.0) -> None:
 
 def check_model(config: ServiceConfig) -> None:
     """Fail before anything starts where every worker would fail the same way: a model that is not there, or one
-    our engine cannot serve correctly (`workers.values.model_support`), instead of inside a Serve replica's traceback."""
+    our engine cannot serve correctly (`workers.values.model_support`), instead of inside a Serve replica's
+    traceback."""
     from transformers import AutoConfig
 
     from workers.engine.models import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir

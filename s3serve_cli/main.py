@@ -122,7 +122,7 @@ def _add_serve_args(serve: argparse.ArgumentParser) -> None:
         serve.description = f"unavailable here: the service needs {error.name}"
         return
     workers = serve.add_argument_group("model and workers", "settings of each worker and its engine "
-                                                            "(workers/actors/worker_settings.py, workers/scheduling/engine_config.py)")
+                                       "(workers/actors/worker_settings.py, workers/scheduling/engine_config.py)")
     add_config_flags(workers, ServiceConfig, WORKER_SETTING_NAMES)
     service = serve.add_argument_group("service", "settings of the router, controller and predictor "
                                                   "(cluster/config.py)")
