@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine.models import COMPLETE_MARKER, convert_gguf, find_default_gguf, load_model, load_tokenizer, resolve_model_dir
+from workers.engine.models import (COMPLETE_MARKER, convert_gguf, find_default_gguf, load_model, load_tokenizer,
+                                   resolve_model_dir)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONVERT_SCRIPT = textwrap.dedent(
@@ -146,3 +147,27 @@ def test_bench_prompts_for_a_base_model_are_the_messages_text(smollm2_dir):
     templated = load_tokenizer(smollm2_dir)
     chat = encode_chat(templated, record)
     assert "Name three rivers." in templated.decode(chat) and len(chat) > len(encode_chat(base, record))
+
+
+def test_within_one_conversion_a_gguf_file_is_parsed_once(tmp_path):
+    """transformers reads the file for the tokenizer, the config and the weights; the three share one parse."""
+    import gguf
+    import numpy as np
+
+    from workers.engine.models import _one_gguf_parse
+
+    paths = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    for path in paths:
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(50)])
+        writer.add_tensor("w", np.arange(8, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    original = gguf.GGUFReader
+    with _one_gguf_parse():
+        first = gguf.GGUFReader(paths[0])
+        assert gguf.GGUFReader(str(paths[0])) is first and gguf.GGUFReader(paths[1]) is not first
+        assert len(first.fields["tokenizer.ggml.tokens"].data) == 50
+    assert gguf.GGUFReader is original and gguf.GGUFReader(paths[0]) is not first
