@@ -19,8 +19,6 @@ import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
 import torch
 
 from kv_kernels import cpu_build
@@ -84,8 +82,10 @@ class GrammarMasks:
         if self._tokenizer is None:
             raise ValueError("structured output needs an engine built with a tokenizer")
         if self._lltokenizer is None:
-            self._lltokenizer = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
-                                                             eos_token=self._eos_token_ids or None)
+            from llguidance.hf import from_tokenizer  # here: only a grammar needs it (it imports transformers)
+
+            self._lltokenizer = from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
+                                               eos_token=self._eos_token_ids or None)
         matcher = llguidance.LLMatcher(self._lltokenizer, grammar_definition(spec))
         if matcher.is_error():
             raise ValueError(f"{spec.format}: {matcher.get_error()}")
@@ -128,9 +128,12 @@ class GrammarMasks:
             pending[1].exception()  # waits; a failed fill is simply dropped
 
     def _fill(self, seq_ids: list[str]) -> torch.Tensor:
-        bitmask = llguidance.torch.allocate_token_bitmask(len(seq_ids), self._vocab_size)  # [R, W]
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(self._matchers[seq_id], i) for i, seq_id in enumerate(seq_ids)], bitmask)
+        # llguidance's own call with the buffer's address (what `llguidance.torch` wraps: importing that module
+        # loads torch's compiler, 2 s of every engine's start, for a kernel we do not use)
+        bitmask = torch.full((len(seq_ids), (self._vocab_size + 31) // 32), -1, dtype=torch.int32)  # [R, W]
+        self._executor.unsafe_compute_mask_ptr([(self._matchers[seq_id], i) for i, seq_id in enumerate(seq_ids)],
+                                               bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(),
+                                               len(seq_ids))
         return bitmask
 
     def advance(self, seq_id: str, token_id: int) -> bool:
