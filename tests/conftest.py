@@ -18,6 +18,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each worker gets its share of the cores for torch's threads (at least one).
+
+    With two workers on two cores, each running torch's default of one thread per core, a parallel
+    region waits at its barrier for a thread the other worker has descheduled: tiny-model tests ran
+    5-25 times slower than alone. Processes a test starts set their own threads (`tune_cpu_runtime`).
+    """
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if num_workers > 1:
+        import torch
+
+        from workers.engine.runtime import usable_cores
+
+        torch.set_num_threads(max(1, usable_cores() // num_workers))
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The real prompts and traces, read in place (never copied into the project)."""
