@@ -37,9 +37,9 @@ def test_greedy_matches_hf_generate_with_sequences_joining_and_leaving(smollm2_d
             prompts.append(prompt)
             num_tokens.append(limit)
             expected.append(output)
-        if len(prompts) == 12:
+        if len(prompts) == 9:
             break
-    assert len(prompts) == 12, "the prompt pool should hold 12 prompts with 64+ token answers"
+    assert len(prompts) == 9, "the prompt pool should hold 9 prompts with 64+ token answers"
 
     engine = Engine(
         copy.deepcopy(hf_model),  # fp32: the fast path is what runs (asserted below)
@@ -49,14 +49,14 @@ def test_greedy_matches_hf_generate_with_sequences_joining_and_leaving(smollm2_d
     )
     outputs: dict[str, list[int]] = {}
     ids = []
-    for prompt, n in zip(prompts[:6], num_tokens[:6]):
+    for prompt, n in zip(prompts[:5], num_tokens[:5]):  # one more than runs at once: it waits
         ids.append(engine.add_request(prompt, SamplingParams(max_tokens=n)))
     for _ in range(20):  # the rest arrives mid-flight
         for out in engine.step():
             if out.is_finished:
                 outputs[out.seq_id] = list(out.output_token_ids)
     assert engine.num_running > 0
-    for prompt, n in zip(prompts[6:], num_tokens[6:]):
+    for prompt, n in zip(prompts[5:], num_tokens[5:]):
         ids.append(engine.add_request(prompt, SamplingParams(max_tokens=n)))
     while engine.has_unfinished():
         for out in engine.step():
