@@ -9,19 +9,19 @@ from s3serve_cli.args import add_model_args, given
 
 
 def _bench_peers(args: argparse.Namespace) -> int:
-    from benchmarks import peers_bench
-
-    base = peers_bench.quick_config() if args.quick else peers_bench.PeersBenchConfig()
-    overrides = {"prompts_path": args.prompts, "systems": tuple(args.systems), "dtype": args.dtype,
-                 "peer_venv": args.peer_venv}
     natural = args.workload == "natural"
     inapplicable = {"--kv-gib": args.kv_gib} if natural else {
         "--rates": args.rates, "--kv-tokens": args.kv_tokens, "--labels": args.labels, "--predictor": args.predictor,
         "--probe": args.probe}
     misplaced = [flag for flag, value in inapplicable.items() if value is not None]
-    if misplaced:
+    if misplaced:  # before the bench's import, which loads the engine
         raise ValueError(f"{', '.join(misplaced)} {'does' if len(misplaced) == 1 else 'do'} not apply to --workload "
                          f"{args.workload}")
+    from benchmarks import peers_bench
+
+    base = peers_bench.quick_config() if args.quick else peers_bench.PeersBenchConfig()
+    overrides = {"prompts_path": args.prompts, "systems": tuple(args.systems), "dtype": args.dtype,
+                 "peer_venv": args.peer_venv}
     overrides |= given((("kv_gibs", args.kv_gib), ("max_num_seqs", args.max_num_seqs),
                         ("max_num_batched_tokens", args.max_num_batched_tokens)))
     if not natural:
