@@ -231,6 +231,30 @@ def test_requests_waiting_in_the_workers_grow_the_pool_where_the_policy_takes_bl
     assert (workers == ["w1", "w2", "w3"]) == grows, workers
 
 
+def test_a_router_re_placing_while_the_tick_handles_the_death_is_counted_as_one_requeue(run):
+    """The tick's poll found the worker dead and is still writing that down (a Redis round trip) when the router
+    that lost the stream re-places the request: one requeue, not none (seen in the service e2e test)."""
+    async def check(plane, sim):
+        first = await plane.place("a", 20, 200, 40)
+        sim.kill_worker(first.worker_id)
+        mark_dead, marking = plane.pool.mark_dead, asyncio.Event()
+
+        async def slow_mark_dead(worker_id: str) -> bool:
+            gone = await mark_dead(worker_id)
+            marking.set()
+            await asyncio.sleep(0.2)  # a slow Redis write, before the tick reads the dead worker's requests
+            return gone
+
+        plane.pool.mark_dead = slow_mark_dead
+        tick = asyncio.create_task(plane.tick())
+        await marking.wait()
+        second = await plane.place("a", 20, 200, 40, num_resumed_tokens=5, exclude_worker_id=first.worker_id)
+        await tick
+        assert second.worker_id != first.worker_id and plane.ledger.get("a").worker_id == second.worker_id
+        assert plane.counters["requeues"] == 1
+    run(check)
+
+
 def test_records_are_replaced_not_duplicated_on_re_placement(run):
     async def check(plane, sim):
         first = await plane.place("a", 20, 200, 40)

@@ -130,8 +130,12 @@ class ControlPlane:
                 and existing.worker_id != exclude_worker_id):
             return Placement(request_id, existing.worker_id, self.pool.backend.actor_name(existing.worker_id),
                              existing.num_reserved_blocks)
-        if exclude_worker_id is not None:
-            await self.report_failure(exclude_worker_id)
+        if exclude_worker_id is not None and await self.report_failure(exclude_worker_id):
+            current = self.ledger.get(request_id)
+            if current is not None and current.state == "placed" and current.worker_id == exclude_worker_id:
+                # the tick was handling that death and had not read the dead worker's requests yet: this
+                # re-placement is the request's requeue, which the tick will no longer find
+                await self._incr("requeues", 1)
         if request_id not in self.waiting and len(self.waiting) >= self.config.max_pending_placements:
             raise QueueFullError(f"{len(self.waiting)} requests already wait for KV room")
         tokens = self.policy.placement_tokens(num_prompt_tokens, num_resumed_tokens, max_tokens,
