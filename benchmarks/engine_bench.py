@@ -14,6 +14,10 @@ Two parts, same model and dtype (default: auto, bf16 where the CPU has bf16 inst
    tokens up to and including EOS on both sides. Greedy agreement is reported:
    exact in fp32 (the tests hold it there); in bf16 the two forwards round
    differently and a near-tie can flip a token.
+3. Roofline (`benchmarks/roofline.py`): this machine's read bandwidth and peak
+   matmul throughput in the engine's dtype, measured once; for each profiled batch
+   size, the bytes and FLOPs a decode step must move, what the engine achieved, which
+   limit binds and the share of it reached (the step's floor over its time).
 """
 
 import copy
@@ -27,7 +31,9 @@ from tqdm import tqdm
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS, encode_chat, read_prompts, spread_sample
 from benchmarks.report import environment, format_table, write_json
+from benchmarks.roofline import DecoderShape, Limits, StepCost, decode_step_cost, measure_limits
 from workers.engine.engine import Engine
+from workers.engine.model_runner import pool_shape_for
 from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.engine.runtime import resolve_dtype
 from workers.scheduling.engine_config import EngineConfig
@@ -136,6 +142,8 @@ def profile_steps(model, prompt_stream: list[int], batch_size: int, config: Engi
         engine.step()  # prefill everyone
     for _ in range(2):
         engine.step()  # warm-up decodes
+    # each sequence's context at the middle of the timed steps: the mean step's attention reads
+    mid_contexts = [s.num_tokens + (config.profile_steps - 1) / 2 for s in engine.scheduler.running]
     totals = dict.fromkeys(PHASES, 0.0)
     start_s = time.perf_counter()
     for _ in range(config.profile_steps):
@@ -152,9 +160,31 @@ def profile_steps(model, prompt_stream: list[int], batch_size: int, config: Engi
     step_ms = elapsed_s / config.profile_steps * 1e3
     contexts = [s.num_tokens for s in engine.scheduler.running]
     result = {"batch_size": batch_size, "step_ms": step_ms, "tokens_per_s": batch_size / step_ms * 1e3,
-              "context_tokens_min": min(contexts), "context_tokens_max": max(contexts), "path": engine.runner.path}
+              "context_tokens_min": min(contexts), "context_tokens_max": max(contexts), "path": engine.runner.path,
+              "mid_contexts": mid_contexts}
     result.update({f"{phase}_ms": totals[phase] / config.profile_steps * 1e3 for phase in PHASES})
     return result
+
+
+def decoder_shape(model, dtype) -> DecoderShape:
+    """The model's decode-step shape in `dtype` (weights and KV both in it)."""
+    element_bytes = torch.tensor([], dtype=dtype).element_size()
+    total_params = sum(p.numel() for p in model.parameters())  # a tied head counted once
+    return DecoderShape.of(model.config, total_params, element_bytes,
+                           pool_shape_for(model.config, 1, 1, dtype).bytes_per_block)
+
+
+def roofline_lines(profile: list[dict], shape: DecoderShape, limits: Limits) -> list[dict]:
+    """Per profiled batch size: the mean timed step's cost judged against the limits (takes the profile rows'
+    mid_contexts out)."""
+    rows = []
+    for p in profile:
+        cost = decode_step_cost(shape, p.pop("mid_contexts"))
+        judged = limits.judge(cost, p["step_ms"] / 1e3)
+        p["share_of_limit"] = judged["share_of_limit"]
+        rows.append({"batch_size": p["batch_size"], "step_ms": p["step_ms"], "bytes_per_step": cost.bytes,
+                     "flops_per_step": cost.flops, **judged})
+    return rows
 
 
 def structured_lines(plain: list[dict], structured: list[dict]) -> list[dict]:
@@ -197,6 +227,15 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
         [[p["batch_size"], p["step_ms"], p["model_ms"], p["attention_ms"], p["schedule_ms"], p["inputs_ms"],
           p["sample_ms"], p["other_ms"], p["tokens_per_s"], f"{p['context_tokens_min']}-{p['context_tokens_max']}"]
          for p in profile]))
+    shape = decoder_shape(engine_model, dtype)
+    limits = measure_limits(dtype)
+    roofline = roofline_lines(profile, shape, limits)
+    print(f"roofline: read bandwidth {limits.bandwidth_gbs:.1f} GB/s, peak {dtype_name} matmul "
+          f"{limits.peak_gflops:.0f} GFLOP/s (measured here); a decode step reads "
+          f"{shape.matmul_params * shape.bytes_per_param / 1e6:.0f} MB of weights")
+    print(format_table(["batch", "step_ms", "floor_ms", "GB/s", "GFLOP/s", "flop/byte", "bound", "share"],
+                       [[r["batch_size"], r["step_ms"], r["floor_ms"], r["achieved_gbs"], r["achieved_gflops"],
+                         r["intensity_flops_per_byte"], r["bound"], r["share_of_limit"]] for r in roofline]))
     structured_rows = structured_lines(profile, structured)
     print("structured output (a JSON schema on every sequence) against the same decode steps unconstrained:")
     print(format_table(["batch", "plain_ms", "structured_ms", "mask_ms", "tok/s_ratio"],
@@ -237,6 +276,10 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
             "mean_output_tokens": sum(lengths) / len(lengths),
             "max_output_tokens": max(lengths),
             "mean_prompt_tokens": sum(len(p) for p in prompts) / len(prompts),
+            # a lower bound on the run's time: each step reads the weights once, each token costs its FLOPs
+            "share_of_limit": limits.floor_s(StepCost(
+                engine.num_steps * shape.matmul_params * shape.bytes_per_param,
+                2 * shape.matmul_params * (engine_tokens + sum(len(p) for p in prompts)))) / engine_s,
         })
         del engine
     primary = next((r for r in runs if r["batch_size"] == config.primary_batch_size), runs[-1])
@@ -250,6 +293,9 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
                                    "hf_generate_tokens_per_s", "speedup_vs_hf")},
         "runs": runs,
         "step_profile": profile,
+        "roofline": {"bandwidth_gbs": limits.bandwidth_gbs, "peak_gflops": limits.peak_gflops,
+                     "peak_dtype": dtype_name, "weight_bytes": shape.matmul_params * shape.bytes_per_param,
+                     "runs": roofline},
         "structured_output": structured_rows,
         "environment": environment(),
     }

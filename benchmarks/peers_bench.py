@@ -22,11 +22,11 @@ against vLLM's run (`ratios.ours_vs_vllm` is the service's default policy's,
 """
 
 import copy
-import json
+import dataclasses
 import math
 import os
-import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,15 +38,20 @@ from benchmarks.policy_bench_config import PolicyBenchConfig
 from benchmarks.policy_replay import run_policy
 from benchmarks.policy_summary import summarize
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from benchmarks.report import environment, format_table, percentile, write_json
+from benchmarks.peer_process import run_peer_script, wire
+from benchmarks.peers_report import report
+from benchmarks.report import percentile
 from benchmarks.traces import ReplayRequest, TraceRow, build_requests, load_prompt_texts
 from predictor_service.length_predictor import LengthQuery
 from workers.engine.model_runner import pool_shape_for
-from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.engine.engine import Engine
+from workers.engine.models import DEFAULT_MODEL, default_cache_dir, load_model, load_tokenizer, resolve_model_dir
 from workers.engine.runtime import resolve_dtype, usable_cores
-from workers.scheduling.policies import DEFAULT_POLICY
+from workers.scheduling.engine_config import EngineConfig
+from workers.values.sampling_params import SamplingParams
 
 PEER_VENV = Path(".venv-peers")
+OPENVINO_VENV = Path(".venv-openvino")
 PEER_SCRIPT = Path(__file__).with_name("vllm_peer.py")
 GIB = 1024**3
 
@@ -58,21 +63,23 @@ class PeersBenchConfig:
     Attributes:
         prompts_path: pool text the prompts are cut from.
         kv_gibs: KV budgets, GiB of bf16 KV.
-        systems: "vllm" and/or "ours".
+        systems: any of "vllm", "llamacpp", "openvino", "ours".
         policies: our policies (paged_greedy and the best length-aware one).
         num_requests, prompt_tokens, median_output_tokens, output_sigma, max_output_tokens, seed: the workload.
         max_model_len: context of both engines (max_tokens of ours = max_model_len - prompt).
         predictor_sigma: noisy-oracle error of the length-aware policies' predictions.
         max_num_seqs, max_num_batched_tokens: our engine's step limits.
         dtype: our engine's dtype ("auto": bf16 with bf16 instructions, else fp32 with the same KV tokens).
-        peer_venv: the peer virtual environment.
+        peer_venv: the peer virtual environment (vLLM and llama-server).
+        openvino_venv: OpenVINO GenAI's virtual environment.
+        single_output_tokens: tokens of the single-stream request (the first P8 prompt, alone).
         peer_timeout_s: limit of one vLLM run, start-up included.
         preemption_mode: how our engines preempt ("recompute": as vLLM V1, its only mechanism).
     """
 
     prompts_path: Path = DEFAULT_PROMPTS
     kv_gibs: tuple[float, ...] = (1.0, 0.2, 0.05)
-    systems: tuple[str, ...] = ("vllm", "ours")
+    systems: tuple[str, ...] = ("vllm", "llamacpp", "openvino", "ours")
     policies: tuple[str, ...] = ("paged_greedy", "s3_peak")
     num_requests: int = 200
     prompt_tokens: int = 45
@@ -86,6 +93,8 @@ class PeersBenchConfig:
     max_num_batched_tokens: int = 1024
     dtype: str = "auto"
     peer_venv: Path = PEER_VENV
+    openvino_venv: Path = OPENVINO_VENV
+    single_output_tokens: int = 128
     peer_timeout_s: float = 1200.0
     preemption_mode: str = "recompute"
 
@@ -149,50 +158,77 @@ def peer_environment(venv: Path) -> dict[str, str]:
 
 
 def run_vllm(config: PeersBenchConfig, model_dir: Path, requests: list[ReplayRequest], kv_cache_bytes: int,
-             log_path: Path, max_model_len: int | None = None, online: dict | None = None) -> dict:
+             log_path: Path, max_model_len: int | None = None, online: dict | None = None,
+             single: ReplayRequest | None = None) -> dict:
     """One vLLM process in the peer venv (`benchmarks/vllm_peer.py`, whose docstring says what `online`
     adds); ValueError (with the log's path) when it fails."""
     python = peer_python(config)
     spec = {
         "model_dir": str(model_dir), "kv_cache_bytes": kv_cache_bytes,
         "max_model_len": max_model_len or config.max_model_len, "seed": config.seed,
-        "requests": [{"request_id": r.request_id, "prompt_token_ids": list(r.prompt_token_ids),
-                      "output_tokens": r.output_tokens} for r in requests],
+        "requests": wire(requests),
     }
     if online is not None:
         spec["online"] = online
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        with log_path.open("w") as log:
-            try:
-                status = subprocess.run([str(python), str(PEER_SCRIPT), str(spec_path), str(out_path)],
-                                        stdout=log, stderr=subprocess.STDOUT, env=peer_environment(config.peer_venv),
-                                        timeout=config.peer_timeout_s, check=False).returncode
-            except subprocess.TimeoutExpired:
-                raise ValueError(f"vLLM did not finish within {config.peer_timeout_s:.0f} s; its log: {log_path}")
-        if status != 0 or not out_path.is_file():
-            lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-            raise ValueError(f"vLLM exited with {status}: {(lines or ['no output'])[-1].strip()} (log: {log_path})")
-        return json.loads(out_path.read_text())
+    if single is not None:
+        spec["single"] = wire([single])[0]
+    return run_peer_script("vLLM", python, PEER_SCRIPT, spec, peer_environment(config.peer_venv), log_path,
+                           config.peer_timeout_s)
+
+
+SYSTEMS = ("vllm", "llamacpp", "openvino", "ours")
+SYSTEM_POLICIES = {"vllm": "paged (vLLM)", "llamacpp": "slots (llama.cpp)", "openvino": "paged (OpenVINO)"}
+
+
+def run_plan(config: PeersBenchConfig, precision: str) -> list[tuple[float, str, str, str]]:
+    """(KV GiB, system, policy, precision) of every run, budget by budget; llama.cpp twice per budget, at our
+    precision and at its users' default (the shipped Q4_1)."""
+    plan = []
+    for gib in config.kv_gibs:
+        for system in (s for s in SYSTEMS if s in config.systems):
+            if system == "ours":
+                plan += [(gib, system, policy, precision) for policy in config.policies]
+            else:
+                plan += [(gib, system, SYSTEM_POLICIES[system], precision)]
+                if system == "llamacpp":
+                    plan.append((gib, system, SYSTEM_POLICIES[system], "q4_1"))
+    return plan
+
+
+def _check_systems(config: PeersBenchConfig) -> None:
+    unknown = [s for s in config.systems if s not in SYSTEMS]
+    if unknown or not config.systems:
+        raise ValueError(f"--systems takes {', '.join(SYSTEMS)}, got {list(config.systems)}")
+    if "vllm" in config.systems:
+        peer_python(config)  # fail before loading anything
+    if "llamacpp" in config.systems:
+        from benchmarks.llamacpp_peer import find_server
+
+        find_server(config.peer_venv)
+    if "openvino" in config.systems:
+        from benchmarks.cpu_peers import openvino_python
+
+        openvino_python(config.openvino_venv)
 
 
 def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None,
         json_path: Path | None = None, log_dir: Path | None = None) -> dict:
-    """Every budget: vLLM, then our policies; print the table and ratios, write JSON."""
-    unknown = [s for s in config.systems if s not in ("vllm", "ours")]
-    if unknown or not config.systems:
-        raise ValueError(f"--systems takes vllm and/or ours, got {list(config.systems)}")
-    if "vllm" in config.systems:
-        peer_python(config)  # fail before loading anything
+    """Every budget: each peer, then our policies; then one request alone on each system; print the tables and
+    ratios, write JSON."""
+    _check_systems(config)
+    if set(config.systems) & {"llamacpp", "openvino"} and model_name != DEFAULT_MODEL:
+        raise ValueError(f"llama.cpp and OpenVINO run the shipped {DEFAULT_MODEL} only; got --model {model_name}")
     model_dir = resolve_model_dir(model_name, model_cache_dir)
     tokenizer = load_tokenizer(model_dir)
     requests = build_workload(config, tokenizer)
+    single = dataclasses.replace(requests[0], request_id="single", output_tokens=config.single_output_tokens)
     total_tokens = sum(r.output_tokens for r in requests)
     print(f"P8 workload: {len(requests)} requests at t=0, {config.prompt_tokens}-token prompts, outputs forced "
           f"(lognormal median {config.median_output_tokens:g}, sigma {config.output_sigma}, cap "
-          f"{config.max_output_tokens}): {total_tokens} tokens")
+          f"{config.max_output_tokens}): {total_tokens} tokens; single stream: one {config.prompt_tokens}-token "
+          f"prompt, {config.single_output_tokens} tokens, alone")
     dtype = resolve_dtype(config.dtype, "cpu")
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
     model = load_model(model_dir, dtype=dtype) if "ours" in config.systems else None
     hf_config = model_config(model_dir)
     bf16_token_bytes = pool_shape_for(hf_config, 1, 1, torch.bfloat16).bytes_per_block
@@ -205,29 +241,86 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
     estimates = {q.prompt_id: (p.point_tokens, p.upper_bound_tokens) for q, p in zip(queries, oracle.predict(queries))}
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="s3serve-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    plan = [(gib, system, policy) for gib in config.kv_gibs for system, policy in
-            ([("vllm", "paged (vLLM)")] if "vllm" in config.systems else [])
-            + ([("ours", p) for p in config.policies] if "ours" in config.systems else [])]
-    runs = []
+    cache_dir = Path(model_cache_dir or default_cache_dir()) / "peers"
+    plan = run_plan(config, precision)
+    runs, singles = [], []
     with tqdm(total=len(plan), desc="peers", unit="run") as progress:
-        for gib, system, policy in plan:
-            progress.set_postfix_str(f"{system} {policy} {gib:g} GiB")
+        for gib, system, policy, run_precision in plan:
+            progress.set_postfix_str(f"{system} {policy} {run_precision} {gib:g} GiB")
             kv_tokens = int(gib * GIB) // bf16_token_bytes
-            if system == "vllm":
-                result = run_vllm(config, model_dir, requests, int(gib * GIB), log_dir / f"vllm-{gib:g}GiB.log")
-                latencies = list(result["latency_s"].values())
-                row = {"tokens_per_s": result["tokens_per_s"], "preemptions": result["preemptions"],
-                       "recomputed_tokens": None, "output_tokens": result["output_tokens"],
-                       "latency_p50_s": percentile(latencies, 0.5), "latency_p99_s": percentile(latencies, 0.99),
-                       "exact_lengths": result["exact_lengths"], "dtype": "bfloat16",
-                       "kv_cache_bytes": int(gib * GIB), "startup_s": result["startup_s"],
-                       "vllm_version": result["vllm_version"], "scheduler": result["scheduler"]}
-            else:
+            # each system's single stream rides on its first run, after the timed workload
+            wants_single = not any(s["system"] == system and s["precision"] == run_precision for s in singles)
+            alone = single if wants_single and system != "ours" else None
+            name = f"{system}-{run_precision}-{gib:g}GiB"
+            if system == "ours":
                 row = _run_ours(model, policy, requests, estimates, config, kv_tokens * our_token_bytes,
                                 our_token_bytes, str(dtype).removeprefix("torch."))
-            runs.append({"system": system, "policy": policy, "kv_gib": gib, "kv_tokens": kv_tokens, **row})
+                if wants_single:
+                    singles.append(_single_row(system, precision, _single_ours(model, single, config)))
+            else:
+                result = _run_peer(system, config, model_dir, cache_dir, requests, gib, kv_tokens, run_precision,
+                                   log_dir, name, alone)
+                row = _peer_row(result, kv_tokens * bf16_token_bytes, run_precision)
+                if alone is not None:
+                    singles.append(_single_row(system, run_precision, result["single"]))
+            runs.append({"system": system, "policy": policy, "precision": run_precision, "kv_gib": gib,
+                         "kv_tokens": kv_tokens, **row})
             progress.update(1)
-    return _report(config, runs, total_tokens, log_dir, json_path)
+    return report(config, runs, singles, total_tokens, log_dir, json_path)
+
+
+def _run_peer(system: str, config: PeersBenchConfig, model_dir: Path, cache_dir: Path, requests, gib: float,
+              kv_tokens: int, precision: str, log_dir: Path, name: str, single) -> dict:
+    from benchmarks import cpu_peers
+
+    if system == "vllm":
+        return run_vllm(config, model_dir, requests, int(gib * GIB), log_dir / f"{name}.log", single=single)
+    if system == "llamacpp":
+        gguf = cpu_peers.llamacpp_gguf(precision, cache_dir)
+        return cpu_peers.run_llamacpp_peer(config.peer_venv, gguf, requests, kv_tokens, log_dir / f"{name}.log",
+                                           config.peer_timeout_s, single)
+    ir_dir = cpu_peers.export_openvino(config.openvino_venv, model_dir, cache_dir, log_dir / "openvino-export.log")
+    spec = cpu_peers.openvino_spec(ir_dir, requests, kv_tokens, "bf16" if precision == "bf16" else "f32",
+                                   config.max_num_seqs, config.max_num_batched_tokens, single)
+    return cpu_peers.run_openvino_peer(config.openvino_venv, spec, log_dir / f"{name}.log", config.peer_timeout_s)
+
+
+def _peer_row(result: dict, kv_cache_bytes: int, precision: str) -> dict:
+    latencies = list(result["latency_s"].values())
+    return {"tokens_per_s": result["tokens_per_s"], "preemptions": result["preemptions"], "recomputed_tokens": None,
+            "output_tokens": result["output_tokens"], "latency_p50_s": percentile(latencies, 0.5),
+            "latency_p99_s": percentile(latencies, 0.99), "exact_lengths": result["exact_lengths"],
+            "dtype": "bfloat16" if precision == "bf16" else precision, "kv_cache_bytes": kv_cache_bytes,
+            "startup_s": result["startup_s"], "scheduler": result["scheduler"],
+            **{key: result[key] for key in ("vllm_version", "openvino_version") if key in result}}
+
+
+def _single_row(system: str, precision: str, alone: dict) -> dict:
+    """One request alone: tokens/s over its whole time, and time per output token after the first."""
+    tokens = alone["output_tokens"]
+    return {"system": system, "precision": precision, "output_tokens": tokens,
+            "tokens_per_s": tokens / alone["latency_s"], "ttft_ms": alone["ttft_s"] * 1e3,
+            "tpot_ms": (alone["latency_s"] - alone["ttft_s"]) / max(1, tokens - 1) * 1e3}
+
+
+def _single_ours(model, request, config: PeersBenchConfig) -> dict:
+    """Our engine with one request: an untimed short warm-up, then the request, stepped alone."""
+    engine = Engine(model, EngineConfig.of(kv_cache_bytes=GIB // 8, max_num_seqs=config.max_num_seqs,
+                                           max_num_batched_tokens=config.max_num_batched_tokens,
+                                           max_model_len=config.max_model_len))
+    warmup = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request(list(request.prompt_token_ids), warmup)
+    while engine.has_unfinished():
+        engine.step()
+    begin_s, first_s, tokens = time.monotonic(), None, 0
+    engine.add_request(list(request.prompt_token_ids), SamplingParams(max_tokens=request.output_tokens,
+                                                                      ignore_eos=True))
+    while engine.has_unfinished():
+        for out in engine.step():
+            first_s = first_s if first_s is not None else time.monotonic() - begin_s
+            if out.is_finished:
+                tokens = len(out.output_token_ids)
+    return {"output_tokens": tokens, "latency_s": time.monotonic() - begin_s, "ttft_s": first_s}
 
 
 def model_config(model_dir: Path):
@@ -250,42 +343,3 @@ def _run_ours(model, policy: str, requests, estimates, config: PeersBenchConfig,
             "latency_p50_s": summary["latency_p50_s"], "latency_p99_s": summary["latency_p99_s"],
             "exact_lengths": summary["all_outputs_exact_length"], "dtype": dtype_name,
             "kv_cache_bytes": kv_cache_bytes, "mean_concurrency": summary["mean_concurrency"]}
-
-
-def _report(config: PeersBenchConfig, runs: list[dict], total_tokens: int, log_dir: Path,
-            json_path: Path | None) -> dict:
-    headers = ["system", "policy", "kv_gib", "kv_tokens", "dtype", "tok/s", "preempt", "recomp_tok", "lat_p50",
-               "lat_p99", "exact"]
-    print(format_table(headers, [[r["system"], r["policy"], r["kv_gib"], r["kv_tokens"], r["dtype"],
-                                  r["tokens_per_s"], r["preemptions"],
-                                  "n/a" if r["recomputed_tokens"] is None else r["recomputed_tokens"],
-                                  r["latency_p50_s"], r["latency_p99_s"], r["exact_lengths"]] for r in runs]))
-    by_policy: dict[str, dict[str, float]] = {}
-    ratio_rows = []
-    for gib in config.kv_gibs:
-        peer = next((r for r in runs if r["system"] == "vllm" and r["kv_gib"] == gib), None)
-        for ours in (r for r in runs if r["system"] == "ours" and r["kv_gib"] == gib and peer):
-            ratio = ours["tokens_per_s"] / peer["tokens_per_s"]
-            by_policy.setdefault(ours["policy"], {})[str(float(gib))] = ratio  # "1.0", "0.2", "0.05"
-            ratio_rows.append([gib, ours["policy"], ours["tokens_per_s"], peer["tokens_per_s"], ratio])
-    headline = DEFAULT_POLICY if DEFAULT_POLICY in by_policy else next(iter(by_policy), None)
-    ratios = by_policy.get(headline, {})
-    if ratio_rows:
-        print(format_table(["kv_gib", "our policy", "ours tok/s", "vllm tok/s", "ours/vllm"], ratio_rows))
-        print(f"our engines preempt by {config.preemption_mode} (vLLM V1 only recomputes); every engine warmed up "
-              f"before its one timed run")
-    if any(r["system"] == "ours" and r["dtype"] != "bfloat16" for r in runs):
-        print("our engine ran in float32 here (no bf16 instructions): it got the same KV tokens, twice the bytes")
-    print(f"vLLM logs: {log_dir}")
-    result = {
-        "benchmark": "peers",
-        "workload": {"name": "P8", "num_requests": config.num_requests, "prompt_tokens": config.prompt_tokens,
-                     "output_tokens": total_tokens, "max_model_len": config.max_model_len,
-                     "predictor": f"noisy-oracle:{config.predictor_sigma}"},
-        "runs": runs,
-        "preemption_mode": config.preemption_mode,
-        "ratios": {"ours_vs_vllm": ratios, "ours_vs_vllm_policy": headline, "by_policy": by_policy},
-        "environment": environment(),
-    }
-    write_json(json_path, result)
-    return result

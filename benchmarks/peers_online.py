@@ -70,7 +70,7 @@ class NaturalPeersConfig:
     policies: tuple[str, ...] = ("paged_greedy", DEFAULT_POLICY, PROBED, ORACLE)
     predictor: str = "default"
     probe: str = "default"
-    peers: PeersBenchConfig = PeersBenchConfig(max_num_seqs=128, max_num_batched_tokens=512)
+    peers: PeersBenchConfig = PeersBenchConfig(max_num_seqs=128, max_num_batched_tokens=512, systems=("vllm", "ours"))
 
 
 def quick_config(**overrides) -> NaturalPeersConfig:

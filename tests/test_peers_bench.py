@@ -1,7 +1,8 @@
 """`s3serve bench peers`: the P8 workload, the missing-peer error, and our side end to end (real SmolLM2).
 
-vLLM itself runs only where `make peers` made its environment, which `make test` does not
-(it downloads several hundred MB): the vLLM side is exercised by running the benchmark.
+The peers themselves run only where `make peers` made their environments, which `make test` does not
+(several hundred MB and a llama.cpp build): their drivers' command lines and result parsing are tested in
+tests/test_cpu_peers.py, the peers by running the benchmark.
 """
 
 import json
@@ -10,7 +11,8 @@ import sys
 
 import pytest
 
-from benchmarks.peers_bench import PeersBenchConfig, build_workload, p8_output_lengths, peer_environment
+from benchmarks.peers_bench import PeersBenchConfig, build_workload, p8_output_lengths, peer_environment, run, run_plan
+from benchmarks.peers_report import report
 from workers.engine.runtime import resolve_dtype
 
 
@@ -68,20 +70,54 @@ def test_our_side_prints_the_table_and_writes_the_json_keys(tmp_path, model_cach
         assert run["kv_gib"] == 0.05 and run["tokens_per_s"] > 0 and run["exact_lengths"]
         assert run["dtype"] == str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
         assert run["kv_tokens"] == int(0.05 * 1024**3) // 23_040  # bf16 KV tokens, whatever our dtype
-    assert data["ratios"]["ours_vs_vllm"] == {} and data["ratios"]["by_policy"] == {}  # no vLLM run, no ratio
+    assert data["ratios"]["ours_vs_vllm"] == {} and data["ratios"]["by_policy"] == {}  # no peer run, no ratio
+    assert [(r["system"], r["output_tokens"]) for r in data["single"]] == [("ours", 128)]
     assert data["preemption_mode"] == "recompute"  # as vLLM V1 preempts
 
 
-def test_each_of_our_policies_is_compared_with_vllm_on_its_own_run_never_the_better_of_ours(tmp_path):
-    from benchmarks.peers_bench import _report
+def _row(system, policy, gib, tokens_per_s, precision="bf16"):
+    return {"system": system, "policy": policy, "precision": precision, "kv_gib": gib, "kv_tokens": 100,
+            "dtype": "bfloat16", "tokens_per_s": tokens_per_s, "preemptions": 0, "recomputed_tokens": 0,
+            "latency_p50_s": 1.0, "latency_p99_s": 2.0, "exact_lengths": True}
 
-    def row(system, policy, gib, tokens_per_s):
-        return {"system": system, "policy": policy, "kv_gib": gib, "kv_tokens": 100, "dtype": "bfloat16",
-                "tokens_per_s": tokens_per_s, "preemptions": 0, "recomputed_tokens": 0, "latency_p50_s": 1.0,
-                "latency_p99_s": 2.0, "exact_lengths": True}
 
-    runs = [row("vllm", "vllm", 1.0, 100.0), row("ours", "paged_greedy", 1.0, 130.0), row("ours", "s3_peak", 1.0, 110.0)]
-    result = _report(PeersBenchConfig(kv_gibs=(1.0,)), runs, 1000, tmp_path, None)
+def test_each_of_our_policies_is_compared_with_each_peer_on_its_own_run_never_the_better_of_ours(tmp_path):
+    runs = [_row("vllm", "vllm", 1.0, 100.0), _row("llamacpp", "slots", 1.0, 50.0),
+            _row("llamacpp", "slots", 1.0, 80.0, precision="q4_1"),
+            _row("ours", "paged_greedy", 1.0, 130.0), _row("ours", "s3_peak", 1.0, 110.0)]
+    result = report(PeersBenchConfig(kv_gibs=(1.0,)), runs, [], 1000, tmp_path, None)
     # the headline is the service's default policy, s3_peak, although paged_greedy ran faster
     assert result["ratios"]["ours_vs_vllm"] == {"1.0": 1.1} and result["ratios"]["ours_vs_vllm_policy"] == "s3_peak"
-    assert result["ratios"]["by_policy"] == {"paged_greedy": {"1.0": 1.3}, "s3_peak": {"1.0": 1.1}}
+    assert result["ratios"]["ours_vs_llamacpp"] == {"1.0": 2.2}  # the bf16 row; Q4_1 is a peer of its own
+    assert result["ratios"]["ours_vs_llamacpp_q4_1"] == {"1.0": 1.375}
+    assert result["ratios"]["by_policy"]["vllm"] == {"paged_greedy": {"1.0": 1.3}, "s3_peak": {"1.0": 1.1}}
+
+
+def test_single_streams_are_compared_on_tokens_per_second_of_one_request_alone(tmp_path, capsys):
+    from benchmarks.peers_bench import _single_row
+
+    ours = _single_row("ours", "bf16", {"output_tokens": 101, "latency_s": 2.1, "ttft_s": 0.1})
+    assert ours["tokens_per_s"] == pytest.approx(101 / 2.1) and ours["tpot_ms"] == pytest.approx(20.0)
+    assert ours["ttft_ms"] == pytest.approx(100.0)
+    peer = _single_row("openvino", "bf16", {"output_tokens": 101, "latency_s": 4.2, "ttft_s": 0.2})
+    runs = [_row("openvino", "paged", 0.05, 100.0), _row("ours", "s3_peak", 0.05, 150.0)]
+    result = report(PeersBenchConfig(kv_gibs=(0.05,)), runs, [ours, peer], 1000, tmp_path, None)
+    assert result["ratios"]["ours_vs_openvino"] == {"0.05": 1.5, "single": pytest.approx(2.0)}
+    assert result["single"] == [ours, peer]
+    assert "single stream" in capsys.readouterr().out
+
+
+def test_the_plan_runs_llamacpp_at_our_precision_and_at_q4_1_and_only_the_chosen_systems():
+    plan = run_plan(PeersBenchConfig(kv_gibs=(1.0, 0.05), systems=("ours", "llamacpp")), "bf16")
+    assert plan[:4] == [(1.0, "llamacpp", "slots (llama.cpp)", "bf16"), (1.0, "llamacpp", "slots (llama.cpp)", "q4_1"),
+                        (1.0, "ours", "paged_greedy", "bf16"), (1.0, "ours", "s3_peak", "bf16")]
+    assert len(plan) == 8 and {system for _, system, _, _ in plan} == {"ours", "llamacpp"}
+
+
+def test_an_unknown_system_or_a_missing_peer_environment_fails_before_anything_loads(tmp_path):
+    with pytest.raises(ValueError, match="--systems takes"):
+        run(PeersBenchConfig(systems=("sglang",)))
+    with pytest.raises(ValueError, match="make peers"):
+        run(PeersBenchConfig(systems=("llamacpp",), peer_venv=tmp_path))
+    with pytest.raises(ValueError, match="make peers"):
+        run(PeersBenchConfig(systems=("openvino",), openvino_venv=tmp_path))

@@ -24,6 +24,10 @@ tanh-GELU MLP and `query_pre_attn_scalar` as the attention scale.
 
 In bf16 the linears use oneDNN weights packed once for AMX/AVX512-BF16 (1.5-2x
 faster than `F.linear` here); in fp32 they are `F.linear`, the very op HF calls.
+A bf16 step of one token (one sequence decoding alone) reads every weight for a
+single row, and oneDNN's kernels stream them at 10-13 GB/s of this machine's ~19:
+there the C++ kernel `s3_cpu.small_linear` dots the plain weights with vdpbf16ps
+(SmolLM2: 14 instead of 20 ms of linears per step; `kv_kernels/csrc/linear_ops.cpp`).
 The elementwise kernels round to bf16 where HF's bf16 modules round, so logits
 track HF's bf16 forward (the tests state the tolerance).
 
@@ -49,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
+from workers.engine.runtime import cpu_flags
 
 # Attention for one layer: (layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D], sliding window in tokens or 0)
 # -> [T, H, D]
@@ -106,16 +111,29 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-class _Linear:
-    """y = x @ W^T (+ b) for x [T, in]; oneDNN-packed weights in bf16 on CPU, `F.linear` otherwise."""
+# Up to this many tokens, a CPU bf16 linear streams its plain weight through `s3_cpu.small_linear`
+# (vdpbf16ps); from 2 tokens on, oneDNN's packed AMX kernels are as fast or faster (measured here).
+SMALL_LINEAR_MAX_TOKENS = 1
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool) -> None:
+
+class _Linear:
+    """y = x @ W^T (+ b) for x [T, in]; oneDNN-packed weights in bf16 on CPU, `F.linear` otherwise. With
+    `small`, a CPU bf16 call of at most SMALL_LINEAR_MAX_TOKENS tokens runs the C++ kernel on the plain weight
+    (kept beside the packed copy: the model's bf16 weights in memory twice)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, small: bool = False) -> None:
         self.bias = bias
         self.weight = None if pack else weight
         # packed: opaque oneDNN layout of `weight`, chosen once for AMX / AVX512-BF16
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if pack else None
+        self.plain = weight.detach().contiguous() if small else None  # [out, in] bf16
+        self.plain_bias = None if bias is None or not small else bias.detach().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.shape[0] <= SMALL_LINEAR_MAX_TOKENS:
+            out = x.new_empty(x.shape[0], self.plain.shape[0])  # [T, out]
+            torch.ops.s3_cpu.small_linear(out, x.contiguous(), self.plain, self.plain_bias)
+            return out
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -175,11 +193,14 @@ class FastDecoder:
         self.is_packed = (self.device.type == "cpu" and self.dtype == torch.bfloat16
                           and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
         self.concatenates = self.is_packed or self.device.type == "cuda"
+        # the few-token kernel: where the C++ kernels run and the CPU dots bf16 pairs natively
+        self.small = self.is_packed and self.ops is cpu_kernels and "avx512_bf16" in cpu_flags()
         self.embed_weight = inner.embed_tokens.weight  # [vocab, hidden]
         embed_scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden), in the model's dtype
         self.embed_scale = None if embed_scale is None else embed_scale.to(self.dtype)
         self.final_norm = self._norm(inner.norm)
-        self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.is_packed)
+        self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.is_packed,
+                               self.small)
         layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(inner.layers))
         # [max_positions, head_dim] float32 per distinct rotary table (Gemma 3: local and global bases)
         self.cos_sin, rope_index = self._rotary_tables(inner.rotary_emb, layer_types, max_positions)
@@ -196,16 +217,18 @@ class FastDecoder:
         attn, mlp = layer.self_attn, layer.mlp
         with torch.no_grad():
             if hasattr(attn, "qkv_proj"):  # Phi-3 keeps them fused
-                qkv = [_Linear(attn.qkv_proj.weight, attn.qkv_proj.bias, self.is_packed)]
+                qkv = [_Linear(attn.qkv_proj.weight, attn.qkv_proj.bias, self.is_packed, self.small)]
             elif self.concatenates:
                 qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-                qkv = [_Linear(qkv_weight, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), self.is_packed)]
+                qkv = [_Linear(qkv_weight, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), self.is_packed,
+                               self.small)]
             else:
                 qkv = [_Linear(p.weight, p.bias, False) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
             if hasattr(mlp, "gate_up_proj"):
-                gate_up = [_Linear(mlp.gate_up_proj.weight, None, self.is_packed)]
+                gate_up = [_Linear(mlp.gate_up_proj.weight, None, self.is_packed, self.small)]
             elif self.concatenates:
-                gate_up = [_Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, self.is_packed)]
+                gate_up = [_Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, self.is_packed,
+                                   self.small)]
             else:
                 gate_up = [_Linear(mlp.gate_proj.weight, None, False), _Linear(mlp.up_proj.weight, None, False)]
         # what the HF module passes its attention as sliding_window: its own (per layer) or the config's
@@ -219,9 +242,9 @@ class FastDecoder:
             q_norm=self._norm(getattr(attn, "q_norm", None)),
             k_norm=self._norm(getattr(attn, "k_norm", None)),
             qkv=qkv,
-            o_proj=_Linear(attn.o_proj.weight, attn.o_proj.bias, self.is_packed),
+            o_proj=_Linear(attn.o_proj.weight, attn.o_proj.bias, self.is_packed, self.small),
             gate_up=gate_up,
-            down=_Linear(mlp.down_proj.weight, None, self.is_packed),
+            down=_Linear(mlp.down_proj.weight, None, self.is_packed, self.small),
             window=int(window or 0),
             rope=rope,
         )

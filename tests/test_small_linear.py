@@ -1,0 +1,68 @@
+"""`s3_cpu.small_linear`, the few-token bf16 linear, against fp32 arithmetic rounded once; and the fast path's use."""
+
+import copy
+
+import pytest
+import torch
+
+from kv_kernels import cpu_build
+from workers.engine import fast_decoder
+from workers.engine.fast_decoder import SMALL_LINEAR_MAX_TOKENS, FastDecoder
+from workers.engine.models import make_tiny_model
+from workers.engine.runtime import cpu_flags
+
+cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
+
+
+def _reference(x, weight, bias):
+    out = x.float() @ weight.float().T  # [M, N] exact products of the bf16 values, fp32 sums
+    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
+
+
+# K: whole 32-element slices and a masked tail; N: whole 4-row blocks and leftovers; M: 1..4 and past a block
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("in_features, out_features", [(576, 960), (40, 7), (1536, 130), (96, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_small_linear_is_the_fp32_sum_rounded_once(tokens, in_features, out_features, with_bias):
+    gen = torch.Generator().manual_seed(tokens * 1000 + in_features + out_features)
+    x = torch.randn(tokens, in_features, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    out = torch.empty(tokens, out_features, dtype=torch.bfloat16)
+    torch.ops.s3_cpu.small_linear(out, x, weight, bias)
+    want = _reference(x, weight, bias)
+    # the sums differ from the reference's only in order (fp32): at most one bf16 step apart
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2**-7)
+
+
+def test_small_linear_refuses_what_it_cannot_compute():
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.s3_cpu.small_linear(torch.empty(2, 4), x.float(), torch.zeros(4, 8), None)
+    with pytest.raises(RuntimeError, match=r"weight must be \[N, 8\]"):
+        torch.ops.s3_cpu.small_linear(torch.empty(2, 4, dtype=torch.bfloat16), x,
+                                      torch.zeros(4, 9, dtype=torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match=r"out must be \[2, 4\]"):
+        torch.ops.s3_cpu.small_linear(torch.empty(3, 4, dtype=torch.bfloat16), x,
+                                      torch.zeros(4, 8, dtype=torch.bfloat16), None)
+
+
+@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the kernel is used only with AVX512-BF16")
+def test_the_fast_path_takes_the_kernel_for_few_tokens_and_onednn_for_many(monkeypatch):
+    model = make_tiny_model(seed=5, init_std=0.2).to(torch.bfloat16)
+    decoder = FastDecoder(copy.deepcopy(model), max_positions=64)
+    o_proj = decoder.layers[0].o_proj
+    assert decoder.small and o_proj.plain is not None
+    calls = []
+    kernel = torch.ops.s3_cpu.small_linear
+
+    def counted(out, x, weight, bias):
+        calls.append(x.shape[0])
+        kernel(out, x, weight, bias)
+
+    monkeypatch.setattr(fast_decoder.torch.ops.s3_cpu, "small_linear", counted)
+    weight = model.model.layers[0].self_attn.o_proj.weight  # [hidden, hidden]
+    for tokens in (1, SMALL_LINEAR_MAX_TOKENS, SMALL_LINEAR_MAX_TOKENS + 1):
+        x = torch.randn(tokens, weight.shape[1], generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+        torch.testing.assert_close(o_proj(x).float(), _reference(x, weight, None).float(), atol=2e-2, rtol=2**-7)
+    assert calls == [1, SMALL_LINEAR_MAX_TOKENS]  # past the limit, oneDNN's packed linear
