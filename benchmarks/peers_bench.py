@@ -73,6 +73,7 @@ class PeersBenchConfig:
         peer_venv: the peer virtual environment (vLLM and llama-server).
         openvino_venv: OpenVINO GenAI's virtual environment.
         single_output_tokens: tokens of the single-stream request (the first P8 prompt, alone).
+        q4_1_kv_gibs: the budgets of llama.cpp's second row, on the shipped Q4_1 GGUF (None: every budget).
         peer_timeout_s: limit of one vLLM run, start-up included.
         preemption_mode: how our engines preempt ("recompute": as vLLM V1, its only mechanism).
     """
@@ -95,12 +96,14 @@ class PeersBenchConfig:
     peer_venv: Path = PEER_VENV
     openvino_venv: Path = OPENVINO_VENV
     single_output_tokens: int = 128
+    q4_1_kv_gibs: tuple[float, ...] | None = None
     peer_timeout_s: float = 1200.0
     preemption_mode: str = "recompute"
 
 
 def quick_config(**overrides) -> PeersBenchConfig:
-    return PeersBenchConfig(**{"kv_gibs": (1.0, 0.05), **overrides})
+    """1 and 0.05 GiB; llama.cpp's Q4_1 row at 1 GiB only (each llama.cpp run takes 4-5 minutes here)."""
+    return PeersBenchConfig(**{"kv_gibs": (1.0, 0.05), "q4_1_kv_gibs": (1.0,), **overrides})
 
 
 def p8_output_lengths(num_requests: int, median: float, sigma: float, cap: int, seed: int) -> list[int]:
@@ -181,8 +184,8 @@ SYSTEM_POLICIES = {"vllm": "paged (vLLM)", "llamacpp": "slots (llama.cpp)", "ope
 
 
 def run_plan(config: PeersBenchConfig, precision: str) -> list[tuple[float, str, str, str]]:
-    """(KV GiB, system, policy, precision) of every run, budget by budget; llama.cpp twice per budget, at our
-    precision and at its users' default (the shipped Q4_1)."""
+    """(KV GiB, system, policy, precision) of every run, budget by budget; llama.cpp at our precision and, at
+    `q4_1_kv_gibs`, at its users' default (the shipped Q4_1)."""
     plan = []
     for gib in config.kv_gibs:
         for system in (s for s in SYSTEMS if s in config.systems):
@@ -190,7 +193,7 @@ def run_plan(config: PeersBenchConfig, precision: str) -> list[tuple[float, str,
                 plan += [(gib, system, policy, precision) for policy in config.policies]
             else:
                 plan += [(gib, system, SYSTEM_POLICIES[system], precision)]
-                if system == "llamacpp":
+                if system == "llamacpp" and (config.q4_1_kv_gibs is None or gib in config.q4_1_kv_gibs):
                     plan.append((gib, system, SYSTEM_POLICIES[system], "q4_1"))
     return plan
 

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from benchmarks.peers_bench import PeersBenchConfig, build_workload, p8_output_lengths, peer_environment, run, run_plan
+from benchmarks.peers_bench import (PeersBenchConfig, build_workload, p8_output_lengths, peer_environment, quick_config,
+                                    run, run_plan)
 from benchmarks.peers_report import report
 from workers.engine.runtime import resolve_dtype
 
@@ -112,6 +113,8 @@ def test_the_plan_runs_llamacpp_at_our_precision_and_at_q4_1_and_only_the_chosen
     assert plan[:4] == [(1.0, "llamacpp", "slots (llama.cpp)", "bf16"), (1.0, "llamacpp", "slots (llama.cpp)", "q4_1"),
                         (1.0, "ours", "paged_greedy", "bf16"), (1.0, "ours", "s3_peak", "bf16")]
     assert len(plan) == 8 and {system for _, system, _, _ in plan} == {"ours", "llamacpp"}
+    quick = run_plan(quick_config(systems=("llamacpp",)), "bf16")
+    assert [(gib, precision) for gib, _, _, precision in quick] == [(1.0, "bf16"), (1.0, "q4_1"), (0.05, "bf16")]
 
 
 def test_an_unknown_system_or_a_missing_peer_environment_fails_before_anything_loads(tmp_path):
