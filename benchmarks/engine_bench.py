@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS, encode_chat, read_prompts, spread_sample
 from benchmarks.report import environment, format_table, write_json
-from benchmarks.roofline import DecoderShape, Limits, StepCost, decode_step_cost, measure_limits
+from benchmarks.roofline import DecoderShape, Limits, decode_step_cost, measure_limits, run_cost
 from workers.engine.engine import Engine
 from workers.engine.model_runner import pool_shape_for
 from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
@@ -276,10 +276,8 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
             "mean_output_tokens": sum(lengths) / len(lengths),
             "max_output_tokens": max(lengths),
             "mean_prompt_tokens": sum(len(p) for p in prompts) / len(prompts),
-            # a lower bound on the run's time: each step reads the weights once, each token costs its FLOPs
-            "share_of_limit": limits.floor_s(StepCost(
-                engine.num_steps * shape.matmul_params * shape.bytes_per_param,
-                2 * shape.matmul_params * (engine_tokens + sum(len(p) for p in prompts)))) / engine_s,
+            "share_of_limit": limits.floor_s(run_cost(shape, engine.num_steps, sum(len(p) for p in prompts),
+                                                      engine_tokens)) / engine_s,
         })
         del engine
     primary = next((r for r in runs if r["batch_size"] == config.primary_batch_size), runs[-1])

@@ -109,6 +109,9 @@ async def _stream_one(client: httpx.AsyncClient, body: dict) -> dict:
     """One streamed request alone: tokens, seconds to the first token and to the last."""
     begin_s, first_s, final = time.monotonic(), None, {}
     async with client.stream("POST", "/completion", json={**body, "stream": True}) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            raise ValueError(f"llama-server answered HTTP {response.status_code}: {text[:300]}")
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
@@ -171,7 +174,8 @@ def run_llamacpp(binary: Path, gguf: Path, requests: list[dict], plan: SlotPlan,
     try:
         return _serve(binary, gguf, requests, plan, threads, port, log_path, timeout_s, single, repack=True)
     except IllegalInstruction as error:
-        result = _serve(binary, gguf, requests, plan, threads, port, log_path, timeout_s, single, repack=False)
+        retry_log = log_path.with_name(log_path.stem + "-no-repack.log")  # the first log keeps the fault
+        result = _serve(binary, gguf, requests, plan, threads, port, retry_log, timeout_s, single, repack=False)
         result["scheduler"]["repack"] = f"off: with it, {error}"
         return result
 

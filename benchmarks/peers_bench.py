@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.policy_bench_config import PolicyBenchConfig
-from benchmarks.policy_replay import run_policy
+from benchmarks.policy_replay import run_policy, warm_up_prompts
 from benchmarks.policy_summary import summarize
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.peer_process import run_peer_script, wire
@@ -184,15 +184,16 @@ SYSTEM_POLICIES = {"vllm": "paged (vLLM)", "llamacpp": "slots (llama.cpp)", "ope
 
 
 def run_plan(config: PeersBenchConfig, precision: str) -> list[tuple[float, str, str, str]]:
-    """(KV GiB, system, policy, precision) of every run, budget by budget; llama.cpp at our precision and, at
-    `q4_1_kv_gibs`, at its users' default (the shipped Q4_1)."""
+    """(KV GiB, system, policy, precision) of every run, budget by budget. Ours and OpenVINO at `precision`
+    (bf16, or fp32 on a CPU without bf16 instructions); vLLM and llama.cpp always at bf16 (their bf16 weights),
+    llama.cpp also, at `q4_1_kv_gibs`, at its users' default (the shipped Q4_1)."""
     plan = []
     for gib in config.kv_gibs:
         for system in (s for s in SYSTEMS if s in config.systems):
             if system == "ours":
                 plan += [(gib, system, policy, precision) for policy in config.policies]
             else:
-                plan += [(gib, system, SYSTEM_POLICIES[system], precision)]
+                plan += [(gib, system, SYSTEM_POLICIES[system], precision if system == "openvino" else "bf16")]
                 if system == "llamacpp" and (config.q4_1_kv_gibs is None or gib in config.q4_1_kv_gibs):
                     plan.append((gib, system, SYSTEM_POLICIES[system], "q4_1"))
     return plan
@@ -307,12 +308,13 @@ def _single_row(system: str, precision: str, alone: dict) -> dict:
 
 
 def _single_ours(model, request, config: PeersBenchConfig) -> dict:
-    """Our engine with one request: an untimed short warm-up, then the request, stepped alone."""
+    """Our engine with one request: an untimed short warm-up on a prompt sharing nothing with it, then the
+    request, stepped alone; no prefix cache (no peer reuses a prompt either)."""
     engine = Engine(model, EngineConfig.of(kv_cache_bytes=GIB // 8, max_num_seqs=config.max_num_seqs,
                                            max_num_batched_tokens=config.max_num_batched_tokens,
-                                           max_model_len=config.max_model_len))
+                                           max_model_len=config.max_model_len, prefix_caching=False))
     warmup = SamplingParams(max_tokens=8, ignore_eos=True)
-    engine.add_request(list(request.prompt_token_ids), warmup)
+    engine.add_request(warm_up_prompts(model.config.vocab_size)[0], warmup)
     while engine.has_unfinished():
         engine.step()
     begin_s, first_s, tokens = time.monotonic(), None, 0

@@ -26,12 +26,14 @@ class DecoderShape:
     Attributes:
         matmul_params: weights multiplied per token (every linear layer and the LM head; the input
             embedding only through a tied head).
+        head_params: the LM head's share of them (a prefill computes logits for its last token only).
         num_layers, num_heads, num_kv_heads, head_dim: attention's shape.
         bytes_per_param: bytes of one weight (2 for bf16, 4 for fp32).
         kv_bytes_per_token: bytes of one token's K and V over all layers.
     """
 
     matmul_params: int
+    head_params: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -46,7 +48,7 @@ class DecoderShape:
         embedding = config.vocab_size * config.hidden_size
         tied = bool(getattr(config, "tie_word_embeddings", False))
         matmul = total_params if tied else total_params - embedding  # the head is the embedding, or its own matrix
-        return cls(matmul, config.num_hidden_layers, config.num_attention_heads,
+        return cls(matmul, embedding, config.num_hidden_layers, config.num_attention_heads,
                    getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim,
                    bytes_per_param, kv_bytes_per_token)
 
@@ -57,6 +59,14 @@ class StepCost:
 
     bytes: float
     flops: float
+
+
+def run_cost(shape: DecoderShape, steps: int, prompt_tokens: int, output_tokens: int) -> StepCost:
+    """A lower bound on a whole run's cost: each step reads the weights once; every prompt and output token
+    goes through the layers, only output tokens through the head (attention and KV reads left out)."""
+    layer_params = shape.matmul_params - shape.head_params
+    return StepCost(steps * shape.matmul_params * shape.bytes_per_param,
+                    2 * layer_params * (prompt_tokens + output_tokens) + 2 * shape.head_params * output_tokens)
 
 
 def decode_step_cost(shape: DecoderShape, context_tokens: list[int]) -> StepCost:

@@ -33,7 +33,7 @@ HEADERS = (CSRC / "vector_math.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared",
          "-fPIC", "-DNDEBUG", "-w")
 OPS = ("append_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-       "mask_disallowed_", "small_linear")
+       "mask_disallowed_", "small_linear", "small_linear_native")
 
 
 def default_cache_dir() -> Path:

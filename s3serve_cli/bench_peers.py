@@ -25,6 +25,8 @@ def _bench_peers(args: argparse.Namespace) -> int:
     base = peers_bench.quick_config() if args.quick else peers_bench.PeersBenchConfig()
     overrides = {"prompts_path": args.prompts, "systems": tuple(systems), "dtype": args.dtype,
                  "peer_venv": args.peer_venv, "openvino_venv": args.openvino_venv}
+    if args.kv_gib is not None:  # llama.cpp's Q4_1 row at every budget asked for
+        overrides["q4_1_kv_gibs"] = None
     overrides |= given((("kv_gibs", args.kv_gib), ("max_num_seqs", args.max_num_seqs),
                         ("max_num_batched_tokens", args.max_num_batched_tokens)))
     if not natural:
@@ -132,6 +134,6 @@ def add_peers_parser(benches) -> None:
                        help="OpenVINO GenAI's virtual environment, made by `make peers` (default: %(default)s)")
     peers.add_argument("--single-output-tokens", type=int, default=None, metavar="N",
                        help="p8: tokens of the single-stream request (default 128)")
-    peers.add_argument("--log-dir", type=Path, default=None, help="where vLLM's logs go (default: a temp dir)")
+    peers.add_argument("--log-dir", type=Path, default=None, help="where the peers' logs go (default: a temp dir)")
     peers.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")
     peers.set_defaults(handler=_bench_peers)

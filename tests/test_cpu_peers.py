@@ -13,6 +13,7 @@ import pytest
 from benchmarks import cpu_peers, llamacpp_peer
 from benchmarks.gguf_bf16 import BF16_FILE_TYPE, write_bf16_gguf
 from benchmarks.llamacpp_peer import SlotPlan, completion_body, generated_tokens, server_command, slot_plan
+from benchmarks.peers_bench import PEER_SCRIPT
 from benchmarks.traces import ReplayRequest
 
 
@@ -85,11 +86,12 @@ def test_a_missing_openvino_environment_names_make_peers(tmp_path):
         cpu_peers.openvino_python(tmp_path)
 
 
-def test_the_openvino_script_imports_nothing_of_ours_and_explains_its_arguments():
-    result = subprocess.run([sys.executable, str(cpu_peers.OPENVINO_SCRIPT)], capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 2 and "usage: openvino_peer.py SPEC.json OUT.json" in result.stderr
-    source = cpu_peers.OPENVINO_SCRIPT.read_text()
+@pytest.mark.parametrize("script", [cpu_peers.OPENVINO_SCRIPT, PEER_SCRIPT], ids=["openvino", "vllm"])
+def test_each_peer_script_imports_nothing_of_ours_and_explains_its_arguments(script):
+    # run by path, as the bench runs them: the shared command line comes from the script's own folder
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"usage: {script.name} SPEC.json OUT.json" in result.stderr
+    source = script.read_text()
     assert "from benchmarks" not in source and "import workers" not in source
 
 

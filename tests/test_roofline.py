@@ -7,10 +7,10 @@ import torch
 
 from benchmarks import roofline
 from benchmarks.engine_bench import decoder_shape, roofline_lines
-from benchmarks.roofline import DecoderShape, Limits, StepCost, decode_step_cost
+from benchmarks.roofline import DecoderShape, Limits, StepCost, decode_step_cost, run_cost
 from workers.engine.models import make_tiny_model, tiny_llama_config
 
-SHAPE = DecoderShape(matmul_params=1000, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, bytes_per_param=2,
+SHAPE = DecoderShape(matmul_params=1000, head_params=300, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, bytes_per_param=2,
                      kv_bytes_per_token=2 * 2 * 2 * 8 * 2)
 
 
@@ -19,6 +19,12 @@ def test_a_step_reads_the_weights_once_and_each_sequences_kv():
     assert cost.bytes == 1000 * 2 + 40 * 128
     # 2 FLOPs per weight per token, and Q.K + P.V: 2 x 2 FLOPs per head dim per context token per head per layer
     assert cost.flops == 2 * 1000 * 2 + 4 * 2 * 4 * 8 * 40
+
+
+def test_a_run_reads_the_weights_each_step_and_prompts_skip_the_head():
+    cost = run_cost(SHAPE, steps=10, prompt_tokens=50, output_tokens=20)
+    assert cost.bytes == 10 * 1000 * 2
+    assert cost.flops == 2 * 700 * 70 + 2 * 300 * 20
 
 
 def test_batching_adds_flops_but_not_weight_bytes():
@@ -53,6 +59,7 @@ def test_a_tied_head_is_the_embedding_an_untied_one_its_own_matrix(tied):
     embedding = config.vocab_size * config.hidden_size
     shape = DecoderShape.of(config, total_params=10 * embedding, bytes_per_param=4, kv_bytes_per_token=64)
     assert shape.matmul_params == (10 * embedding if tied else 9 * embedding)
+    assert shape.head_params == embedding
     assert shape.head_dim == config.hidden_size // config.num_attention_heads
     assert shape.num_kv_heads == config.num_key_value_heads
 

@@ -19,7 +19,7 @@ def _reference(x, weight, bias):
     return (out if bias is None else out + bias.float()).to(torch.bfloat16)
 
 
-# K: whole 32-element slices and a masked tail; N: whole 4-row blocks and leftovers; M: 1..4 and past a block
+# K: whole 32-element slices and a masked tail; N: whole 8-row blocks and leftovers; M: 1, 2 and past a block
 @pytest.mark.parametrize("tokens", [1, 2, 3, 4, 5, 8, 13])
 @pytest.mark.parametrize("in_features, out_features", [(576, 960), (40, 7), (1536, 130), (96, 1)])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -35,8 +35,17 @@ def test_small_linear_is_the_fp32_sum_rounded_once(tokens, in_features, out_feat
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2**-7)
 
 
+def test_the_kernel_says_whether_it_was_built_for_the_cpus_bf16_dots():
+    # built with -march=native: never native where the CPU lacks the instructions; here gcc >= 11 has them
+    assert torch.ops.s3_cpu.small_linear_native() == ("avx512_bf16" in cpu_flags())
+
+
 def test_small_linear_refuses_what_it_cannot_compute():
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        strided = torch.zeros(2, 16, dtype=torch.bfloat16)[:, :8]  # rows 16 apart
+        torch.ops.s3_cpu.small_linear(torch.empty(2, 4, dtype=torch.bfloat16), strided,
+                                      torch.zeros(4, 8, dtype=torch.bfloat16), None)
     with pytest.raises(RuntimeError, match="bf16"):
         torch.ops.s3_cpu.small_linear(torch.empty(2, 4), x.float(), torch.zeros(4, 8), None)
     with pytest.raises(RuntimeError, match=r"weight must be \[N, 8\]"):
@@ -47,7 +56,8 @@ def test_small_linear_refuses_what_it_cannot_compute():
                                       torch.zeros(4, 8, dtype=torch.bfloat16), None)
 
 
-@pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the kernel is used only with AVX512-BF16")
+@pytest.mark.skipif(not torch.ops.s3_cpu.small_linear_native(), reason="the kernel is used only where it is built "
+                    "for AVX512-BF16 (the test above checks the plain loop's results)")
 def test_the_fast_path_takes_the_kernel_for_few_tokens_and_onednn_for_many(monkeypatch):
     model = make_tiny_model(seed=5, init_std=0.2).to(torch.bfloat16)
     decoder = FastDecoder(copy.deepcopy(model), max_positions=64)

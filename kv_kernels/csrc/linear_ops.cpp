@@ -1,16 +1,16 @@
 // A bf16 linear for few tokens: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias), fp32 accumulation.
 //
-// Decoding a few sequences reads every weight once per step and multiplies it by only M
-// tokens, so the step is bound by memory bandwidth. oneDNN's packed bf16 linear reaches
-// about 14 GB/s here at M = 1 (its AMX kernels are built for large M); a fp32 GEMV of the
-// same size streams at ~36 GB/s. This kernel streams the plain row-major weight: each
-// 32-element slice of 4 weight rows is loaded once and dotted (vdpbf16ps, bf16 pairs into
-// fp32) with up to 4 token rows; larger M re-reads the 4 rows from L1 for the next 4
-// tokens. Output rows are split across threads (at::parallel_for). The sum is rounded to
-// bf16 once, after the bias, as oneDNN rounds.
+// Decoding one sequence reads every weight once per step and multiplies it by a single
+// token, so the step is bound by memory bandwidth. oneDNN's packed bf16 linear streams its
+// weights at 10-14 GB/s here at M = 1 (its AMX kernels are built for large M), of the
+// machine's 19-24. This kernel streams the plain row-major weight: each 32-element slice of
+// 8 weight rows is loaded once and dotted (vdpbf16ps, bf16 pairs into fp32) with up to 2
+// token rows; more tokens re-read the 8 rows from L1 for the next 2. Output rows are split
+// across threads (at::parallel_for). The sum is rounded to bf16 once, after the bias, as
+// oneDNN rounds. From 2 tokens on oneDNN is as fast or faster, and the engine uses it.
 //
-// Built without AVX512-BF16 it is a plain loop (correct, slow): the engine uses it only
-// where the CPU has AVX512-BF16 (workers/engine/fast_decoder.py).
+// Built without AVX512-BF16 it is a plain loop (correct, slow), and `small_linear_native`
+// says so: the engine then keeps oneDNN (workers/engine/fast_decoder.py).
 #include "vector_math.h"
 
 namespace s3_cpu {
@@ -83,9 +83,9 @@ void weight_rows(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int6
 
 void small_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                   const c10::optional<at::Tensor>& bias) {
-  check_rows(x, "x");
-  check_rows(weight, "weight");
-  check_rows(out, "out");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous(),
+              "small_linear takes contiguous x, weight and out");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2, "small_linear takes 2-D x, weight and out");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16,
               "small_linear takes bf16 x, weight and out");
@@ -106,10 +106,20 @@ void small_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight
                    [&](int64_t begin, int64_t end) { weight_rows(xp, wp, bias_ptr, op, M, K, N, begin, end); });
 }
 
+// True when this build streams with vdpbf16ps (compiled for a CPU with AVX512-BF16).
+bool small_linear_native() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(s3_cpu, m) {
   m.def("small_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  m.def("small_linear_native() -> bool", &small_linear_native);
 }
 
 TORCH_LIBRARY_IMPL(s3_cpu, CPU, m) {

@@ -53,7 +53,6 @@ import torch
 import torch.nn.functional as F
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
-from workers.engine.runtime import cpu_flags
 
 # Attention for one layer: (layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D], sliding window in tokens or 0)
 # -> [T, H, D]
@@ -193,8 +192,8 @@ class FastDecoder:
         self.is_packed = (self.device.type == "cpu" and self.dtype == torch.bfloat16
                           and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
         self.concatenates = self.is_packed or self.device.type == "cuda"
-        # the few-token kernel: where the C++ kernels run and the CPU dots bf16 pairs natively
-        self.small = self.is_packed and self.ops is cpu_kernels and "avx512_bf16" in cpu_flags()
+        # the few-token kernel: where the C++ kernels run, built to dot bf16 pairs natively (AVX512-BF16)
+        self.small = self.is_packed and self.ops is cpu_kernels and bool(torch.ops.s3_cpu.small_linear_native())
         self.embed_weight = inner.embed_tokens.weight  # [vocab, hidden]
         embed_scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden), in the model's dtype
         self.embed_scale = None if embed_scale is None else embed_scale.to(self.dtype)
