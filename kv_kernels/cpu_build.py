@@ -25,7 +25,8 @@ import torch
 from filelock import FileLock
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "token_mask.cpp", CSRC / "linear_ops.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "token_mask.cpp", CSRC / "linear_ops.cpp",
+           CSRC / "amx_linear.cpp")
 HEADERS = (CSRC / "vector_math.h",)
 # -fopenmp: at::parallel_for is an inline OpenMP loop, so it runs serially unless this file is
 # compiled with OpenMP; linking against torch's own libgomp (searched first, see -L below)
@@ -33,7 +34,8 @@ HEADERS = (CSRC / "vector_math.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-std=c++17", "-shared",
          "-fPIC", "-DNDEBUG", "-w")
 OPS = ("append_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
-       "mask_disallowed_", "small_linear", "small_linear_native")
+       "mask_disallowed_", "small_linear", "small_linear_native",
+       "amx_linear", "amx_linear_native")
 
 
 def default_cache_dir() -> Path:

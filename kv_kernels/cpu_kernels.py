@@ -113,3 +113,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
     _ops().silu_and_mul(out, x)
     return out
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [N, K] (K a multiple of 32) in the tile layout `s3_cpu.amx_linear` streams:
+    [ceil(N / 64), K / 32, 4, 16, 32], zero columns past N (see kv_kernels/csrc/amx_linear.cpp)."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.bfloat16 or in_features % 32:
+        raise ValueError(f"amx_pack takes a bf16 weight with a multiple of 32 inputs, not {weight.dtype} "
+                         f"[{out_features}, {in_features}]")
+    padded = -out_features % 64
+    w = torch.cat([weight, weight.new_zeros(padded, in_features)]) if padded else weight  # [N_pad, K]
+    # n = (group, tile, column), k = (slice, row, pair) -> [group, slice, tile, row, column, pair]
+    w = w.reshape(-1, 4, 16, in_features // 32, 16, 2).permute(0, 3, 1, 4, 2, 5)
+    return w.contiguous().reshape(-1, in_features // 32, 4, 16, 32)

@@ -7,7 +7,7 @@ import torch
 
 from kv_kernels import cpu_build
 from workers.engine import fast_decoder
-from workers.engine.fast_decoder import SMALL_LINEAR_MAX_TOKENS, FastDecoder
+from workers.engine.fast_decoder import FEW_TOKEN_KERNELS, FastDecoder
 from workers.engine.models import make_tiny_model
 from workers.engine.runtime import cpu_flags
 
@@ -56,23 +56,38 @@ def test_small_linear_refuses_what_it_cannot_compute():
                                       torch.zeros(4, 8, dtype=torch.bfloat16), None)
 
 
-@pytest.mark.skipif(not torch.ops.s3_cpu.small_linear_native(), reason="the kernel is used only where it is built "
-                    "for AVX512-BF16 (the test above checks the plain loop's results)")
-def test_the_fast_path_takes_the_kernel_for_few_tokens_and_onednn_for_many(monkeypatch):
+@pytest.mark.skipif(fast_decoder.few_token_kernel() is None, reason="no few-token kernel is built natively here "
+                    "(the tests above and in test_amx_linear.py check the kernels' results)")
+@pytest.mark.parametrize("kernel", ["native", "small_linear"])
+def test_the_fast_path_takes_the_few_token_kernel_up_to_its_limit_and_onednn_past_it(monkeypatch, kernel):
     model = make_tiny_model(seed=5, init_std=0.2).to(torch.bfloat16)
     decoder = FastDecoder(copy.deepcopy(model), max_positions=64)
-    o_proj = decoder.layers[0].o_proj
-    assert decoder.small and o_proj.plain is not None
+    assert decoder.few_token == fast_decoder.few_token_kernel()  # AMX where the build has it, else vdpbf16ps
+    weight = model.model.layers[0].self_attn.o_proj.weight  # [hidden, hidden]
+    with torch.no_grad():
+        o_proj = (decoder.layers[0].o_proj if kernel == "native"
+                  else fast_decoder._Linear(weight, None, pack=True, few_token="small_linear"))
+    name = o_proj.few_token
+    limit = FEW_TOKEN_KERNELS[name]
     calls = []
-    kernel = torch.ops.s3_cpu.small_linear
+    op = getattr(torch.ops.s3_cpu, name)
 
     def counted(out, x, weight, bias):
         calls.append(x.shape[0])
-        kernel(out, x, weight, bias)
+        op(out, x, weight, bias)
 
-    monkeypatch.setattr(fast_decoder.torch.ops.s3_cpu, "small_linear", counted)
-    weight = model.model.layers[0].self_attn.o_proj.weight  # [hidden, hidden]
-    for tokens in (1, SMALL_LINEAR_MAX_TOKENS, SMALL_LINEAR_MAX_TOKENS + 1):
+    monkeypatch.setattr(fast_decoder.torch.ops.s3_cpu, name, counted)
+    for tokens in sorted({1, limit, limit + 1}):
         x = torch.randn(tokens, weight.shape[1], generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
         torch.testing.assert_close(o_proj(x).float(), _reference(x, weight, None).float(), atol=2e-2, rtol=2**-7)
-    assert calls == [1, SMALL_LINEAR_MAX_TOKENS]  # past the limit, oneDNN's packed linear
+    assert calls == sorted({1, limit})  # past the limit, oneDNN's packed linear
+
+
+def test_the_few_token_kernel_is_the_fastest_one_the_build_has():
+    flags = cpu_flags()
+    if torch.ops.s3_cpu.amx_linear_native():
+        assert fast_decoder.few_token_kernel() == "amx_linear"
+    elif "avx512_bf16" in flags:
+        assert fast_decoder.few_token_kernel() == "small_linear"
+    else:
+        assert fast_decoder.few_token_kernel() is None

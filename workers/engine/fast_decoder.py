@@ -24,10 +24,12 @@ tanh-GELU MLP and `query_pre_attn_scalar` as the attention scale.
 
 In bf16 the linears use oneDNN weights packed once for AMX/AVX512-BF16 (1.5-2x
 faster than `F.linear` here); in fp32 they are `F.linear`, the very op HF calls.
-A bf16 step of one token (one sequence decoding alone) reads every weight for a
-single row, and oneDNN's kernels stream them at 10-13 GB/s of this machine's ~19:
-there the C++ kernel `s3_cpu.small_linear` dots the plain weights with vdpbf16ps
-(SmolLM2: 14 instead of 20 ms of linears per step; `kv_kernels/csrc/linear_ops.cpp`).
+A decode step of one to a few dozen tokens reads every weight for a handful of
+rows, and oneDNN's kernels stream them at 7-10 GB/s of this machine's ~22: up to
+32 tokens the C++ kernel `s3_cpu.amx_linear` runs AMX tiles over a copy of the
+weights packed for them (14-15 GB/s; `kv_kernels/csrc/amx_linear.cpp`), and on
+CPUs with AVX512-BF16 but no AMX `s3_cpu.small_linear` dots the plain weights
+with vdpbf16ps at one token (`kv_kernels/csrc/linear_ops.cpp`).
 The elementwise kernels round to bf16 where HF's bf16 modules round, so logits
 track HF's bf16 forward (the tests state the tolerance).
 
@@ -110,28 +112,48 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-# Up to this many tokens, a CPU bf16 linear streams its plain weight through `s3_cpu.small_linear`
-# (vdpbf16ps); from 2 tokens on, oneDNN's packed AMX kernels are as fast or faster (measured here).
-SMALL_LINEAR_MAX_TOKENS = 1
+# Few-token CPU bf16 kernels, by name, and the most tokens each takes; past that, oneDNN's packed linear.
+# Measured here streaming SmolLM2's 30 layers and head: `amx_linear` (AMX tiles on a weight packed for them)
+# 14-15 GB/s from 1 to 16 tokens and 10-11 at 32, oneDNN 7-10 GB/s over the same range and even at 48;
+# `small_linear` (vdpbf16ps on the plain weight, for CPUs with AVX512-BF16 but no AMX) wins at 1 token only.
+FEW_TOKEN_KERNELS = {"amx_linear": 32, "small_linear": 1}
+
+
+def few_token_kernel() -> str | None:
+    """The few-token kernel the CPU kernels' build runs natively here (see FEW_TOKEN_KERNELS), or None."""
+    if torch.ops.s3_cpu.amx_linear_native():
+        return "amx_linear"
+    if torch.ops.s3_cpu.small_linear_native():
+        return "small_linear"
+    return None
 
 
 class _Linear:
-    """y = x @ W^T (+ b) for x [T, in]; oneDNN-packed weights in bf16 on CPU, `F.linear` otherwise. With
-    `small`, a CPU bf16 call of at most SMALL_LINEAR_MAX_TOKENS tokens runs the C++ kernel on the plain weight
-    (kept beside the packed copy: the model's bf16 weights in memory twice)."""
+    """y = x @ W^T (+ b) for x [T, in]; oneDNN-packed weights in bf16 on CPU, `F.linear` otherwise. With a
+    `few_token` kernel (a FEW_TOKEN_KERNELS name), CPU bf16 calls of up to its token limit run it on its own copy
+    of the weight (the tile layout for `amx_linear`, plain for `small_linear`): the bf16 weights in memory twice."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, small: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
+                 few_token: str | None = None) -> None:
         self.bias = bias
         self.weight = None if pack else weight
         # packed: opaque oneDNN layout of `weight`, chosen once for AMX / AVX512-BF16
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if pack else None
-        self.plain = weight.detach().contiguous() if small else None  # [out, in] bf16
-        self.plain_bias = None if bias is None or not small else bias.detach().contiguous()
+        if few_token == "amx_linear" and weight.shape[1] % 32:
+            few_token = None  # the tiles take whole 32-deep slices of the input
+        self.few_token = few_token
+        self.few_token_max = FEW_TOKEN_KERNELS[few_token] if few_token else 0
+        self.out_features = weight.shape[0]
+        self.few_weight = None  # [N_pad/64, in/32, 4, 16, 32] for amx_linear, [out, in] for small_linear
+        if few_token is not None:
+            plain = weight.detach().contiguous()
+            self.few_weight = cpu_kernels.amx_pack(plain) if few_token == "amx_linear" else plain
+        self.few_bias = None if bias is None or few_token is None else bias.detach().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.shape[0] <= SMALL_LINEAR_MAX_TOKENS:
-            out = x.new_empty(x.shape[0], self.plain.shape[0])  # [T, out]
-            torch.ops.s3_cpu.small_linear(out, x.contiguous(), self.plain, self.plain_bias)
+        if x.shape[0] <= self.few_token_max:
+            out = x.new_empty(x.shape[0], self.out_features)  # [T, out]
+            getattr(torch.ops.s3_cpu, self.few_token)(out, x.contiguous(), self.few_weight, self.few_bias)
             return out
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -192,14 +214,14 @@ class FastDecoder:
         self.is_packed = (self.device.type == "cpu" and self.dtype == torch.bfloat16
                           and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
         self.concatenates = self.is_packed or self.device.type == "cuda"
-        # the few-token kernel: where the C++ kernels run, built to dot bf16 pairs natively (AVX512-BF16)
-        self.small = self.is_packed and self.ops is cpu_kernels and bool(torch.ops.s3_cpu.small_linear_native())
+        # the few-token kernel: where the C++ kernels run, the one their build runs natively (AMX, AVX512-BF16)
+        self.few_token = few_token_kernel() if self.is_packed and self.ops is cpu_kernels else None
         self.embed_weight = inner.embed_tokens.weight  # [vocab, hidden]
         embed_scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden), in the model's dtype
         self.embed_scale = None if embed_scale is None else embed_scale.to(self.dtype)
         self.final_norm = self._norm(inner.norm)
         self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.is_packed,
-                               self.small)
+                               self.few_token)
         layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(inner.layers))
         # [max_positions, head_dim] float32 per distinct rotary table (Gemma 3: local and global bases)
         self.cos_sin, rope_index = self._rotary_tables(inner.rotary_emb, layer_types, max_positions)
@@ -216,18 +238,18 @@ class FastDecoder:
         attn, mlp = layer.self_attn, layer.mlp
         with torch.no_grad():
             if hasattr(attn, "qkv_proj"):  # Phi-3 keeps them fused
-                qkv = [_Linear(attn.qkv_proj.weight, attn.qkv_proj.bias, self.is_packed, self.small)]
+                qkv = [_Linear(attn.qkv_proj.weight, attn.qkv_proj.bias, self.is_packed, self.few_token)]
             elif self.concatenates:
                 qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
                 qkv = [_Linear(qkv_weight, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), self.is_packed,
-                               self.small)]
+                               self.few_token)]
             else:
                 qkv = [_Linear(p.weight, p.bias, False) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
             if hasattr(mlp, "gate_up_proj"):
-                gate_up = [_Linear(mlp.gate_up_proj.weight, None, self.is_packed, self.small)]
+                gate_up = [_Linear(mlp.gate_up_proj.weight, None, self.is_packed, self.few_token)]
             elif self.concatenates:
                 gate_up = [_Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, self.is_packed,
-                                   self.small)]
+                                   self.few_token)]
             else:
                 gate_up = [_Linear(mlp.gate_proj.weight, None, False), _Linear(mlp.up_proj.weight, None, False)]
         # what the HF module passes its attention as sliding_window: its own (per layer) or the config's
@@ -241,9 +263,9 @@ class FastDecoder:
             q_norm=self._norm(getattr(attn, "q_norm", None)),
             k_norm=self._norm(getattr(attn, "k_norm", None)),
             qkv=qkv,
-            o_proj=_Linear(attn.o_proj.weight, attn.o_proj.bias, self.is_packed, self.small),
+            o_proj=_Linear(attn.o_proj.weight, attn.o_proj.bias, self.is_packed, self.few_token),
             gate_up=gate_up,
-            down=_Linear(mlp.down_proj.weight, None, self.is_packed, self.small),
+            down=_Linear(mlp.down_proj.weight, None, self.is_packed, self.few_token),
             window=int(window or 0),
             rope=rope,
         )

@@ -1,0 +1,81 @@
+"""`s3_cpu.amx_linear`, the AMX-tile bf16 linear for decode batches, against fp32 arithmetic rounded once; and the
+tile layout `amx_pack` writes."""
+
+import pytest
+import torch
+
+from kv_kernels import cpu_build, cpu_kernels
+from workers.engine.runtime import cpu_flags
+
+cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
+
+NATIVE = bool(torch.ops.s3_cpu.amx_linear_native())
+needs_amx = pytest.mark.skipif(not NATIVE, reason="this CPU or build has no AMX tiles; the kernel is never called "
+                               "here (test_the_kernel_says_whether_it_can_run checks that)")
+
+
+def _reference(x, weight, bias):
+    out = x.float() @ weight.float().T  # [M, N] exact products of the bf16 values, fp32 sums
+    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
+
+
+def test_the_kernel_says_whether_it_can_run():
+    # built with -march=native: the tiles exist where the CPU has them, and Linux (5.16 on) grants their state
+    flags = cpu_flags()
+    assert NATIVE == ("amx_tile" in flags and "amx_bf16" in flags)
+
+
+def test_the_tile_layout_holds_each_weight_once_as_tdpbf16ps_reads_it():
+    weight = torch.arange(70 * 64, dtype=torch.float32).reshape(70, 64).to(torch.bfloat16)  # [N=70, K=64]
+    packed = cpu_kernels.amx_pack(weight)  # [2 groups, 2 slices, 4 tiles, 16 rows, 32]
+    assert packed.shape == (2, 2, 4, 16, 32)
+    for n, k in [(0, 0), (0, 1), (17, 2), (63, 63), (64, 33), (69, 40)]:
+        group, tile, column = n // 64, n % 64 // 16, n % 16
+        piece, row, pair = k // 32, k % 32 // 2, k % 2
+        assert packed[group, piece, tile, row, 2 * column + pair] == weight[n, k]
+    assert packed[1, :, :, :, :].reshape(2, 4, 16, 16, 2)[:, 0, :, 6:, :].abs().sum() == 0  # columns 70-79: zeros
+    assert packed.float().sum() == weight.float().sum()
+
+
+def test_amx_pack_refuses_what_the_tiles_cannot_take():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_kernels.amx_pack(torch.zeros(8, 40, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_kernels.amx_pack(torch.zeros(8, 64))
+
+
+# M: inside one 16-row block, whole blocks and a block's tail; N: whole 64-column groups and leftovers
+@needs_amx
+@pytest.mark.parametrize("tokens", [1, 2, 7, 16, 17, 31, 32, 33])
+@pytest.mark.parametrize("in_features, out_features", [(576, 960), (64, 7), (1536, 130), (32, 1)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_linear_is_the_fp32_sum_rounded_once(tokens, in_features, out_features, with_bias):
+    gen = torch.Generator().manual_seed(tokens * 1000 + in_features + out_features)
+    x = torch.randn(tokens, in_features, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen).to(torch.bfloat16) if with_bias else None
+    out = torch.full((tokens, out_features), float("nan"), dtype=torch.bfloat16)
+    torch.ops.s3_cpu.amx_linear(out, x, cpu_kernels.amx_pack(weight), bias)
+    # the sums differ from the reference's only in order (fp32): at most one bf16 step apart
+    torch.testing.assert_close(out.float(), _reference(x, weight, bias).float(), atol=2e-2, rtol=2**-7)
+
+
+@needs_amx
+def test_amx_linear_refuses_what_it_cannot_compute():
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    packed = cpu_kernels.amx_pack(torch.zeros(8, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        strided = torch.zeros(2, 128, dtype=torch.bfloat16)[:, :64]  # rows 128 apart
+        torch.ops.s3_cpu.amx_linear(torch.empty(2, 8, dtype=torch.bfloat16), strided, packed, None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        torch.ops.s3_cpu.amx_linear(torch.empty(2, 8), x.float(), packed, None)
+    with pytest.raises(RuntimeError, match=r"amx_pack of a \[100, 64\] weight"):
+        torch.ops.s3_cpu.amx_linear(torch.empty(2, 100, dtype=torch.bfloat16), x, packed, None)
+    with pytest.raises(RuntimeError, match=r"amx_pack of a \[8, 96\] weight"):
+        torch.ops.s3_cpu.amx_linear(torch.empty(2, 8, dtype=torch.bfloat16), torch.zeros(2, 96, dtype=torch.bfloat16),
+                                    packed, None)
+    with pytest.raises(RuntimeError, match="2 rows"):
+        torch.ops.s3_cpu.amx_linear(torch.empty(3, 8, dtype=torch.bfloat16), x, packed, None)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous bf16 \[8\]"):
+        torch.ops.s3_cpu.amx_linear(torch.empty(2, 8, dtype=torch.bfloat16), x, packed,
+                                    torch.zeros(9, dtype=torch.bfloat16))
