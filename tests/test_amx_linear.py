@@ -26,15 +26,14 @@ def test_the_kernel_says_whether_it_can_run():
 
 
 def test_the_tile_layout_holds_each_weight_once_as_tdpbf16ps_reads_it():
-    weight = torch.arange(70 * 64, dtype=torch.float32).reshape(70, 64).to(torch.bfloat16)  # [N=70, K=64]
+    weight = torch.randn(70, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # [N=70, K=64]
     packed = cpu_kernels.amx_pack(weight)  # [2 groups, 2 slices, 4 tiles, 16 rows, 32]
     assert packed.shape == (2, 2, 4, 16, 32)
-    for n, k in [(0, 0), (0, 1), (17, 2), (63, 63), (64, 33), (69, 40)]:
-        group, tile, column = n // 64, n % 64 // 16, n % 16
-        piece, row, pair = k // 32, k % 32 // 2, k % 2
-        assert packed[group, piece, tile, row, 2 * column + pair] == weight[n, k]
-    assert packed[1, :, :, :, :].reshape(2, 4, 16, 16, 2)[:, 0, :, 6:, :].abs().sum() == 0  # columns 70-79: zeros
-    assert packed.float().sum() == weight.float().sum()
+    want = torch.zeros(2, 2, 4, 16, 32, dtype=torch.bfloat16)  # columns 70-127: zeros
+    for n in range(70):
+        for k in range(64):  # tile row r of a slice: the pair (2r, 2r + 1) of each of its 16 columns
+            want[n // 64, k // 32, n % 64 // 16, k % 32 // 2, 2 * (n % 16) + k % 2] = weight[n, k]
+    assert torch.equal(packed, want)
 
 
 def test_amx_pack_refuses_what_the_tiles_cannot_take():
@@ -79,3 +78,11 @@ def test_amx_linear_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match=r"bias must be a contiguous bf16 \[8\]"):
         torch.ops.s3_cpu.amx_linear(torch.empty(2, 8, dtype=torch.bfloat16), x, packed,
                                     torch.zeros(9, dtype=torch.bfloat16))
+
+
+@needs_amx
+def test_amx_linear_takes_an_empty_batch():
+    packed = cpu_kernels.amx_pack(torch.ones(8, 64, dtype=torch.bfloat16))
+    out = torch.empty(0, 8, dtype=torch.bfloat16)
+    torch.ops.s3_cpu.amx_linear(out, torch.empty(0, 64, dtype=torch.bfloat16), packed, None)
+    assert out.shape == (0, 8)

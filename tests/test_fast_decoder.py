@@ -16,7 +16,7 @@ from engine_driver import ARCHITECTURES, SHAPE, tiny_architecture
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.fast_decoder import FastDecoder, unsupported_reason
+from workers.engine.fast_decoder import FastDecoder, few_token_kernel, unsupported_reason
 from workers.engine.models import make_tiny_model, tiny_llama_config
 from workers.values.sampling_params import SamplingParams
 
@@ -124,6 +124,21 @@ def test_fast_forward_with_the_torch_ops_matches_the_hf_forward(dtype):
     else:
         assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
         assert (got.float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_each_architecture_forwards_as_hugging_face_with_the_few_token_kernel_in_bf16(name):
+    """What a CPU decode step of up to 32 sequences runs: every linear through the few-token kernel (AMX here)."""
+    model = tiny_architecture(name).to(torch.bfloat16)
+    fast = FastDecoder(model, max_positions=64)
+    assert fast.few_token == few_token_kernel()
+    tokens = 24 if fast.few_token == "amx_linear" else 1  # within the kernel's limit (FEW_TOKEN_KERNELS)
+    prompt = torch.randint(3, 256, (tokens,), generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        want = model(prompt[None]).logits[0].float()  # [T, V]
+        got, _ = fast.forward(prompt, torch.arange(tokens), _windowed_causal(fast), torch.arange(tokens))
+    assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
+    assert (got.float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
 def _windowed_causal(fast: FastDecoder):

@@ -5,7 +5,7 @@
 // 7-10 GB/s here from M = 1 to 32 (its AMX kernels are built for large M), of the
 // machine's 19-24. This kernel streams a weight packed once for the tiles (`amx_pack` in
 // kv_kernels/cpu_kernels.py) as one sequential read per 64 output columns, prefetched
-// 8 KiB ahead, at 14-15 GB/s at M = 1 to 16 and 10-11 at M = 32 (measured here):
+// kPrefetchSlices slices ahead, at 14-15 GB/s at M = 1 to 16 and 10-11 at M = 32 (measured here):
 //
 //   packed [N_pad / 64, K / 32, 4, 16, 32] bf16: for each 64-column group and 32-deep slice
 //   of K, four 1 KiB B tiles (16 columns each); tile row r holds, for its 16 columns c, the
@@ -20,9 +20,11 @@
 //
 // Without AMX in the build, or where Linux refuses the tile state, `amx_linear_native` is
 // false and the engine keeps its other kernels (workers/engine/fast_decoder.py).
+#include <cstdint>
+
 #include "vector_math.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)  // AVX512-BF16: write_rows
 #include <sys/syscall.h>
 #include <unistd.h>
 #define S3_AMX 1
@@ -36,7 +38,8 @@ constexpr int64_t kGroupColumns = 64;  // four C tiles of 16 columns
 constexpr int64_t kSliceDepth = 32;    // K per tile step: 16 rows of bf16 pairs
 constexpr int64_t kTokenRows = 16;     // rows of an A tile and of the C tiles
 constexpr int64_t kTileElements = 16 * 32;
-constexpr int64_t kPrefetchSlices = 4;  // into L2, this many K slices (8 KiB) ahead of the tile loads
+constexpr int64_t kSliceBytes = 4 * kTileElements * 2;  // four 1 KiB B tiles per 32-deep slice
+constexpr int64_t kPrefetchSlices = 4;  // into L2, this many slices (16 KiB) ahead of the tile loads
 
 #if defined(S3_AMX)
 // Linux hands out the 8 KiB of tile state only to a process that asks (arch_prctl); once is enough.
@@ -66,8 +69,9 @@ void configure_tiles(int rows) {
   _tile_loadconfig(&config);
 }
 
-// Tiles: C 0-3, A 4, B 5-7. `x` has 16 rows of K (stride K); `group` is this group's packed slices.
-void group_block(const bf16* x, const bf16* group, int64_t K, float* sums) {
+// Tiles: C 0-3, A 4, B 5-7. `x` has the configured rows (up to 16) of K (stride K); `group` is this group's
+// packed slices; prefetches stop at `packed_end` (one past the last byte of the packed weight).
+void group_block(const bf16* x, const bf16* group, uintptr_t packed_end, int64_t K, float* sums) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -75,9 +79,12 @@ void group_block(const bf16* x, const bf16* group, int64_t K, float* sums) {
   const int64_t stride_bytes = K * static_cast<int64_t>(sizeof(bf16));
   for (int64_t k = 0; k < K; k += kSliceDepth) {
     const bf16* b = group + (k / kSliceDepth) * 4 * kTileElements;
-    // 2 KiB per slice; the prefetchers alone keep too few lines in flight (measured: 11 -> 15 GB/s)
-    const char* ahead = reinterpret_cast<const char*>(b + kPrefetchSlices * 4 * kTileElements);
-    for (int line = 0; line < 32; ++line) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+    // the prefetchers alone keep too few lines in flight (measured: 11 -> 15 GB/s); addresses as integers, so
+    // none points past the buffer
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(b) + kPrefetchSlices * kSliceBytes;
+    if (ahead < packed_end)
+      for (int64_t line = 0; line < kSliceBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + line), _MM_HINT_T1);
     _tile_loadd(4, x + k, stride_bytes);
     _tile_loadd(5, b, 64);
     _tile_dpbf16ps(0, 4, 5);
@@ -110,11 +117,12 @@ void write_rows(const float* sums, const bf16* bias, bf16* out, int64_t rows, in
   }
 }
 
-void groups(const bf16* x, const bf16* packed, const bf16* bias, bf16* out, int64_t M,
-            int64_t K, int64_t N, int64_t begin, int64_t end) {
+void groups(const bf16* x, const bf16* packed, const bf16* bias, bf16* out, int64_t M, int64_t K, int64_t N,
+            int64_t num_groups, int64_t begin, int64_t end) {
   int configured = 0;
   alignas(64) float sums[kTokenRows * kGroupColumns];
   const int64_t group_elements = (K / kSliceDepth) * 4 * kTileElements;
+  const uintptr_t packed_end = reinterpret_cast<uintptr_t>(packed + num_groups * group_elements);
   for (int64_t g = begin; g < end; ++g) {
     const int64_t n0 = g * kGroupColumns;
     const int64_t columns = std::min(kGroupColumns, N - n0);
@@ -124,7 +132,7 @@ void groups(const bf16* x, const bf16* packed, const bf16* bias, bf16* out, int6
         configure_tiles(rows);
         configured = rows;
       }
-      group_block(x + m0 * K, packed + g * group_elements, K, sums);
+      group_block(x + m0 * K, packed + g * group_elements, packed_end, K, sums);
       write_rows(sums, bias, out + m0 * N, rows, N, n0, columns);
     }
   }
@@ -157,8 +165,9 @@ void amx_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, 
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* wp = packed.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
-  at::parallel_for(0, packed.size(0), 1,
-                   [&](int64_t begin, int64_t end) { groups(xp, wp, bias_ptr, op, M, K, N, begin, end); });
+  const int64_t num_groups = packed.size(0);
+  at::parallel_for(0, num_groups, 1,
+                   [&](int64_t begin, int64_t end) { groups(xp, wp, bias_ptr, op, M, K, N, num_groups, begin, end); });
 #else
   TORCH_CHECK(false, "amx_linear: this build has no AMX (see amx_linear_native)");
 #endif

@@ -7,7 +7,8 @@
 // 8 weight rows is loaded once and dotted (vdpbf16ps, bf16 pairs into fp32) with up to 2
 // token rows; more tokens re-read the 8 rows from L1 for the next 2. Output rows are split
 // across threads (at::parallel_for). The sum is rounded to bf16 once, after the bias, as
-// oneDNN rounds. From 2 tokens on oneDNN is as fast or faster, and the engine uses it.
+// oneDNN rounds. From 2 tokens on oneDNN is as fast or faster. The engine uses this kernel on CPUs with
+// AVX512-BF16 but no AMX; with AMX, amx_linear.cpp's kernel is faster from 1 token on.
 //
 // Built without AVX512-BF16 it is a plain loop (correct, slow), and `small_linear_native`
 // says so: the engine then keeps oneDNN (workers/engine/fast_decoder.py).

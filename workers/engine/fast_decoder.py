@@ -131,7 +131,8 @@ def few_token_kernel() -> str | None:
 class _Linear:
     """y = x @ W^T (+ b) for x [T, in]; oneDNN-packed weights in bf16 on CPU, `F.linear` otherwise. With a
     `few_token` kernel (a FEW_TOKEN_KERNELS name), CPU bf16 calls of up to its token limit run it on its own copy
-    of the weight (the tile layout for `amx_linear`, plain for `small_linear`): the bf16 weights in memory twice."""
+    of the weight: the tile layout for `amx_linear` (a third copy of the bf16 weights in memory, beside the model's
+    and oneDNN's), the model's plain weight for `small_linear` (concatenated q|k|v and gate|up: copies)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
                  few_token: str | None = None) -> None:
@@ -139,8 +140,8 @@ class _Linear:
         self.weight = None if pack else weight
         # packed: opaque oneDNN layout of `weight`, chosen once for AMX / AVX512-BF16
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if pack else None
-        if few_token == "amx_linear" and weight.shape[1] % 32:
-            few_token = None  # the tiles take whole 32-deep slices of the input
+        if few_token == "amx_linear" and weight.shape[1] % 32:  # the tiles take whole 32-deep slices of the input
+            few_token = "small_linear" if torch.ops.s3_cpu.small_linear_native() else None
         self.few_token = few_token
         self.few_token_max = FEW_TOKEN_KERNELS[few_token] if few_token else 0
         self.out_features = weight.shape[0]
@@ -151,7 +152,7 @@ class _Linear:
         self.few_bias = None if bias is None or few_token is None else bias.detach().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.few_token_max:
+        if self.few_token is not None and x.shape[0] <= self.few_token_max:
             out = x.new_empty(x.shape[0], self.out_features)  # [T, out]
             getattr(torch.ops.s3_cpu, self.few_token)(out, x.contiguous(), self.few_weight, self.few_bias)
             return out
