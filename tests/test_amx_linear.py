@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kv_kernels import cpu_build, cpu_kernels
+from test_small_linear import _reference  # fp32 sums of the bf16 products, rounded once
 from workers.engine.runtime import cpu_flags
 
 cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
@@ -12,11 +13,6 @@ cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU
 NATIVE = bool(torch.ops.s3_cpu.amx_linear_native())
 needs_amx = pytest.mark.skipif(not NATIVE, reason="this CPU or build has no AMX tiles; the kernel is never called "
                                "here (test_the_kernel_says_whether_it_can_run checks that)")
-
-
-def _reference(x, weight, bias):
-    out = x.float() @ weight.float().T  # [M, N] exact products of the bf16 values, fp32 sums
-    return (out if bias is None else out + bias.float()).to(torch.bfloat16)
 
 
 def test_the_kernel_says_whether_it_can_run():

@@ -60,14 +60,7 @@ def test_small_linear_refuses_what_it_cannot_compute():
                     "(the tests above and in test_amx_linear.py check the kernels' results)")
 @pytest.mark.parametrize("kernel", ["native", "small_linear"])
 def test_the_fast_path_takes_the_few_token_kernel_up_to_its_limit_and_onednn_past_it(monkeypatch, kernel):
-    model = make_tiny_model(seed=5, init_std=0.2).to(torch.bfloat16)
-    decoder = FastDecoder(copy.deepcopy(model), max_positions=64)
-    assert decoder.few_token == fast_decoder.few_token_kernel()  # AMX where the build has it, else vdpbf16ps
-    weight = model.model.layers[0].self_attn.o_proj.weight  # [hidden, hidden]
-    with torch.no_grad():
-        o_proj = (decoder.layers[0].o_proj if kernel == "native"
-                  else fast_decoder._Linear(weight, None, pack=True, few_token="small_linear"))
-    name = o_proj.few_token
+    name = fast_decoder.few_token_kernel() if kernel == "native" else "small_linear"
     limit = FEW_TOKEN_KERNELS[name]
     calls = []
     op = getattr(torch.ops.s3_cpu, name)
@@ -76,7 +69,15 @@ def test_the_fast_path_takes_the_few_token_kernel_up_to_its_limit_and_onednn_pas
         calls.append(x.shape[0])
         op(out, x, weight, bias)
 
-    monkeypatch.setattr(fast_decoder.torch.ops.s3_cpu, name, counted)
+    monkeypatch.setattr(fast_decoder.torch.ops.s3_cpu, name, counted)  # before the linears look their kernel up
+    model = make_tiny_model(seed=5, init_std=0.2).to(torch.bfloat16)
+    decoder = FastDecoder(copy.deepcopy(model), max_positions=64)
+    assert decoder.few_token == fast_decoder.few_token_kernel()  # AMX where the build has it, else vdpbf16ps
+    weight = model.model.layers[0].self_attn.o_proj.weight  # [hidden, hidden]
+    with torch.no_grad():
+        o_proj = (decoder.layers[0].o_proj if kernel == "native"
+                  else fast_decoder._Linear(weight, None, pack=True, few_token="small_linear"))
+    assert o_proj.few_token == name
     for tokens in sorted({1, limit, limit + 1}):
         x = torch.randn(tokens, weight.shape[1], generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
         torch.testing.assert_close(o_proj(x).float(), _reference(x, weight, None).float(), atol=2e-2, rtol=2**-7)

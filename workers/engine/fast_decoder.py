@@ -144,6 +144,7 @@ class _Linear:
             few_token = "small_linear" if torch.ops.s3_cpu.small_linear_native() else None
         self.few_token = few_token
         self.few_token_max = FEW_TOKEN_KERNELS[few_token] if few_token else 0
+        self.few_op = getattr(torch.ops.s3_cpu, few_token) if few_token else None  # looked up once, not per call
         self.out_features = weight.shape[0]
         self.few_weight = None  # [N_pad/64, in/32, 4, 16, 32] for amx_linear, [out, in] for small_linear
         if few_token is not None:
@@ -152,9 +153,9 @@ class _Linear:
         self.few_bias = None if bias is None or few_token is None else bias.detach().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_token is not None and x.shape[0] <= self.few_token_max:
+        if self.few_op is not None and x.shape[0] <= self.few_token_max:
             out = x.new_empty(x.shape[0], self.out_features)  # [T, out]
-            getattr(torch.ops.s3_cpu, self.few_token)(out, x.contiguous(), self.few_weight, self.few_bias)
+            self.few_op(out, x.contiguous(), self.few_weight, self.few_bias)
             return out
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
