@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from workers.scheduling.kv_peak import peak_fits, planned_totals
+from workers.scheduling.kv_peak import holds_at_least, peak_fits, planned_totals
 
 
 def _brute_totals(plans, block_size):
@@ -48,3 +48,33 @@ def test_two_sequences_growing_into_each_other():
     assert peak_fits(plans, 4, 13) and not peak_fits(plans, 4, 12)
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         list(planned_totals(plans, 0))
+
+
+def _blocks_at(plan, step, block_size):
+    held, final, delay = plan
+    if step > delay + final - held:
+        return 0
+    return -(-min(held + max(0, step - delay), final) // block_size)
+
+
+def test_a_plan_that_holds_at_least_another_holds_as_many_blocks_at_every_step_and_fails_where_it_fails():
+    rng = random.Random(3)
+    compared = 0
+    for _ in range(3000):
+        a, b = _random_plans(rng, 2)
+        if rng.random() < 0.5:  # near misses: b grown by a little in one field
+            held, final, delay = b
+            a = (held + rng.randint(0, 3), final + rng.randint(-2, 5), max(0, delay + rng.randint(-2, 1)))
+        if not holds_at_least(a, b):
+            continue
+        compared += 1
+        block_size = rng.choice((1, 4, 16))
+        horizon = max(p[2] + p[1] - p[0] for p in (a, b)) + 2
+        assert all(_blocks_at(a, t, block_size) >= _blocks_at(b, t, block_size) for t in range(horizon)), (a, b)
+        others = _random_plans(rng, rng.randint(0, 8))
+        for budget in range(0, 60, 3):
+            if not peak_fits([*others, b], block_size, budget):
+                assert not peak_fits([*others, a], block_size, budget), (a, b, others, budget)
+    assert compared > 300
+    assert holds_at_least((10, 51, 0), (10, 50, 1))  # grows a step sooner and ends with it
+    assert not holds_at_least((12, 50, 0), (10, 50, 0))  # more held now but it ends sooner

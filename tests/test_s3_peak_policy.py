@@ -185,6 +185,41 @@ def test_s3_peak_under_predictions_preempt_and_still_finish():
     assert allocator.num_free_blocks == allocator.num_blocks
 
 
+class _AlwaysAsked(S3PeakPolicy):
+    """s3_peak whose refusals tell the scheduler nothing: it asks the peak test about every candidate."""
+
+    questions = 0
+
+    def admission_plan(self, seq, step_token_budget):
+        return None
+
+    def can_admit(self, *args):
+        type(self).questions += 1
+        return super().can_admit(*args)
+
+
+class _Counted(S3PeakPolicy):
+    questions = 0
+
+    def can_admit(self, *args):
+        type(self).questions += 1
+        return super().can_admit(*args)
+
+
+@pytest.mark.parametrize("error", [0.0, -0.5, 0.4])
+def test_s3_peak_refusals_skip_questions_the_scheduler_knows_the_answer_to_and_change_no_decision(error):
+    # A long queue and little KV: each step tries most of the queue (first fit), nearly all refused.
+    runs = []
+    for policy in (_AlwaysAsked(bucket_tokens=25), _Counted(bucket_tokens=25)):
+        seqs = make_requests(60, seed=11, prediction_error=error)
+        scheduler, _, running_counts, _ = simulate(policy, seqs, num_blocks=40)
+        runs.append((running_counts, scheduler.stats.num_preemptions, [s.num_output_tokens for s in seqs],
+                     type(policy).questions))
+    (counts_asked, preempted_asked, outputs_asked, asked), (counts, preempted, outputs, skipped) = runs
+    assert (counts, preempted, outputs) == (counts_asked, preempted_asked, outputs_asked)  # the same schedule
+    assert skipped < asked / 2, (skipped, asked)  # 35-38% of the questions here
+
+
 def test_s3_peak_refuses_a_request_whose_growth_would_collide_with_running_ones():
     policy = S3PeakPolicy()
     # One running sequence: 8 tokens now, 40 at its end. Budget: 12 blocks of 4 tokens = 48 tokens.

@@ -72,6 +72,15 @@ def planned_totals(plans: Sequence[Plan], block_size: int) -> Iterator[tuple[int
         yield step, waiting_blocks + growing_blocks + ending_blocks
 
 
+def holds_at_least(a: Plan, b: Plan) -> bool:
+    """Plan `a` holds at least as many blocks as plan `b` at every step `b` holds any, whatever the block size: it
+    holds as much now, grows no later, plans as much and ends no sooner. So if the plans beside `b` exceeded a
+    budget, those beside `a` do too."""
+    (held_a, final_a, delay_a), (held_b, final_b, delay_b) = a, b
+    return (held_a >= held_b and final_a >= final_b and delay_a <= delay_b
+            and delay_a + final_a - held_a >= delay_b + final_b - held_b)
+
+
 def peak_fits(plans: Sequence[Plan], block_size: int, num_blocks: int) -> bool:
     """Whether the plans together never hold more than `num_blocks` blocks at any future step."""
     if sum(_ceil_div(final, block_size) for _, final, _ in plans) <= num_blocks:

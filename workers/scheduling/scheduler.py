@@ -182,15 +182,20 @@ class Scheduler:
         # sorted() is stable: the policy's order holds within each class, after those passed long enough.
         order = sorted(self.policy.admission_order(self.waiting),
                        key=lambda s: (s.priority, not self._passed_enough(s)))
+        in_progress = None  # _first_blocks_in_progress(), computed again after the running set changes
+        refusals: list[tuple[object, int]] = []  # (policy's plan, blocks) refused beside the running ones or fewer
         for seq in order:
             if budget <= 0 or (len(self.running) >= self.config.max_num_seqs and not self._has_less_urgent(seq)):
                 break
-            if self._first_block_in_progress(seq):
+            if in_progress is None:
+                in_progress = self._first_blocks_in_progress()
+            if self._first_block_in_progress(seq, in_progress):
                 continue
-            blocks = self._try_allocate(seq)
+            blocks = self._try_allocate(seq, refusals)
             while blocks is None and self._less_urgent_would_make_room(seq):
                 budget += self._preempt_less_urgent(seq, out)
-                blocks = self._try_allocate(seq)
+                in_progress, refusals = None, []  # fewer running: earlier refusals prove nothing
+                blocks = self._try_allocate(seq, refusals)
             if blocks is None:
                 if self.policy.is_first_fit and not self._passed_enough(seq):
                     continue
@@ -198,6 +203,8 @@ class Scheduler:
             last_admitted[seq.priority] = max(last_admitted.get(seq.priority, -1), queue_position[seq.seq_id])
             if len(self.running) >= self.config.max_num_seqs:  # no slot left: a less urgent one gives up its own
                 budget += self._preempt_less_urgent(seq, out)
+                refusals = []
+            in_progress = None
             self.waiting.remove(seq)
             seq.first_passed_step = None
             self._prefix_hashes.pop(seq.seq_id, None)
@@ -278,19 +285,22 @@ class Scheduler:
                 return chunk.num_tokens
         return 0
 
-    def _first_block_in_progress(self, seq: Sequence) -> bool:
+    def _first_block_in_progress(self, seq: Sequence, in_progress: set[int]) -> bool:
         """A running sequence is computing the (uncached) first block `seq` would share (a sequence that scores its
-        prompt shares nothing, so never waits)."""
+        prompt shares nothing, so never waits). `in_progress`: `_first_blocks_in_progress()` of the running ones."""
         if seq.is_swapped or seq.prompt_logprobs is not None:
             return False
         first = self.allocator.first_block_hash(seq.prompt_token_ids)
-        if first is None or self.allocator.is_cached(first):
-            return False
-        return any(self._first_block.get(s.seq_id) == first and s.num_computed_tokens < self.allocator.block_size
-                   for s in self.running)
+        return first is not None and not self.allocator.is_cached(first) and first in in_progress
 
-    def _try_allocate(self, seq: Sequence) -> list[int] | None:
-        """The blocks admitting `seq` takes now, if the policy admits it and they are free; else None."""
+    def _first_blocks_in_progress(self) -> set[int]:
+        """Hashes of the first blocks running sequences are computing still."""
+        return {self._first_block[s.seq_id] for s in self.running
+                if s.seq_id in self._first_block and s.num_computed_tokens < self.allocator.block_size}
+
+    def _try_allocate(self, seq: Sequence, refusals: list[tuple[object, int]]) -> list[int] | None:
+        """The blocks admitting `seq` takes now, if the policy admits it and they are free; else None. `refusals`:
+        this step's, beside the running sequences or fewer (see `SchedulingPolicy.refused_too`); a new one joins."""
         hashes = self._shareable_hashes(seq)
         # Policies plan per sequence; a block several running sequences hold (now, or once `seq` shares
         # it) is in several plans but in the pool once. An approximation: the credit is today's sharing,
@@ -300,9 +310,16 @@ class Scheduler:
         if hashes is not None:
             num_blocks += self.allocator.num_shared_holdings + self.allocator.cached_prefix_blocks(hashes,
                                                                                                   held_only=True)
+        plan = self.policy.admission_plan(seq, self.config.max_num_batched_tokens)
+        if plan is not None and any(blocks >= num_blocks and self.policy.refused_too(plan, refused)
+                                    for refused, blocks in refusals):
+            self.policy.on_refused(seq, self.running)
+            return None
         if not self.policy.can_admit(seq, self.running, num_blocks, self.allocator.block_size,
                                      self.config.max_num_batched_tokens):
             self.policy.on_refused(seq, self.running)
+            if plan is not None:
+                refusals.append((plan, num_blocks))
             return None
         return self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq), hashes)
 

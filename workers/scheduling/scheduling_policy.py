@@ -38,6 +38,16 @@ class SchedulingPolicy(PlanningRule):
         make room?); when it refuses a waiting sequence for real, it says so through `on_refused`."""
         return True
 
+    def admission_plan(self, seq: Sequence, step_token_budget: int) -> object | None:
+        """What `can_admit` weighs of `seq`, for `refused_too`; None (the default): refusals say nothing of others."""
+        return None
+
+    def refused_too(self, plan: object, refused_plan: object) -> bool:
+        """`can_admit` refused the sequence of `refused_plan`: would it refuse that of `plan` beside the same running
+        sequences or more, with no more blocks? The scheduler then skips the question (a long queue is asked about
+        at every step while KV is short). False by default: ask."""
+        return False
+
     def choose_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence:
         """Whom to preempt when `seq` cannot grow; the newest running sequence by default."""
         return running[-1]
