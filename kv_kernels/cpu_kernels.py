@@ -18,7 +18,7 @@ from kv_kernels.attention_metadata import AttentionMetadata
 from kv_kernels.reference import copy_blocks, gather_blocks, scatter_blocks  # whole-block moves: plain copies
 
 __all__ = ["append_kv", "attention", "copy_blocks", "fused_add_rms_norm", "gather_blocks", "paged_decode_attention",
-           "prefill_attention", "rms_norm", "rotary_embedding", "scatter_blocks", "silu_and_mul"]
+           "prefill_attention", "rms_norm", "rotary_embedding", "row_argmax", "scatter_blocks", "silu_and_mul"]
 
 # bf16 prefill chunks at least this long go to SDPA, which runs QK^T and PV as GEMMs (AMX):
 # measured here, the per-query kernel wins below about 128 tokens and loses 3.5x at 512.
@@ -113,6 +113,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
     _ops().silu_and_mul(out, x)
     return out
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest logit, [N, V] -> [N] int64: the first of equals, a NaN before any number (as
+    torch.max(logits, dim=-1).indices, several times faster on a large vocabulary)."""
+    return _ops().row_argmax(logits)
 
 
 def amx_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -90,11 +90,12 @@ class Engine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, policy, preemption)
         if tensor_parallel_size > 1:
             send_config(config, self.allocator.num_blocks)  # the followers build their runners alongside
+        backend = backend or backend_for_device(device)
         runner = ModelRunner(
             model,
             self.allocator.num_blocks,
             cache.block_size,
-            backend or backend_for_device(device),
+            backend,
             tensor_parallel_size,
             max_model_len=self.max_model_len,
             use_fast_path=config.use_fast_path,
@@ -102,7 +103,7 @@ class Engine:
         # Tensor parallel: the other ranks repeat every runner call (`workers.engine.tensor_parallel`).
         self.runner = LeadRunner(runner) if tensor_parallel_size > 1 else runner
         self.eos_token_ids = _eos_ids(model)
-        self.sampler = Sampler(self.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids, backend.row_argmax)
         self.grammars = GrammarMasks(tokenizer, self.vocab_size, self.eos_token_ids,  # structured output's matchers
                                      None if device.type == "cuda" else CPU_OVERLAP_MAX_ROWS)
         wanted = probe is not None and (self.scheduler.policy.reads_prediction or not probe.refines_bounds)

@@ -1,5 +1,7 @@
 """The batched sampler: one token per row of logits, each request with its own settings and generator."""
 
+from collections.abc import Callable
+
 import torch
 
 from workers.engine.grammar_masks import mask_disallowed
@@ -19,11 +21,15 @@ class Sampler:
 
     Args:
         eos_token_ids: the model's end tokens, which min_tokens bans.
+        row_argmax: logits [N, V] -> the index of each row's largest [N] (the first of equals); the kernel
+            backend's (`kv_kernels.backend.KVKernelBackend.row_argmax`).
     """
 
-    def __init__(self, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, eos_token_ids: frozenset[int] = frozenset(),
+                 row_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self._generators: dict[object, torch.Generator] = {}
         self.eos_token_ids = eos_token_ids
+        self.row_argmax = row_argmax or (lambda logits: torch.max(logits, dim=-1).indices)
 
     def sample(self, logits: torch.Tensor, seq_ids: list, params: list[SamplingParams],
                histories: list[tuple[list[int], list[int]]] | None = None,
@@ -36,7 +42,7 @@ class Sampler:
             logits = adjust_logits(logits, params, histories, self.eos_token_ids)
         if allowed is not None:
             logits = _masked(raw, logits, allowed, [params[row] for row in allowed[0]])
-        token_ids = torch.max(logits, dim=-1).indices.tolist()  # 5x faster than argmax on bf16 here
+        token_ids = self.row_argmax(logits).tolist()
         sampled_rows = [row for row, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             picks = self._sample_rows(logits, sampled_rows, [seq_ids[r] for r in sampled_rows],
