@@ -1,4 +1,4 @@
-"""The CPU kernel's bf16 decode path (16-position chunks, AVX512-BF16 dots) against the same attention in fp32.
+"""The CPU kernel's bf16 decodes (AVX512-BF16 dots straight from the cache) against the same attention in fp32.
 
 The fp32 path is tested against the definition (sliding windows included) in test_kv_kernels.py; here the bf16
 decodes of the engine's shapes must give what it gives on the same values, rounded once to bf16.

@@ -75,101 +75,6 @@ struct WorkItem {
 
 constexpr int kQueryTile = 8;
 
-#if defined(__AVX512BF16__)
-constexpr int64_t kPrefetchChunks = 2;
-
-// A decode (one query token) on bf16 caches, in 16-position chunks read token row by token row: pass 1 dots every
-// query head with each chunk's keys (dpbf16, 16 accumulators a head, summed across lanes together), pass 2 adds the
-// chunk's weighted values in registers, two positions apart. Scores [heads, score_stride] and acc [heads, row_floats]
-// as in attend_item, which gives it its work; positions before the window's chunk are skipped.
-template <int HEAD_DIM>
-void decode_bf16(const c10::BFloat16* q_bf16, int64_t row_floats, const c10::BFloat16* k_cache,
-                 const c10::BFloat16* v_cache, const int32_t* block_table, int64_t block_size, int64_t num_kv_heads,
-                 int64_t group, int64_t seen, float scale, int64_t window, float* scores, int64_t score_stride,
-                 float* acc) {
-  using bf16 = c10::BFloat16;
-  constexpr int kSlices = HEAD_DIM / 32;  // bf16 pairs per dpbf16
-  constexpr int kVectors = HEAD_DIM / 16;  // fp32 lanes of one head's row
-  const int64_t token_stride = num_kv_heads * HEAD_DIM;
-  const int64_t num_heads = num_kv_heads * group;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, seen - window) : 0;
-  const int64_t first_chunk = lo / 16 * 16;
-  // the chunk's token rows; past the sequence's end, its first row again (scores there are never read)
-  auto chunk_rows = [&](const bf16* cache, int64_t p0, int64_t count, const bf16** rows) {
-    for (int64_t j = 0; j < 16; ++j) {
-      const int64_t pos = p0 + (j < count ? j : 0);
-      rows[j] = cache + (static_cast<int64_t>(block_table[pos / block_size]) * block_size + pos % block_size) *
-                            token_stride;
-    }
-  };
-  // Blocks lie anywhere in the pool, so the hardware prefetchers, which stop at 4 KiB pages, stall at each one
-  // (measured: 10-12 GB/s of KV): the chunk kPrefetchChunks ahead is fetched into L1 while this one is worked on.
-  const int64_t row_bytes = token_stride * static_cast<int64_t>(sizeof(bf16));
-  auto prefetch_chunk = [&](const bf16* cache, int64_t p0) {
-    for (int64_t pos = p0; pos < std::min<int64_t>(p0 + 16, seen); ++pos) {
-      const char* row = reinterpret_cast<const char*>(
-          cache + (static_cast<int64_t>(block_table[pos / block_size]) * block_size + pos % block_size) * token_stride);
-      for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
-    }
-  };
-  const bf16* rows[16];
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t ahead = 0; ahead < kPrefetchChunks; ++ahead) prefetch_chunk(k_cache, first_chunk + 16 * ahead);
-  for (int64_t p0 = first_chunk; p0 < seen; p0 += 16) {
-    prefetch_chunk(k_cache, p0 + 16 * kPrefetchChunks);
-    chunk_rows(k_cache, p0, std::min<int64_t>(16, seen - p0), rows);
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const int64_t kv_offset = h / group * HEAD_DIM;
-      __m512bh q[kSlices];
-      for (int c = 0; c < kSlices; ++c) q[c] = (__m512bh)_mm512_loadu_si512(q_bf16 + h * row_floats + 32 * c);
-      __m512 dots[16];
-      for (int j = 0; j < 16; ++j) {
-        const bf16* key = rows[j] + kv_offset;
-        __m512 sum = _mm512_setzero_ps();
-        for (int c = 0; c < kSlices; ++c) sum = _mm512_dpbf16_ps(sum, q[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
-        dots[j] = sum;
-      }
-      _mm512_storeu_ps(scores + h * score_stride + p0, _mm512_mul_ps(vscale, lane_sums16(dots)));
-    }
-  }
-  for (int64_t h = 0; h < num_heads; ++h) {
-    float* row = scores + h * score_stride;
-    std::fill(row + first_chunk, row + lo, 0.f);  // weight 0 in pass 2
-    softmax_inplace(row + lo, seen - lo);
-  }
-  std::fill(acc, acc + num_heads * row_floats, 0.f);
-  for (int64_t ahead = 0; ahead < kPrefetchChunks; ++ahead) prefetch_chunk(v_cache, first_chunk + 16 * ahead);
-  for (int64_t p0 = first_chunk; p0 < seen; p0 += 16) {
-    prefetch_chunk(v_cache, p0 + 16 * kPrefetchChunks);
-    const int64_t count = std::min<int64_t>(16, seen - p0);
-    chunk_rows(v_cache, p0, count, rows);
-    for (int64_t h = 0; h < num_heads; ++h) {
-      const int64_t kv_offset = h / group * HEAD_DIM;
-      const float* weights = scores + h * score_stride + p0;
-      float* out = acc + h * row_floats;
-      __m512 even[kVectors], odd[kVectors];  // two chains of sums: positions j and j + 1 do not wait on each other
-      for (int c = 0; c < kVectors; ++c) {
-        even[c] = _mm512_loadu_ps(out + 16 * c);
-        odd[c] = _mm512_setzero_ps();
-      }
-      int64_t j = 0;
-      for (; j + 2 <= count; j += 2) {
-        const __m512 w0 = _mm512_set1_ps(weights[j]), w1 = _mm512_set1_ps(weights[j + 1]);
-        for (int c = 0; c < kVectors; ++c) {
-          even[c] = _mm512_fmadd_ps(w0, load16(rows[j] + kv_offset + 16 * c), even[c]);
-          odd[c] = _mm512_fmadd_ps(w1, load16(rows[j + 1] + kv_offset + 16 * c), odd[c]);
-        }
-      }
-      if (j < count) {
-        const __m512 w0 = _mm512_set1_ps(weights[j]);
-        for (int c = 0; c < kVectors; ++c) even[c] = _mm512_fmadd_ps(w0, load16(rows[j] + kv_offset + 16 * c), even[c]);
-      }
-      for (int c = 0; c < kVectors; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_add_ps(even[c], odd[c]));
-    }
-  }
-}
-#endif
-
 // One work item: the tile's query tokens x every head. Both passes walk the sequence's
 // blocks once, each token's row of all KV heads in one go (rows of one token are
 // contiguous): measured on a 1 GiB pool, this reads KV at 9.5 GB/s against 6 GB/s for a
@@ -214,26 +119,6 @@ void attend_item(const WorkItem& item, const scalar_t* query, int64_t q_stride_t
       }
     }
   }
-  auto write_out = [&] {
-    for (int64_t r = 0; r < num_queries; ++r) {
-      const int64_t token = q_start + item.q_begin + r;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        scalar_t* dst = out + token * o_stride_t + h * o_stride_h;
-        const float* src = acc + (r * num_heads + h) * row_floats;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(src[d]);
-      }
-    }
-  };
-#if defined(__AVX512BF16__)
-  if constexpr (bf16_dot && HEAD_DIM > 0) {
-    if (num_queries == 1 && use_bf16_dot) {
-      decode_bf16<HEAD_DIM>(q_bf16, row_floats, k_cache, v_cache, block_table, block_size, num_kv_heads, group,
-                            max_ctx, scale, window, scores, score_stride, acc);
-      write_out();
-      return;
-    }
-  }
-#endif
   const int64_t token_stride = num_kv_heads * head_dim;
   // body(pos, first_row, token_row) for every cached position the tile sees, block by block;
   // first_row is the first query of the tile that sees pos.
@@ -296,7 +181,14 @@ void attend_item(const WorkItem& item, const scalar_t* query, int64_t q_stride_t
       }
     }
   });
-  write_out();
+  for (int64_t r = 0; r < num_queries; ++r) {
+    const int64_t token = q_start + item.q_begin + r;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      scalar_t* dst = out + token * o_stride_t + h * o_stride_h;
+      const float* src = acc + (r * num_heads + h) * row_floats;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(src[d]);
+    }
+  }
 }
 
 template <typename scalar_t>

@@ -127,31 +127,6 @@ constexpr bool kHasBf16Dot = false;
 inline float dot_bf16(const c10::BFloat16*, const c10::BFloat16*, int64_t) { return 0.f; }
 #endif
 
-#if defined(__AVX512F__)
-// Lane j of the result is the sum of the 16 lanes of v[j]: sixteen dot products' horizontal sums in 45 shuffles
-// and adds instead of sixteen reductions (16 -> 8 -> 4 -> 2 -> 1 vectors, halves, then quarters, then pairs of
-// lanes, then lanes meeting), and one permutation back to order.
-inline __m512 lane_sums16(const __m512* v) {
-  __m512 halves[8], quarters[4], pairs[2];
-  for (int i = 0; i < 8; ++i) {  // quarters 0-1: partial sums of v[2i], 2-3: of v[2i + 1]
-    const __m512 x = v[2 * i], y = v[2 * i + 1];
-    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {  // quarter k: partial sums of v[4i + k]
-    const __m512 u = halves[2 * i], w = halves[2 * i + 1];
-    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u, w, 0x88), _mm512_shuffle_f32x4(u, w, 0xDD));
-  }
-  for (int i = 0; i < 2; ++i) {  // quarter k, lanes 0 and 2: of v[8i + k]; lanes 1 and 3: of v[8i + 4 + k]
-    const __m512 a = quarters[2 * i], b = quarters[2 * i + 1];
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  }
-  // lane 4k + m: the sum of v[k + 4m]
-  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                    _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
-}
-#endif
-
 // exp(x) for x in [-87, 88], relative error < 2e-7: x = n ln2 + r, |r| <= ln2/2,
 // exp(r) by a degree-6 polynomial, 2^n from the exponent bits. Vectorises.
 inline float exp_poly(float x) {
