@@ -99,6 +99,15 @@ def test_rotary_matches_apply_rotary_pos_emb_on_strided_qkv_slices(dtype, ops):
     _close(k.reshape(5, num_kv_heads, head_dim), want_k[0].transpose(0, 1), dtype)
 
 
+@pytest.mark.parametrize("bad", [64, -1])
+def test_the_cpu_rotary_refuses_a_position_outside_its_table_and_names_it(bad):
+    cos_sin = torch.zeros(64, 16)  # positions 0-63
+    q, k = torch.zeros(3, 32), torch.zeros(3, 16)
+    with pytest.raises(RuntimeError, match=rf"positions \[{min(bad, 0)}, {max(bad, 63)}\] outside the rotary table"):
+        cpu_kernels.rotary_embedding(torch.tensor([63, bad, 0]), q, k, cos_sin, 16)
+    assert not q.any() and not k.any()  # nothing rotated
+
+
 @OPS
 @DTYPES
 def test_silu_and_mul_matches_llama_mlp_activation(dtype, ops):
