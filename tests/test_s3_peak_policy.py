@@ -190,8 +190,8 @@ class _AlwaysAsked(S3PeakPolicy):
 
     questions = 0
 
-    def admission_plan(self, seq, step_token_budget):
-        return None
+    def refused_too(self, plan, refused_plan):
+        return False
 
     def can_admit(self, *args):
         type(self).questions += 1

@@ -11,14 +11,6 @@
 namespace s3_cpu {
 namespace {
 
-template <typename scalar_t>
-int64_t first_nan(const scalar_t* row, int64_t n) {
-  for (int64_t v = 0; v < n; ++v) {
-    if (std::isnan(to_float(row[v]))) return v;
-  }
-  return -1;
-}
-
 // Goes on from position `from` with the first maximum before it (best_value at best_index, not a NaN): a strictly
 // larger value replaces it, a NaN ends the scan.
 template <typename scalar_t>
@@ -32,6 +24,13 @@ int64_t scan(const scalar_t* row, int64_t from, int64_t n, float best_value, int
     }
   }
   return best_index;
+}
+
+// The whole row, one value at a time (it returns the first NaN, if any).
+template <typename scalar_t>
+int64_t argmax_scalar(const scalar_t* row, int64_t n) {
+  const float first = to_float(row[0]);
+  return std::isnan(first) ? 0 : scan(row, 1, n, first, 0);
 }
 
 template <typename scalar_t>
@@ -51,15 +50,14 @@ int64_t argmax_row(const scalar_t* row, int64_t n) {
         best = _mm512_mask_mov_ps(best, larger, x);
         where = _mm512_mask_mov_epi32(where, larger, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(v))));
       }
-      if (nan) return first_nan(row, n);
+      if (nan) return argmax_scalar(row, n);  // finds the first NaN
       const float best_value = _mm512_reduce_max_ps(best);
       const __mmask16 holding = _mm512_cmp_ps_mask(best, _mm512_set1_ps(best_value), _CMP_EQ_OQ);
       return scan(row, v, n, best_value, _mm512_mask_reduce_min_epi32(holding, where));  // the tail
     }
   }
 #endif
-  const float first = to_float(row[0]);
-  return std::isnan(first) ? 0 : scan(row, 1, n, first, 0);
+  return argmax_scalar(row, n);
 }
 
 at::Tensor row_argmax(const at::Tensor& logits) {

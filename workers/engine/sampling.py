@@ -4,6 +4,7 @@ from collections.abc import Callable
 
 import torch
 
+from kv_kernels import reference
 from workers.engine.grammar_masks import mask_disallowed
 from workers.engine.logit_adjustments import adjust_logits
 from workers.values.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ class Sampler:
                  row_argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self._generators: dict[object, torch.Generator] = {}
         self.eos_token_ids = eos_token_ids
-        self.row_argmax = row_argmax or (lambda logits: torch.max(logits, dim=-1).indices)
+        self.row_argmax = row_argmax or reference.row_argmax
 
     def sample(self, logits: torch.Tensor, seq_ids: list, params: list[SamplingParams],
                histories: list[tuple[list[int], list[int]]] | None = None,

@@ -300,17 +300,14 @@ class S3PeakPolicy(S3Policy):
     def can_admit(
         self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int, step_token_budget: int
     ) -> bool:
-        plans = [self._plan(s, step_token_budget) for s in [*running, seq]]
+        plans = [self.admission_plan(s, step_token_budget) for s in [*running, seq]]
         return peak_fits(plans, block_size, int(num_blocks * (1 + self.overcommit)))
 
-    def _plan(self, seq: Sequence, step_token_budget: int) -> Plan:
-        # Tokens held now, tokens at its last step, and steps of prefill left before it starts growing (a chunked
-        # prompt takes several).
+    def admission_plan(self, seq: Sequence, step_token_budget: int) -> Plan:
+        """Tokens held now, tokens at its last step, and steps of prefill left before it starts growing (a chunked
+        prompt takes several)."""
         return (seq.num_tokens, self.planned_tokens_of(seq),
                 max(0, -(-seq.num_uncomputed_tokens // step_token_budget) - 1))
-
-    def admission_plan(self, seq: Sequence, step_token_budget: int) -> Plan:
-        return self._plan(seq, step_token_budget)
 
     def refused_too(self, plan: Plan, refused_plan: Plan) -> bool:
         return holds_at_least(plan, refused_plan)
