@@ -41,6 +41,7 @@ from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.peer_process import run_peer_script, wire
 from benchmarks.peers_report import report
 from benchmarks.report import percentile
+from benchmarks.roofline import host_bandwidth_gbs
 from benchmarks.traces import ReplayRequest, TraceRow, build_requests, load_prompt_texts
 from predictor_service.length_predictor import LengthQuery
 from workers.engine.model_runner import pool_shape_for
@@ -256,19 +257,22 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
             wants_single = not any(s["system"] == system and s["precision"] == run_precision for s in singles)
             alone = single if wants_single and system != "ours" else None
             name = f"{system}-{run_precision}-{gib:g}GiB"
+            host_before_gbs = host_bandwidth_gbs()
             if system == "ours":
                 row = _run_ours(model, policy, requests, estimates, config, kv_tokens * our_token_bytes,
                                 our_token_bytes, str(dtype).removeprefix("torch."))
-                if wants_single:
-                    singles.append(_single_row(system, precision, _single_ours(model, single, config)))
+                alone_row = None if not wants_single else _single_row(system, precision,
+                                                                      _single_ours(model, single, config))
             else:
                 result = _run_peer(system, config, model_dir, cache_dir, requests, gib, kv_tokens, run_precision,
                                    log_dir, name, alone)
                 row = _peer_row(result, kv_tokens * bf16_token_bytes, run_precision)
-                if alone is not None:
-                    singles.append(_single_row(system, run_precision, result["single"]))
+                alone_row = None if alone is None else _single_row(system, run_precision, result["single"])
+            host_gbs = [host_before_gbs, host_bandwidth_gbs()]  # the host around this run, its single stream too
+            if alone_row is not None:
+                singles.append({**alone_row, "host_gbs": host_gbs})
             runs.append({"system": system, "policy": policy, "precision": run_precision, "kv_gib": gib,
-                         "kv_tokens": kv_tokens, **row})
+                         "kv_tokens": kv_tokens, **row, "host_gbs": host_gbs})
             progress.update(1)
     return report(config, runs, singles, total_tokens, log_dir, json_path)
 

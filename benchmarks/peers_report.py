@@ -9,17 +9,23 @@ from workers.scheduling.policies import DEFAULT_POLICY
 def report(config, runs: list[dict], singles: list[dict], total_tokens: int, log_dir: Path,
             json_path: Path | None) -> dict:
     headers = ["system", "policy", "precision", "kv_gib", "kv_tokens", "tok/s", "preempt", "recomp_tok", "lat_p50",
-               "lat_p99", "exact"]
+               "lat_p99", "exact", "host_GB/s"]
     print(format_table(headers, [[r["system"], r["policy"], r["precision"], r["kv_gib"], r["kv_tokens"],
                                   r["tokens_per_s"], "n/a" if r["preemptions"] is None else r["preemptions"],
                                   "n/a" if r["recomputed_tokens"] is None else r["recomputed_tokens"],
-                                  r["latency_p50_s"], r["latency_p99_s"], r["exact_lengths"]] for r in runs]))
+                                  r["latency_p50_s"], r["latency_p99_s"], r["exact_lengths"], _host(r)]
+                                 for r in runs]))
     if singles:
         print(f"single stream: one request alone ({config.prompt_tokens}-token prompt, "
               f"{config.single_output_tokens} tokens), after each system's first run")
-        print(format_table(["system", "precision", "tokens", "tok/s", "ttft_ms", "tpot_ms"],
+        print(format_table(["system", "precision", "tokens", "tok/s", "ttft_ms", "tpot_ms", "host_GB/s"],
                            [[r["system"], r["precision"], r["output_tokens"], r["tokens_per_s"], r["ttft_ms"],
-                             r["tpot_ms"]] for r in singles]))
+                             r["tpot_ms"], _host(r)] for r in singles]))
+    probes = [gbs for r in runs for gbs in r["host_gbs"]]
+    if probes:
+        print(f"host_GB/s: this machine's read bandwidth just before and just after each run (a 256 MiB sum, best "
+              f"of 3), {min(probes):.1f}-{max(probes):.1f} GB/s in this invocation; every engine here reads its "
+              f"weights and KV from that memory, so a run beside a lower figure ran on a busier host")
     ratios = peer_ratios(config, runs, singles)
     ratio_rows = [[key.removeprefix("ours_vs_"), budget, value] for key, by_budget in ratios.items()
                   if key.startswith("ours_vs_") and key != "ours_vs_vllm_policy"
@@ -47,6 +53,11 @@ def report(config, runs: list[dict], singles: list[dict], total_tokens: int, log
     }
     write_json(json_path, result)
     return result
+
+
+def _host(row: dict) -> str:
+    before, after = row["host_gbs"]
+    return f"{before:.1f}/{after:.1f}"
 
 
 def peer_ratios(config, runs: list[dict], singles: list[dict]) -> dict:

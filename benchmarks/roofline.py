@@ -120,6 +120,15 @@ def measure_bandwidth_gbs(buffer_bytes: int = 1 << 30, repeats: int = 5) -> floa
     return buffer_bytes / seconds / GIGA
 
 
+HOST_PROBE_BYTES = 256 << 20
+
+
+def host_bandwidth_gbs() -> float:
+    """This machine's read bandwidth now: a 256 MiB sum, best of 3 (a few tenths of a second). Taken around each
+    run of a comparison, it shows how much of the memory the engines share other tenants were taking then."""
+    return measure_bandwidth_gbs(HOST_PROBE_BYTES, repeats=3)
+
+
 def measure_peak_gflops(dtype, size: int = 2048, repeats: int = 5) -> float:
     """Matmul throughput in `dtype`: [size, size] x [size, size] (2 size^3 FLOPs), best of `repeats`."""
     import torch

@@ -74,12 +74,15 @@ def test_our_side_prints_the_table_and_writes_the_json_keys(tmp_path, model_cach
     assert data["ratios"]["ours_vs_vllm"] == {} and data["ratios"]["by_policy"] == {}  # no peer run, no ratio
     assert [(r["system"], r["output_tokens"]) for r in data["single"]] == [("ours", 128)]
     assert data["preemption_mode"] == "recompute"  # as vLLM V1 preempts
+    for row in data["runs"] + data["single"]:  # the host's bandwidth just before and after, as the roofline reads it
+        assert len(row["host_gbs"]) == 2 and all(0.1 < gbs < 10_000 for gbs in row["host_gbs"])
+    assert "host_GB/s" in result.stdout and "GB/s in this invocation" in result.stdout
 
 
 def _row(system, policy, gib, tokens_per_s, precision="bf16"):
     return {"system": system, "policy": policy, "precision": precision, "kv_gib": gib, "kv_tokens": 100,
             "dtype": "bfloat16", "tokens_per_s": tokens_per_s, "preemptions": 0, "recomputed_tokens": 0,
-            "latency_p50_s": 1.0, "latency_p99_s": 2.0, "exact_lengths": True}
+            "latency_p50_s": 1.0, "latency_p99_s": 2.0, "exact_lengths": True, "host_gbs": [20.0, 18.5]}
 
 
 def test_each_of_our_policies_is_compared_with_each_peer_on_its_own_run_never_the_better_of_ours(tmp_path):
@@ -102,10 +105,22 @@ def test_single_streams_are_compared_on_tokens_per_second_of_one_request_alone(t
     assert ours["ttft_ms"] == pytest.approx(100.0)
     peer = _single_row("openvino", "bf16", {"output_tokens": 101, "latency_s": 4.2, "ttft_s": 0.2})
     runs = [_row("openvino", "paged", 0.05, 100.0), _row("ours", "s3_peak", 0.05, 150.0)]
+    ours, peer = {**ours, "host_gbs": [21.0, 21.5]}, {**peer, "host_gbs": [12.25, 19.0]}
     result = report(PeersBenchConfig(kv_gibs=(0.05,)), runs, [ours, peer], 1000, tmp_path, None)
     assert result["ratios"]["ours_vs_openvino"] == {"0.05": 1.5, "single": pytest.approx(2.0)}
     assert result["single"] == [ours, peer]
-    assert "single stream" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "single stream" in out and "12.2/19.0" in out  # the peer's single stream ran on a busier host
+
+
+def test_every_run_shows_the_hosts_bandwidth_around_it_and_the_invocations_range(tmp_path, capsys):
+    runs = [_row("vllm", "vllm", 1.0, 100.0), {**_row("ours", "s3_peak", 1.0, 110.0), "host_gbs": [9.5, 24.25]}]
+    result = report(PeersBenchConfig(kv_gibs=(1.0,)), runs, [], 1000, tmp_path, tmp_path / "out.json")
+    out = capsys.readouterr().out
+    assert "host_GB/s" in out and "20.0/18.5" in out and "9.5/24.2" in out
+    assert "9.5-24.2 GB/s in this invocation" in out
+    assert json.loads((tmp_path / "out.json").read_text())["runs"][1]["host_gbs"] == [9.5, 24.25]
+    assert result["ratios"]["ours_vs_vllm"] == {"1.0": pytest.approx(1.1)}  # the probe informs, it never rescales
 
 
 def test_the_plan_runs_llamacpp_at_our_precision_and_at_q4_1_and_only_the_chosen_systems():

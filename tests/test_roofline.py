@@ -88,6 +88,13 @@ def test_the_measurements_divide_the_work_by_the_best_time(monkeypatch):
     assert roofline.measure_peak_gflops(torch.float32, size=64, repeats=2) == pytest.approx(2 * 64**3 / 0.5 / 1e9)
 
 
+def test_the_host_probe_reads_a_quarter_gib_three_times_and_keeps_the_best(monkeypatch):
+    calls = []
+    monkeypatch.setattr(roofline, "measure_bandwidth_gbs", lambda buffer_bytes, repeats: calls.append(
+        (buffer_bytes, repeats)) or 17.5)
+    assert roofline.host_bandwidth_gbs() == 17.5 and calls == [(256 << 20, 3)]
+
+
 def test_the_measured_limits_are_plausible():
     limits = roofline.Limits(roofline.measure_bandwidth_gbs(buffer_bytes=64 << 20, repeats=2),
                              roofline.measure_peak_gflops(torch.float32, size=256, repeats=2))
