@@ -120,12 +120,21 @@ void attend_item(const WorkItem& item, const scalar_t* query, int64_t q_stride_t
     }
   }
   const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_bytes = block_size * token_stride * static_cast<int64_t>(sizeof(scalar_t));
   // body(pos, first_row, token_row) for every cached position the tile sees, block by block;
-  // first_row is the first query of the tile that sees pos.
+  // first_row is the first query of the tile that sees pos. The next block lies anywhere in the
+  // pool, where the hardware prefetchers cannot follow: it is fetched while this one is read
+  // (measured in the engine, alternating steps in one process: decode steps 2-8% shorter from
+  // batch 1 to 128; two blocks ahead gained less).
   auto for_each_token = [&](const scalar_t* cache, auto&& body) {
     const int64_t num_blocks = (max_ctx + block_size - 1) / block_size;
     for (int64_t b = 0; b < num_blocks; ++b) {
       const scalar_t* token_row = cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
+      if (b + 1 < num_blocks) {
+        const char* next = reinterpret_cast<const char*>(cache + static_cast<int64_t>(block_table[b + 1]) *
+                                                         block_size * token_stride);
+        for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(next + line, 0, 3);
+      }
       const int64_t pos0 = b * block_size;
       const int64_t in_block = std::min(block_size, max_ctx - pos0);
       for (int64_t o = 0; o < in_block; ++o, token_row += token_stride) {
