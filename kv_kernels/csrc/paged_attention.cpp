@@ -128,11 +128,13 @@ void attend_item(const WorkItem& item, const scalar_t* query, int64_t q_stride_t
   // batch 1 to 128; two blocks ahead gained less).
   auto for_each_token = [&](const scalar_t* cache, auto&& body) {
     const int64_t num_blocks = (max_ctx + block_size - 1) / block_size;
+    auto block_rows = [&](int64_t b) {  // block b's first token row in `cache`
+      return cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
+    };
     for (int64_t b = 0; b < num_blocks; ++b) {
-      const scalar_t* token_row = cache + static_cast<int64_t>(block_table[b]) * block_size * token_stride;
+      const scalar_t* token_row = block_rows(b);
       if (b + 1 < num_blocks) {
-        const char* next = reinterpret_cast<const char*>(cache + static_cast<int64_t>(block_table[b + 1]) *
-                                                         block_size * token_stride);
+        const char* next = reinterpret_cast<const char*>(block_rows(b + 1));
         for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(next + line, 0, 3);
       }
       const int64_t pos0 = b * block_size;
