@@ -50,15 +50,20 @@ def test_greedy_answers_equal_hugging_face_generate_past_the_window(gemma3_dir):
     assert "Paris" in tokenizer.decode(got[0]) or "capital" in tokenizer.decode(got[0])
 
 
-BF16_LOGIT_TOLERANCE = 0.03  # of the largest |logit| of the row set (measured: 0.013-0.027)
+# Our bf16 logits' largest distance from HF's fp32 forward, at most this times HF's own bf16 forward's.
+BF16_ERROR_FACTOR = 2.0
 
 
-def test_bf16_logits_stay_within_a_stated_tolerance_of_hugging_faces(gemma3_dir):
-    """The engine in bf16 (paged attention, chunked prefill past the window) against HF's bf16 forward over the same
-    tokens: every logit within BF16_LOGIT_TOLERANCE of the rows' largest |logit|, and mostly the same top token (bf16
-    rounding turns near ties). For scale, HF's own bf16 logits differ from its fp32 ones by about as much."""
+def test_bf16_logits_are_as_close_to_the_fp32_forward_as_hugging_faces_bf16(gemma3_dir):
+    """The engine in bf16 (paged attention, chunked prefill past the window) against HF's fp32 forward over the same
+    tokens, with HF's bf16 forward as the yardstick: for each prompt our largest logit error is at most
+    BF16_ERROR_FACTOR times HF bf16's, and the top token mostly HF bf16's (bf16 rounding turns near ties). Two bf16
+    forwards round apart, differently on AMX and on AVX2 machines, so they meet through the fp32 one (measured on
+    an AMD EPYC with AVX2: ours 0.31-1.32 against HF's 0.40-0.95, rows' largest |logit| 22-34; their distance from
+    each other reached 1.44 there)."""
     tokenizer = load_tokenizer(gemma3_dir)
     model = load_model(gemma3_dir, dtype=torch.bfloat16)
+    exact_model = load_model(gemma3_dir, dtype=torch.float32)
     long_prompt = " ".join(f"item {i}," for i in range(130))
     ids = [tokenizer(text)["input_ids"] for text in [*PROMPTS, long_prompt]]
     engine = Engine(copy.deepcopy(model), EngineConfig.of(kv_cache_bytes=128 * 1024**2, max_model_len=1024,
@@ -83,11 +88,13 @@ def test_bf16_logits_stay_within_a_stated_tolerance_of_hugging_faces(gemma3_dir)
     with torch.no_grad():
         for seq_id, prompt in zip(seq_ids, ids):
             answer = answers[seq_id]
-            want = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1: -1].float()  # [8, vocab]
+            tokens = torch.tensor([prompt + answer])
+            want = model(tokens).logits[0, len(prompt) - 1: -1].float()  # [8, vocab]
+            exact = exact_model(tokens).logits[0, len(prompt) - 1: -1]  # [8, vocab]
             got = torch.stack(rows[seq_id])
             assert got.shape == want.shape
-            scale = want.abs().max().item()
-            assert (got - want).abs().max().item() <= BF16_LOGIT_TOLERANCE * scale, tokenizer.decode(prompt[:8])
+            ours, theirs = (got - exact).abs().max().item(), (want - exact).abs().max().item()
+            assert ours <= BF16_ERROR_FACTOR * theirs, (tokenizer.decode(prompt[:8]), ours, theirs)
             agree.append((got.argmax(-1) == want.argmax(-1)).float().mean().item())
     assert sum(agree) / len(agree) >= 0.9, agree
 

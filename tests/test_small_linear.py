@@ -100,14 +100,15 @@ def test_a_linear_takes_an_empty_batch_with_or_without_a_few_token_kernel(few_to
         pytest.skip(f"{few_token} is never used on this CPU (test_the_few_token_kernel_is_the_fastest_one_the_build_has)")
     weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.no_grad():
-        linear = fast_decoder._Linear(weight, None, pack=True, few_token=few_token)
+        pack = fast_decoder.onednn_packs_bf16()  # oneDNN's bf16 packing needs AVX512 or AVX-NE-CONVERT
+        linear = fast_decoder._Linear(weight, None, pack=pack, few_token=few_token)
     assert linear(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 8)
 
 
 def test_an_input_width_the_tiles_cannot_take_falls_back_to_the_one_token_kernel_or_onednn():
     weight = torch.randn(8, 40, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)  # 40: not 32k
     with torch.no_grad():
-        linear = fast_decoder._Linear(weight, None, pack=True, few_token="amx_linear")
+        linear = fast_decoder._Linear(weight, None, pack=fast_decoder.onednn_packs_bf16(), few_token="amx_linear")
     assert linear.few_token == ("small_linear" if torch.ops.s3_cpu.small_linear_native() else None)
     x = torch.randn(1, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     torch.testing.assert_close(linear(x).float(), _reference(x, weight, None).float(), atol=2e-2, rtol=2**-7)

@@ -56,6 +56,37 @@ int64_t argmax_row(const scalar_t* row, int64_t n) {
       return scan(row, v, n, best_value, _mm512_mask_reduce_min_epi32(holding, where));  // the tail
     }
   }
+#elif defined(S3_CPU_AVX2)
+  if constexpr (kLoads8<scalar_t>) {
+    if (n >= 8) {  // the same on 8 lanes
+      const __m256i step = _mm256_set1_epi32(8);
+      __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      __m256 best = load8(row);
+      __m256i where = at;
+      __m256 nan = _mm256_cmp_ps(best, best, _CMP_UNORD_Q);
+      int64_t v = 8;
+      for (; v + 8 <= n; v += 8) {
+        at = _mm256_add_epi32(at, step);
+        const __m256 x = load8(row + v);
+        const __m256 larger = _mm256_cmp_ps(x, best, _CMP_GT_OQ);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        best = _mm256_blendv_ps(best, x, larger);
+        where = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(where), _mm256_castsi256_ps(at), larger));
+      }
+      if (_mm256_movemask_ps(nan)) return argmax_scalar(row, n);  // finds the first NaN
+      const float best_value = hmax8(best);
+      alignas(32) float values[8];
+      alignas(32) int32_t indices[8];
+      _mm256_store_ps(values, best);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(indices), where);
+      int64_t first = n;
+      for (int j = 0; j < 8; ++j) {
+        if (values[j] == best_value) first = std::min<int64_t>(first, indices[j]);
+      }
+      return scan(row, v, n, best_value, first);  // the tail
+    }
+  }
 #endif
   return argmax_scalar(row, n);
 }

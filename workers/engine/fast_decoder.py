@@ -128,6 +128,11 @@ def few_token_kernel() -> str | None:
     return None
 
 
+def onednn_packs_bf16() -> bool:
+    """True when oneDNN packs and runs bf16 linears on this CPU (AVX512-BF16, AMX or AVX-NE-CONVERT; not AVX2 alone)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class _Linear:
     """y = x @ W^T (+ b) for x [T, in]; oneDNN-packed weights in bf16 on CPU, `F.linear` otherwise. With a
     `few_token` kernel (a FEW_TOKEN_KERNELS name), CPU bf16 calls of up to its token limit run it on its own copy
@@ -213,8 +218,7 @@ class FastDecoder:
         self.gelu = _activation(config) == "gelu_pytorch_tanh"
         inner = model.model
         # oneDNN-packed weights: CPU bf16 only; CUDA concatenates the q|k|v and gate|up weights unpacked
-        self.is_packed = (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                          and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+        self.is_packed = self.device.type == "cpu" and self.dtype == torch.bfloat16 and onednn_packs_bf16()
         self.concatenates = self.is_packed or self.device.type == "cuda"
         # the few-token kernel: where the C++ kernels run, the one their build runs natively (AMX, AVX512-BF16)
         self.few_token = few_token_kernel() if self.is_packed and self.ops is cpu_kernels else None
