@@ -100,8 +100,7 @@ def test_a_linear_takes_an_empty_batch_with_or_without_a_few_token_kernel(few_to
         pytest.skip(f"{few_token} is never used on this CPU (test_the_few_token_kernel_is_the_fastest_one_the_build_has)")
     weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.no_grad():
-        pack = fast_decoder.onednn_packs_bf16()  # oneDNN's bf16 packing needs AVX512 or AVX-NE-CONVERT
-        linear = fast_decoder._Linear(weight, None, pack=pack, few_token=few_token)
+        linear = fast_decoder._Linear(weight, None, pack=fast_decoder.onednn_packs_bf16(), few_token=few_token)
     assert linear(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 8)
 
 

@@ -1,7 +1,7 @@
 // Shared by the CPU kernels: conversions, rounding to the tensor's dtype, vectorised
-// dot/axpy/exp/softmax, argument checks. Vectorisation is explicit (AVX-512 intrinsics)
-// where it pays and plain loops elsewhere; files are compiled with -march=native on the
-// machine that runs them (kv_kernels/cpu_build.py).
+// dot/axpy/exp/softmax, argument checks. Vectorisation is explicit (AVX-512 intrinsics, or
+// AVX2 ones on CPUs without AVX-512) where it pays and plain loops elsewhere; files are
+// compiled with -march=native on the machine that runs them (kv_kernels/cpu_build.py).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -83,7 +83,9 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 #if defined(__F16C__)
-inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 template <typename scalar_t>
 constexpr bool kLoads8 = kVectorisesAny<scalar_t>;
 #else
