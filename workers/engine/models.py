@@ -189,11 +189,12 @@ def resolve_model_dir(model: str, cache_dir: Path | None = None, revision: str |
     """
     if revision is not None and not is_hub_id(model):
         raise ValueError(f"revision {revision!r} applies to a hub id (org/name); model {model!r} is not one")
-    if model == DEFAULT_MODEL:
-        return convert_gguf(find_default_gguf(), Path(cache_dir or default_cache_dir()) / DEFAULT_MODEL)
-    if model == GEMMA3_MODEL:
+    if model in (DEFAULT_MODEL, GEMMA3_MODEL):
         root = Path(cache_dir or default_cache_dir())
-        return convert_gguf(assemble_gemma3_gguf(root), root / GEMMA3_MODEL)
+        if (root / model / COMPLETE_MARKER).is_file():
+            return root / model  # converted before: its package need not be installed here (a GPU image, say)
+        gguf = find_default_gguf() if model == DEFAULT_MODEL else assemble_gemma3_gguf(root)
+        return convert_gguf(gguf, root / model)
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
