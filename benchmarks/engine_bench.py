@@ -34,6 +34,7 @@ from benchmarks.report import environment, format_table, write_json
 from benchmarks.roofline import DecoderShape, Limits, decode_step_cost, measure_limits, run_cost
 from workers.engine.engine import Engine
 from workers.engine.model_runner import pool_shape_for
+from workers.engine.linear_weights import has_bf16_linear_weights, reads_bf16_weights, round_linear_weights_to_bf16
 from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.engine.runtime import resolve_dtype
 from workers.scheduling.engine_config import EngineConfig
@@ -167,8 +168,9 @@ def profile_steps(model, prompt_stream: list[int], batch_size: int, config: Engi
 
 
 def decoder_shape(model, dtype) -> DecoderShape:
-    """The model's decode-step shape in `dtype` (weights and KV both in it)."""
-    element_bytes = torch.tensor([], dtype=dtype).element_size()
+    """The model's decode-step shape in `dtype` (weights and KV both in it; the weights in bf16 where the model's
+    linears read bf16 weights, `workers.engine.linear_weights`)."""
+    element_bytes = 2 if has_bf16_linear_weights(model) else torch.tensor([], dtype=dtype).element_size()
     total_params = sum(p.numel() for p in model.parameters())  # a tied head counted once
     return DecoderShape.of(model.config, total_params, element_bytes,
                            pool_shape_for(model.config, 1, 1, dtype).bytes_per_block)
@@ -212,6 +214,9 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     prompts = [ids for ids in (encode_chat(tokenizer, r, config.max_prompt_tokens) for r in records) if ids]
     prompts = prompts[: config.num_prompts]
     hf_model = load_model(model_dir, dtype=dtype)
+    if reads_bf16_weights(config.dtype, "cpu"):  # dtype auto on an AVX2-only CPU: both sides over the bf16 weights
+        round_linear_weights_to_bf16(hf_model)
+        dtype_name = "float32 over bf16 weights"
     engine_model = copy.deepcopy(hf_model)
     print(f"model {model_name}, {dtype_name}, {torch.get_num_threads()} torch threads")
 

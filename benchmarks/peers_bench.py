@@ -46,6 +46,7 @@ from benchmarks.traces import ReplayRequest, TraceRow, build_requests, load_prom
 from predictor_service.length_predictor import LengthQuery
 from workers.engine.model_runner import pool_shape_for
 from workers.engine.engine import Engine
+from workers.engine.linear_weights import reads_bf16_weights, round_linear_weights_to_bf16
 from workers.engine.models import DEFAULT_MODEL, default_cache_dir, load_model, load_tokenizer, resolve_model_dir
 from workers.engine.runtime import resolve_dtype, usable_cores
 from workers.scheduling.engine_config import EngineConfig
@@ -185,16 +186,19 @@ SYSTEM_POLICIES = {"vllm": "paged (vLLM)", "llamacpp": "slots (llama.cpp)", "ope
 
 
 def run_plan(config: PeersBenchConfig, precision: str) -> list[tuple[float, str, str, str]]:
-    """(KV GiB, system, policy, precision) of every run, budget by budget. Ours and OpenVINO at `precision`
-    (bf16, or fp32 on a CPU without bf16 instructions); vLLM and llama.cpp always at bf16 (their bf16 weights),
-    llama.cpp also, at `q4_1_kv_gibs`, at its users' default (the shipped Q4_1)."""
+    """(KV GiB, system, policy, precision) of every run, budget by budget. Ours at `precision`: bf16, or on a CPU
+    without bf16 instructions fp32 arithmetic over bf16 weights ("fp32+bf16w", dtype auto) or fp32 weights;
+    OpenVINO computes in bf16 or fp32 alike, over its export's fp16 weights under fp32 ("fp32+f16w"); vLLM and
+    llama.cpp always at bf16 (their bf16 weights), llama.cpp also, at `q4_1_kv_gibs`, at its users' default (the
+    shipped Q4_1)."""
     plan = []
     for gib in config.kv_gibs:
         for system in (s for s in SYSTEMS if s in config.systems):
             if system == "ours":
                 plan += [(gib, system, policy, precision) for policy in config.policies]
             else:
-                plan += [(gib, system, SYSTEM_POLICIES[system], precision if system == "openvino" else "bf16")]
+                peer_precision = "bf16" if system != "openvino" or precision == "bf16" else "fp32+f16w"
+                plan += [(gib, system, SYSTEM_POLICIES[system], peer_precision)]
                 if system == "llamacpp" and (config.q4_1_kv_gibs is None or gib in config.q4_1_kv_gibs):
                     plan.append((gib, system, SYSTEM_POLICIES[system], "q4_1"))
     return plan
@@ -233,8 +237,11 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
           f"{config.max_output_tokens}): {total_tokens} tokens; single stream: one {config.prompt_tokens}-token "
           f"prompt, {config.single_output_tokens} tokens, alone")
     dtype = resolve_dtype(config.dtype, "cpu")
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+    bf16_weights = reads_bf16_weights(config.dtype, "cpu")  # dtype auto on an AVX2-only CPU: fp32 over bf16 weights
+    precision = "bf16" if dtype == torch.bfloat16 else "fp32+bf16w" if bf16_weights else "fp32"
     model = load_model(model_dir, dtype=dtype) if "ours" in config.systems else None
+    if model is not None and bf16_weights:
+        round_linear_weights_to_bf16(model)
     hf_config = model_config(model_dir)
     bf16_token_bytes = pool_shape_for(hf_config, 1, 1, torch.bfloat16).bytes_per_block
     our_token_bytes = pool_shape_for(hf_config, 1, 1, dtype).bytes_per_block

@@ -32,6 +32,7 @@ from benchmarks.report import environment, format_table, percentile, write_json
 from cluster.control.worker_probe import load_length_probe
 from predictor_service.length_predictor import LengthQuery
 from workers.engine.model_runner import pool_shape_for
+from workers.engine.linear_weights import reads_bf16_weights, round_linear_weights_to_bf16
 from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.engine.runtime import resolve_dtype
 from workers.scheduling.length_probe import LengthProbe
@@ -125,6 +126,8 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
     units = unit_arrivals(len(requests), config.peers.seed)
     dtype = resolve_dtype(config.peers.dtype, "cpu")
     model = load_model(model_dir, dtype=dtype) if "ours" in systems else None
+    if model is not None and reads_bf16_weights(config.peers.dtype, "cpu"):  # dtype auto on an AVX2-only CPU
+        round_linear_weights_to_bf16(model)
     hf_config = model_config(model_dir)
     bf16_bytes = pool_shape_for(hf_config, 1, 1, torch.bfloat16).bytes_per_block
     our_bytes = pool_shape_for(hf_config, 1, 1, dtype).bytes_per_block

@@ -26,7 +26,7 @@ from filelock import FileLock
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "token_mask.cpp", CSRC / "linear_ops.cpp",
-           CSRC / "amx_linear.cpp", CSRC / "row_argmax.cpp")
+           CSRC / "amx_linear.cpp", CSRC / "row_argmax.cpp", CSRC / "bf16_weight_linear.cpp")
 HEADERS = (CSRC / "vector_math.h",)
 # -fopenmp: at::parallel_for is an inline OpenMP loop, so it runs serially unless this file is
 # compiled with OpenMP; linking against torch's own libgomp (searched first, see -L below)

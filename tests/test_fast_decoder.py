@@ -17,6 +17,7 @@ from engine_driver import ARCHITECTURES, SHAPE, tiny_architecture
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.fast_decoder import FastDecoder, few_token_kernel, unsupported_reason
+from workers.engine.linear_weights import round_linear_weights_to_bf16
 from workers.engine.models import make_tiny_model, tiny_llama_config
 from workers.values.sampling_params import SamplingParams
 
@@ -148,6 +149,23 @@ def test_each_architecture_forwards_as_hugging_face_with_the_few_token_kernel_in
         got, _ = fast.forward(prompt, torch.arange(tokens), _windowed_causal(fast), torch.arange(tokens))
     assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
     assert (got.float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_each_architecture_forwards_as_hugging_face_in_fp32_over_bf16_linear_weights(name):
+    """dtype auto on an AVX2-only CPU: the weights rounded to bf16 in the model, the fast path reading a bf16 copy
+    (where the kernels' build widens it natively) and computing in fp32, at 1 token and at 37."""
+    model = round_linear_weights_to_bf16(tiny_architecture(name))
+    fast = FastDecoder(model, max_positions=64)
+    assert fast.reads_bf16_weights == torch.ops.s3_cpu.bf16_weight_linear_native()
+    assert all(param.dtype == torch.float32 for param in model.parameters())
+    for tokens in (1, 37):
+        prompt = torch.randint(3, 256, (tokens,), generator=torch.Generator().manual_seed(10))
+        with torch.inference_mode():
+            want = model(prompt[None]).logits[0]  # [T, V], HF's fp32 forward over the same bf16 values
+            got, _ = fast.forward(prompt, torch.arange(tokens), _windowed_causal(fast), torch.arange(tokens))
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def _windowed_causal(fast: FastDecoder):

@@ -128,10 +128,12 @@ def test_the_plan_runs_llamacpp_at_our_precision_and_at_q4_1_and_only_the_chosen
     assert plan[:4] == [(1.0, "llamacpp", "slots (llama.cpp)", "bf16"), (1.0, "llamacpp", "slots (llama.cpp)", "q4_1"),
                         (1.0, "ours", "paged_greedy", "bf16"), (1.0, "ours", "s3_peak", "bf16")]
     assert len(plan) == 8 and {system for _, system, _, _ in plan} == {"ours", "llamacpp"}
-    # without bf16 instructions ours and OpenVINO compute in fp32; vLLM and llama.cpp keep their bf16 weights
-    fp32 = run_plan(PeersBenchConfig(kv_gibs=(1.0,), policies=("s3_peak",)), "fp32")
-    assert [(system, precision) for _, system, _, precision in fp32] == [
-        ("vllm", "bf16"), ("llamacpp", "bf16"), ("llamacpp", "q4_1"), ("openvino", "fp32"), ("ours", "fp32")]
+    # without bf16 instructions ours and OpenVINO compute in fp32, OpenVINO over its export's fp16 weights and ours
+    # over bf16 ones (dtype auto) or fp32 ones; vLLM and llama.cpp keep their bf16 weights
+    for ours in ("fp32+bf16w", "fp32"):
+        fp32 = run_plan(PeersBenchConfig(kv_gibs=(1.0,), policies=("s3_peak",)), ours)
+        assert [(system, precision) for _, system, _, precision in fp32] == [
+            ("vllm", "bf16"), ("llamacpp", "bf16"), ("llamacpp", "q4_1"), ("openvino", "fp32+f16w"), ("ours", ours)]
     quick = run_plan(quick_config(systems=("llamacpp",)), "bf16")
     assert [(gib, precision) for gib, _, _, precision in quick] == [(1.0, "bf16"), (1.0, "q4_1"), (0.05, "bf16")]
 

@@ -33,16 +33,19 @@ def load_worker_model(settings: WorkerSettings):
     """(model, tokenizer or None for the tiny model, device): the settings' model on the device this process got."""
     from workers.engine.models import (config_dtype, load_model, load_tokenizer, make_tiny_model, resolve_model_dir,
                                 resolve_tokenizer_dir)
+    from workers.engine.linear_weights import reads_bf16_weights, round_linear_weights_to_bf16
 
     device = resolve_device(settings.device, *probe_cuda())
+    bf16_weights = reads_bf16_weights(settings.dtype, device)  # dtype auto on an AVX2-only CPU
     if settings.tiny_model_seed is not None:
         model = make_tiny_model(settings.tiny_model_seed, init_std=settings.tiny_model_init_std)
-        return model.to(device, resolve_dtype(settings.dtype, device)), None, device
+        model = model.to(device, resolve_dtype(settings.dtype, device))
+        return round_linear_weights_to_bf16(model) if bf16_weights else model, None, device
     cache_dir = None if settings.model_cache_dir is None else Path(settings.model_cache_dir)
     model_dir = resolve_model_dir(settings.model, cache_dir, settings.revision)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(settings.tokenizer, model_dir, cache_dir))
-    dtype = resolve_dtype(settings.dtype, device, config_dtype(model_dir))
-    return load_model(model_dir, dtype=dtype, device=device), tokenizer, device
+    model = load_model(model_dir, dtype=resolve_dtype(settings.dtype, device, config_dtype(model_dir)), device=device)
+    return round_linear_weights_to_bf16(model) if bf16_weights else model, tokenizer, device
 
 
 def check_probe_loader(settings: WorkerSettings, load_probe) -> None:

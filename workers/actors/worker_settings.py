@@ -52,7 +52,8 @@ class WorkerSettings(SettingsTree):
                 "max_num_seqs sequences of max_model_len tokens, at most 0.1 of the memory available). The ready "
                 "message prints the KV tokens it gives")
     dtype: str = setting(
-        "auto", "weights and KV dtype: auto (bfloat16 where the CPU has AVX512-BF16 or AMX, float32 elsewhere; on "
+        "auto", "weights and KV dtype: auto (bfloat16 where the CPU has AVX512-BF16 or AMX; on CPUs with AVX2 "
+                "only float32 arithmetic and KV over bfloat16 linear weights, half the bytes a decode step reads; on "
                 "CUDA the model's own half type, else bfloat16), float32, bfloat16 or float16", choices=DTYPE_CHOICES)
     device: str = setting(
         "auto", "where the engine runs: auto (CUDA when the worker actor was given a GPU and torch sees one, else "

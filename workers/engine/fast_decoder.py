@@ -23,7 +23,8 @@ weight for that), one rotary table per layer type (local and global bases), a
 tanh-GELU MLP and `query_pre_attn_scalar` as the attention scale.
 
 In bf16 the linears use oneDNN weights packed once for AMX/AVX512-BF16 (1.5-2x
-faster than `F.linear` here); in fp32 they are `F.linear`, the very op HF calls.
+faster than `F.linear` here); in fp32 they are `F.linear`, the very op HF calls, except over bf16
+weights (`workers.engine.linear_weights`), read by `s3_cpu.bf16_weight_linear` at up to 32 tokens.
 A decode step of one to a few dozen tokens reads every weight for a handful of
 rows, and oneDNN's kernels stream them at 7-10 GB/s of this machine's ~22: up to
 32 tokens the C++ kernel `s3_cpu.amx_linear` runs AMX tiles over a copy of the
@@ -55,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
+from workers.engine.linear_weights import has_bf16_linear_weights
 
 # Attention for one layer: (layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D], sliding window in tokens or 0)
 # -> [T, H, D]
@@ -116,7 +118,10 @@ def _head_dim(config) -> int:
 # Measured here streaming SmolLM2's 30 layers and head: `amx_linear` (AMX tiles on a weight packed for them)
 # 14-15 GB/s from 1 to 16 tokens and 10-11 at 32, oneDNN 7-10 GB/s over the same range and even at 48;
 # `small_linear` (vdpbf16ps on the plain weight, for CPUs with AVX512-BF16 but no AMX) wins at 1 token only.
-FEW_TOKEN_KERNELS = {"amx_linear": 32, "small_linear": 1}
+# `bf16_weight_linear`, the fp32 engine's on AVX2-only CPUs with bf16 linear weights (`workers.engine.linear_weights`),
+# streams them 2-3x faster than `F.linear` reads fp32 ones at 1 to 16 tokens (Zen 3, SmolLM2's linears), as fast at
+# 32, and 10% slower at 64, where the arithmetic binds: past 32 tokens `F.linear` runs on the model's own weights.
+FEW_TOKEN_KERNELS = {"amx_linear": 32, "small_linear": 1, "bf16_weight_linear": 32}
 
 
 def few_token_kernel() -> str | None:
@@ -137,12 +142,16 @@ class _Linear:
     """y = x @ W^T (+ b) for x [T, in]; oneDNN-packed weights in bf16 on CPU, `F.linear` otherwise. With a
     `few_token` kernel (a FEW_TOKEN_KERNELS name), CPU bf16 calls of up to its token limit run it on its own copy
     of the weight: the tile layout for `amx_linear` (a third copy of the bf16 weights in memory, beside the model's
-    and oneDNN's), the model's plain weight for `small_linear` (concatenated q|k|v and gate|up: copies)."""
+    and oneDNN's), the model's plain weight for `small_linear` (concatenated q|k|v and gate|up: copies), a bf16 copy
+    for `bf16_weight_linear` (fp32 calls over bf16 weights: the model's weights hold bf16 values)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
-                 few_token: str | None = None) -> None:
+                 few_token: str | None = None, parts: list[torch.Tensor] | None = None) -> None:
         self.bias = bias
-        self.weight = None if pack else weight
+        # parts: the model's own weights that `weight` concatenates, for F.linear apart past the few-token kernel's
+        # tokens (bf16 weights: no fp32 copy of the concatenation is kept)
+        self.parts = parts
+        self.weight = None if pack or parts is not None else weight
         # packed: opaque oneDNN layout of `weight`, chosen once for AMX / AVX512-BF16
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if pack else None
         if few_token == "amx_linear" and weight.shape[1] % 32:  # the tiles take whole 32-deep slices of the input
@@ -154,6 +163,8 @@ class _Linear:
         self.few_weight = None  # [N_pad/64, in/32, 4, 16, 32] for amx_linear, [out, in] for small_linear
         if few_token is not None:
             plain = weight.detach().contiguous()
+            if few_token == "bf16_weight_linear":
+                plain = plain.to(torch.bfloat16)  # the fp32 weight holds bf16 values: exact
             self.few_weight = cpu_kernels.amx_pack(plain) if few_token == "amx_linear" else plain
         self.few_bias = None if bias is None or few_token is None else bias.detach().contiguous()
 
@@ -162,6 +173,9 @@ class _Linear:
             out = x.new_empty(x.shape[0], self.out_features)  # [T, out]
             self.few_op(out, x.contiguous(), self.few_weight, self.few_bias)
             return out
+        if self.parts is not None:
+            out = torch.cat([F.linear(x, part) for part in self.parts], dim=1)  # [T, out]
+            return out if self.bias is None else out.add_(self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -175,7 +189,7 @@ class _Layer:
     post_mlp_norm: torch.Tensor | None  # [hidden], Gemma: normalises the MLP output before the residual add
     q_norm: torch.Tensor | None  # [head_dim], Qwen3 and Gemma 3: RMSNorm of each head of q, then of k
     k_norm: torch.Tensor | None
-    qkv: list[_Linear]  # one [q | k | v] linear (CPU bf16, CUDA, Phi-3), or q, k, v apart (CPU fp32: HF's own calls)
+    qkv: list[_Linear]  # one [q | k | v] linear (CPU bf16 or bf16 weights, CUDA, Phi-3), or q, k, v apart (CPU fp32)
     o_proj: _Linear
     gate_up: list[_Linear]  # one [gate | up] linear, or gate, up apart
     down: _Linear
@@ -219,9 +233,14 @@ class FastDecoder:
         inner = model.model
         # oneDNN-packed weights: CPU bf16 only; CUDA concatenates the q|k|v and gate|up weights unpacked
         self.is_packed = self.device.type == "cpu" and self.dtype == torch.bfloat16 and onednn_packs_bf16()
-        self.concatenates = self.is_packed or self.device.type == "cuda"
+        # fp32 arithmetic over bf16 weights (`workers.engine.linear_weights`), where the kernels' build widens them
+        self.reads_bf16_weights = (self.ops is cpu_kernels and self.dtype == torch.float32
+                                   and has_bf16_linear_weights(model) and torch.ops.s3_cpu.bf16_weight_linear_native())
+        self.concatenates = self.is_packed or self.device.type == "cuda" or self.reads_bf16_weights
         # the few-token kernel: where the C++ kernels run, the one their build runs natively (AMX, AVX512-BF16)
         self.few_token = few_token_kernel() if self.is_packed and self.ops is cpu_kernels else None
+        if self.reads_bf16_weights:
+            self.few_token = "bf16_weight_linear"
         self.embed_weight = inner.embed_tokens.weight  # [vocab, hidden]
         embed_scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden), in the model's dtype
         self.embed_scale = None if embed_scale is None else embed_scale.to(self.dtype)
@@ -246,16 +265,17 @@ class FastDecoder:
             if hasattr(attn, "qkv_proj"):  # Phi-3 keeps them fused
                 qkv = [_Linear(attn.qkv_proj.weight, attn.qkv_proj.bias, self.is_packed, self.few_token)]
             elif self.concatenates:
-                qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-                qkv = [_Linear(qkv_weight, _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj), self.is_packed,
-                               self.few_token)]
+                projections = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+                qkv = [_Linear(torch.cat(projections), _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                               self.is_packed, self.few_token, projections if self.reads_bf16_weights else None)]
             else:
                 qkv = [_Linear(p.weight, p.bias, False) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
             if hasattr(mlp, "gate_up_proj"):
                 gate_up = [_Linear(mlp.gate_up_proj.weight, None, self.is_packed, self.few_token)]
             elif self.concatenates:
-                gate_up = [_Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, self.is_packed,
-                                   self.few_token)]
+                projections = [mlp.gate_proj.weight, mlp.up_proj.weight]
+                gate_up = [_Linear(torch.cat(projections), None, self.is_packed, self.few_token,
+                                   projections if self.reads_bf16_weights else None)]
             else:
                 gate_up = [_Linear(mlp.gate_proj.weight, None, False), _Linear(mlp.up_proj.weight, None, False)]
         # what the HF module passes its attention as sliding_window: its own (per layer) or the config's

@@ -1,0 +1,71 @@
+"""`s3_cpu.bf16_weight_linear` (fp32 arithmetic over bf16 weights) against F.linear on the widened weights; when
+`dtype auto` means it (`workers.engine.linear_weights`), and the model it runs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kv_kernels import cpu_build
+from workers.engine import linear_weights
+from workers.engine.linear_weights import has_bf16_linear_weights, reads_bf16_weights, round_linear_weights_to_bf16
+from workers.engine.models import make_tiny_model
+from workers.engine.runtime import cpu_flags
+
+cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
+
+
+# K: whole 8-element slices and not (the plain loop); N: whole 4-row blocks and leftovers; M: 1, 2 and odd counts
+@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 33])
+@pytest.mark.parametrize("in_features, out_features", [(576, 960), (1536, 130), (40, 7), (20, 3)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_kernel_is_f_linear_over_the_widened_weight(tokens, in_features, out_features, with_bias):
+    gen = torch.Generator().manual_seed(tokens * 1000 + in_features + out_features)
+    x = torch.randn(tokens, in_features, generator=gen)
+    weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    out = torch.full((tokens, out_features), float("nan"))
+    torch.ops.s3_cpu.bf16_weight_linear(out, x, weight, bias)
+    # fp32 sums of exact products (a bf16 times an fp32 is exact in fp32's arithmetic up to its rounding), in
+    # another order than F.linear's
+    torch.testing.assert_close(out, F.linear(x, weight.float(), bias), atol=1e-5, rtol=1e-5)
+
+
+def test_the_kernel_refuses_other_dtypes_and_shapes_and_names_them():
+    x, weight, out = torch.zeros(2, 16), torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(2, 4)
+    with pytest.raises(RuntimeError, match="fp32 x and out and a bf16 weight"):
+        torch.ops.s3_cpu.bf16_weight_linear(out, x, weight.float(), None)
+    with pytest.raises(RuntimeError, match=r"weight must be \[N, 8\] for x \[M, 8\]"):
+        torch.ops.s3_cpu.bf16_weight_linear(out, torch.zeros(2, 8), weight, None)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous fp32 \[4\]"):
+        torch.ops.s3_cpu.bf16_weight_linear(out, x, weight, torch.zeros(4, dtype=torch.bfloat16))
+    assert not out.any()
+
+
+def test_the_kernel_says_whether_it_was_built_for_avx2_lanes():
+    flags = cpu_flags()
+    assert torch.ops.s3_cpu.bf16_weight_linear_native() == (
+        {"avx2", "fma"} <= flags and "avx512f" not in flags)
+
+
+def test_auto_means_bf16_weights_only_on_a_cpu_without_bf16_whose_kernels_widen_them(monkeypatch):
+    native = torch.ops.s3_cpu.bf16_weight_linear_native()
+    monkeypatch.setattr(linear_weights, "cpu_has_bf16", lambda: False)
+    assert reads_bf16_weights("auto", "cpu") == native
+    assert not reads_bf16_weights("float32", "cpu")  # asked for fp32 weights
+    assert not reads_bf16_weights("auto", "meta")  # not the CPU
+    monkeypatch.setattr(linear_weights, "cpu_has_bf16", lambda: True)
+    assert not reads_bf16_weights("auto", "cpu")  # such a CPU computes in bf16
+
+
+def test_rounding_keeps_fp32_tensors_holding_bf16_values_and_refuses_a_half_model():
+    model = make_tiny_model(seed=4, init_std=0.2)
+    before = model.model.layers[0].mlp.down_proj.weight.clone()
+    norm = model.model.layers[0].input_layernorm.weight.clone()
+    assert round_linear_weights_to_bf16(model) is model and has_bf16_linear_weights(model)
+    after = model.model.layers[0].mlp.down_proj.weight
+    assert after.dtype == torch.float32 and torch.equal(after, before.to(torch.bfloat16).float())
+    assert not torch.equal(after, before)
+    assert torch.equal(model.model.layers[0].input_layernorm.weight, norm)  # norms are no linears
+    assert not has_bf16_linear_weights(make_tiny_model(seed=4))
+    with pytest.raises(ValueError, match="for an fp32 model, got torch.bfloat16"):
+        round_linear_weights_to_bf16(make_tiny_model(seed=4).to(torch.bfloat16))
