@@ -12,8 +12,9 @@ Two parts, same model and dtype (default: auto, bf16 where the CPU has bf16 inst
 2. Throughput against HF `generate` in left-padded static batches of the same
    size, greedy, stopping at EOS or `max_tokens`; tokens/s counts generated
    tokens up to and including EOS on both sides. Greedy agreement is reported:
-   exact in fp32 (the tests hold it there); in bf16 the two forwards round
-   differently and a near-tie can flip a token.
+   exact in fp32 (the tests hold it there); in bf16, and in fp32 over bf16
+   weights (dtype auto on AVX2-only CPUs, both sides over the same weights),
+   the two forwards round or sum differently and a near-tie can flip a token.
 3. Roofline (`benchmarks/roofline.py`): this machine's read bandwidth and peak
    matmul throughput in the engine's dtype, measured once; for each profiled batch
    size, the bytes and FLOPs a decode step must move, what the engine achieved, which
@@ -306,7 +307,7 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     rows = [[r["batch_size"], r["num_prompts"], r["greedy_match"], r["mean_output_tokens"], r["max_output_tokens"],
              r["engine_tokens_per_s"], r["hf_generate_tokens_per_s"], r["speedup_vs_hf"]] for r in runs]
     print(format_table(headers, rows))
-    if dtype != torch.float32 and primary["greedy_match"] < primary["num_prompts"]:
+    if dtype_name != "float32" and primary["greedy_match"] < primary["num_prompts"]:
         print(f"greedy_match < prompts is expected in {dtype_name}: the engine's fused kernels and HF's modules "
               "round differently, so near-ties can flip; run with --dtype float32 for the exact comparison")
     write_json(json_path, result)

@@ -35,7 +35,7 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fope
          "-fPIC", "-DNDEBUG", "-w")
 OPS = ("append_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
        "mask_disallowed_", "small_linear", "small_linear_native",
-       "amx_linear", "amx_linear_native", "row_argmax")
+       "amx_linear", "amx_linear_native", "row_argmax", "bf16_weight_linear", "bf16_weight_linear_native")
 
 
 def default_cache_dir() -> Path:

@@ -148,7 +148,8 @@ def add_bench_parser(commands) -> None:
     engine.add_argument("--max-tokens", type=int, default=None, help="override the generation limit per prompt")
     engine.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="model dtype of both sides (default: auto, bfloat16 where the CPU has AVX512-BF16 or "
-                             "AMX; float32 gives the exact greedy comparison)")
+                             "AMX; on AVX2-only CPUs float32 over bf16 linear weights, both sides; float32 gives "
+                             "the exact greedy comparison)")
     engine.add_argument("--profile-batch-sizes", type=int, nargs="+", default=None, metavar="N",
                         help="batch sizes of the step profile (default 1 16 64 128; the full run adds 256)")
     engine.add_argument("--json", type=Path, default=None, help="write the results to this JSON file")

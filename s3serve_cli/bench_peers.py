@@ -118,7 +118,8 @@ def add_peers_parser(benches) -> None:
     peers.add_argument("--num-requests", type=int, default=None,
                        help="requests of the workload (default: p8 200; natural 64, 32 with --quick)")
     peers.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                       help="our engine's dtype (default auto: bfloat16 where the CPU has AVX512-BF16 or AMX)")
+                       help="our engine's dtype (default auto: bfloat16 where the CPU has AVX512-BF16 or AMX; on "
+                            "AVX2-only CPUs float32 over bf16 linear weights, the precision column's fp32+bf16w)")
     peers.add_argument("--max-num-seqs", type=int, default=None,
                        help="our engine's running-sequence cap (default: p8 256, natural 128)")
     peers.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -7,9 +7,10 @@ import torch.nn.functional as F
 
 from kv_kernels import cpu_build
 from workers.engine import linear_weights
-from workers.engine.linear_weights import has_bf16_linear_weights, reads_bf16_weights, round_linear_weights_to_bf16
+from workers.engine.linear_weights import (bf16_copy_bytes, has_bf16_linear_weights, reads_bf16_weights,
+                                          round_linear_weights_to_bf16)
 from workers.engine.models import make_tiny_model
-from workers.engine.runtime import cpu_flags
+from workers.engine.runtime import cpu_flags, cpu_has_bf16
 
 cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
 
@@ -48,9 +49,13 @@ def test_the_kernel_says_whether_it_was_built_for_avx2_lanes():
 
 
 def test_auto_means_bf16_weights_only_on_a_cpu_without_bf16_whose_kernels_widen_them(monkeypatch):
-    native = torch.ops.s3_cpu.bf16_weight_linear_native()
+    if not cpu_has_bf16():
+        assert reads_bf16_weights("auto", "cpu") == torch.ops.s3_cpu.bf16_weight_linear_native()
     monkeypatch.setattr(linear_weights, "cpu_has_bf16", lambda: False)
-    assert reads_bf16_weights("auto", "cpu") == native
+    for flags, widens in (({"avx2", "fma"}, True), ({"avx2", "fma", "avx512f"}, False), ({"avx2"}, False)):
+        monkeypatch.setattr(linear_weights, "cpu_flags", lambda: frozenset(flags))
+        assert reads_bf16_weights("auto", "cpu") == widens
+    monkeypatch.setattr(linear_weights, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert not reads_bf16_weights("float32", "cpu")  # asked for fp32 weights
     assert not reads_bf16_weights("auto", "meta")  # not the CPU
     monkeypatch.setattr(linear_weights, "cpu_has_bf16", lambda: True)
@@ -69,3 +74,27 @@ def test_rounding_keeps_fp32_tensors_holding_bf16_values_and_refuses_a_half_mode
     assert not has_bf16_linear_weights(make_tiny_model(seed=4))
     with pytest.raises(ValueError, match="for an fp32 model, got torch.bfloat16"):
         round_linear_weights_to_bf16(make_tiny_model(seed=4).to(torch.bfloat16))
+
+
+def test_a_worker_rounds_its_weights_where_auto_means_bf16_weights_and_the_fast_path_reads_them(monkeypatch):
+    from workers.actors.worker_actor import load_worker_model, worker_kv_bytes
+    from workers.actors.worker_settings import WorkerSettings
+
+    monkeypatch.setattr(linear_weights, "reads_bf16_weights", lambda name, device: name == "auto")  # any CPU
+
+    def load(**changes):
+        return load_worker_model(WorkerSettings.of(tiny_model_seed=0, device="cpu", **changes))[0]
+
+    model = load(dtype="auto")
+    assert has_bf16_linear_weights(model) and model.dtype == torch.float32
+    linear_elements = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert bf16_copy_bytes(model) == 2 * linear_elements
+    assert not has_bf16_linear_weights(load(dtype="float32"))
+    assert not has_bf16_linear_weights(load(dtype="auto", use_fast_path=False))  # the HF stack keeps fp32
+    plain = load(dtype="float32")
+    assert bf16_copy_bytes(plain) == 0
+    # the KV budget leaves the copies' memory out of what it shares (a share of the memory free once loaded)
+    settings = WorkerSettings.of(tiny_model_seed=0, device="cpu", kv_cache_memory="0.5")
+    monkeypatch.setattr("workers.actors.worker_actor.free_memory_bytes", lambda device: 2**30)
+    assert worker_kv_bytes(settings, plain, "cpu") - worker_kv_bytes(settings, model, "cpu") in range(
+        linear_elements - 1, linear_elements + 2)  # a half share of 2 bytes per weight, rounding aside

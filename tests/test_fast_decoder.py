@@ -159,6 +159,11 @@ def test_each_architecture_forwards_as_hugging_face_in_fp32_over_bf16_linear_wei
     fast = FastDecoder(model, max_positions=64)
     assert fast.reads_bf16_weights == torch.ops.s3_cpu.bf16_weight_linear_native()
     assert all(param.dtype == torch.float32 for param in model.parameters())
+    if fast.reads_bf16_weights:  # else (AVX-512 or bf16 CPUs) F.linear reads the rounded fp32 weights
+        linears = [fast.lm_head, *(linear for layer in fast.layers for linear in (*layer.qkv, layer.o_proj))]
+        assert {(linear.few_token, linear.few_weight.dtype) for linear in linears} == {
+            ("bf16_weight_linear", torch.bfloat16)}
+        assert len(fast.layers[0].qkv) == 1  # q|k|v in one call, or Phi-3's own fused weight
     for tokens in (1, 37):
         prompt = torch.randint(3, 256, (tokens,), generator=torch.Generator().manual_seed(10))
         with torch.inference_mode():

@@ -33,19 +33,30 @@ def load_worker_model(settings: WorkerSettings):
     """(model, tokenizer or None for the tiny model, device): the settings' model on the device this process got."""
     from workers.engine.models import (config_dtype, load_model, load_tokenizer, make_tiny_model, resolve_model_dir,
                                 resolve_tokenizer_dir)
-    from workers.engine.linear_weights import reads_bf16_weights, round_linear_weights_to_bf16
 
     device = resolve_device(settings.device, *probe_cuda())
-    bf16_weights = reads_bf16_weights(settings.dtype, device)  # dtype auto on an AVX2-only CPU
     if settings.tiny_model_seed is not None:
         model = make_tiny_model(settings.tiny_model_seed, init_std=settings.tiny_model_init_std)
         model = model.to(device, resolve_dtype(settings.dtype, device))
-        return round_linear_weights_to_bf16(model) if bf16_weights else model, None, device
+        return _with_served_weights(model, settings, device), None, device
     cache_dir = None if settings.model_cache_dir is None else Path(settings.model_cache_dir)
     model_dir = resolve_model_dir(settings.model, cache_dir, settings.revision)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(settings.tokenizer, model_dir, cache_dir))
     model = load_model(model_dir, dtype=resolve_dtype(settings.dtype, device, config_dtype(model_dir)), device=device)
-    return round_linear_weights_to_bf16(model) if bf16_weights else model, tokenizer, device
+    return _with_served_weights(model, settings, device), tokenizer, device
+
+
+def _with_served_weights(model, settings: WorkerSettings, device):
+    """The model with its linear weights rounded to bf16 where dtype auto means fp32 over bf16 weights (an AVX2-only
+    CPU) and the fast path will read them; the Hugging Face stack (tensor parallel, other models) keeps fp32."""
+    from workers.engine.fast_decoder import unsupported_reason
+    from workers.engine.linear_weights import reads_bf16_weights, round_linear_weights_to_bf16
+
+    engine = settings.engine
+    if (reads_bf16_weights(settings.dtype, device) and engine.use_fast_path and engine.tensor_parallel_size == 1
+            and unsupported_reason(model) is None):
+        round_linear_weights_to_bf16(model)
+    return model
 
 
 def check_probe_loader(settings: WorkerSettings, load_probe) -> None:
@@ -81,10 +92,13 @@ def worker_kv_bytes(settings: WorkerSettings, model, device: str) -> int:
     device now that its model is loaded."""
     from workers.engine.model_runner import pool_shape_for
 
+    from workers.engine.linear_weights import bf16_copy_bytes
+
     engine = settings.engine
     pool = pool_shape_for(model.config, 1, engine.cache.block_size, model.dtype, engine.tensor_parallel_size)
     max_model_len = engine.max_model_len or model.config.max_position_embeddings
-    return kv_budget_bytes(parse_kv_cache_memory(settings.kv_cache_memory), device, free_memory_bytes(device),
+    free_bytes = free_memory_bytes(device) - bf16_copy_bytes(model)  # the fast path's copies, made after this
+    return kv_budget_bytes(parse_kv_cache_memory(settings.kv_cache_memory), device, free_bytes,
                            pool.bytes_per_block // pool.block_size, max_model_len, engine.scheduler.max_num_seqs)
 
 

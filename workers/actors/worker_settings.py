@@ -53,8 +53,9 @@ class WorkerSettings(SettingsTree):
                 "message prints the KV tokens it gives")
     dtype: str = setting(
         "auto", "weights and KV dtype: auto (bfloat16 where the CPU has AVX512-BF16 or AMX; on CPUs with AVX2 "
-                "only float32 arithmetic and KV over bfloat16 linear weights, half the bytes a decode step reads; on "
-                "CUDA the model's own half type, else bfloat16), float32, bfloat16 or float16", choices=DTYPE_CHOICES)
+                "only float32 arithmetic and KV over bfloat16 linear weights where the fast path serves the model, "
+                "half the bytes a decode step reads; float32 elsewhere; on CUDA the model's own half type, else "
+                "bfloat16), float32, bfloat16 or float16", choices=DTYPE_CHOICES)
     device: str = setting(
         "auto", "where the engine runs: auto (CUDA when the worker actor was given a GPU and torch sees one, else "
                 "the CPU), cpu, cuda or cuda:N")

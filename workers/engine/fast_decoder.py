@@ -259,6 +259,10 @@ class FastDecoder:
         with torch.no_grad():  # Gemma3RMSNorm multiplies by (1 + w) in float32: the kernels' float32 weight
             return (1.0 + norm.weight.float()).contiguous() if self.gemma else norm.weight
 
+    def _cat(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        """The weights stacked [sum of out, in]; over bf16 weights in bf16 (no fp32 concatenation made)."""
+        return torch.cat([w.to(torch.bfloat16) for w in weights] if self.reads_bf16_weights else weights)
+
     def _layer(self, layer: torch.nn.Module, config, rope: int) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         with torch.no_grad():
@@ -266,7 +270,7 @@ class FastDecoder:
                 qkv = [_Linear(attn.qkv_proj.weight, attn.qkv_proj.bias, self.is_packed, self.few_token)]
             elif self.concatenates:
                 projections = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-                qkv = [_Linear(torch.cat(projections), _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                qkv = [_Linear(self._cat(projections), _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
                                self.is_packed, self.few_token, projections if self.reads_bf16_weights else None)]
             else:
                 qkv = [_Linear(p.weight, p.bias, False) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
@@ -274,7 +278,7 @@ class FastDecoder:
                 gate_up = [_Linear(mlp.gate_up_proj.weight, None, self.is_packed, self.few_token)]
             elif self.concatenates:
                 projections = [mlp.gate_proj.weight, mlp.up_proj.weight]
-                gate_up = [_Linear(torch.cat(projections), None, self.is_packed, self.few_token,
+                gate_up = [_Linear(self._cat(projections), None, self.is_packed, self.few_token,
                                    projections if self.reads_bf16_weights else None)]
             else:
                 gate_up = [_Linear(mlp.gate_proj.weight, None, False), _Linear(mlp.up_proj.weight, None, False)]

@@ -1,31 +1,33 @@
 """bf16 linear weights under fp32 arithmetic: what `dtype auto` means on CPUs without bf16 instructions.
 
 Such CPUs (AVX2 only: AMD Zen 1-3, Intel client cores) compute in fp32, and a decode step of a few
-sequences is bound by reading the weights. The checkpoints are bf16, so fp32 weights double the bytes
-for no precision. Where the CPU kernels widen bf16 to fp32 in registers (`s3_cpu.bf16_weight_linear`,
-built for AVX2 and FMA), `dtype auto` keeps the linear layers' weights at bf16 values: they are rounded
-once in the model (which the Hugging Face stack then reads too), and the fast path reads a bf16 copy
-(`workers.engine.fast_decoder`). Activations, norms, attention and the KV cache stay fp32. This is
-what llama.cpp does with a 16-bit GGUF and OpenVINO with its fp16 export on these CPUs.
-`dtype float32` keeps fp32 weights.
+sequences is bound by reading the weights: fp32 weights are twice the bytes of 16-bit ones. Where the CPU
+kernels widen bf16 to fp32 in registers (`s3_cpu.bf16_weight_linear`, built for AVX2 and FMA, no AVX-512)
+and the fast path serves the model, `dtype auto` keeps the linear layers' weights at bf16 values, the
+weights a CPU with bf16 instructions serves: they are rounded once in the model (the bundled GGUF models
+and fp32 checkpoints lose what bf16 cannot hold, as on such CPUs), and the fast path reads a bf16 copy
+(`workers.engine.fast_decoder`) up to 32 tokens, the model's own fp32 tensors past that: memory for half
+the weights again (`bf16_copy_bytes`, taken from the KV budget's free memory). Activations, norms,
+attention and the KV cache stay fp32. This is what llama.cpp does with a 16-bit GGUF and OpenVINO with
+its fp16 export on these CPUs. `dtype float32` keeps fp32 weights; AVX-512 CPUs without bf16
+(Skylake-SP, Cascade Lake) and other CPUs compute in plain fp32.
 """
 
 import torch
 
-from workers.engine.runtime import cpu_has_bf16
+from workers.engine.runtime import cpu_flags, cpu_has_bf16
 
 BF16_LINEAR_WEIGHTS = "s3serve_bf16_linear_weights"  # set (True) on a model whose linear weights hold bf16 values
 
 
 def reads_bf16_weights(dtype_name: str, device) -> bool:
-    """True when `dtype_name` on `device` means fp32 arithmetic over bf16 linear weights: auto, on a CPU
-    without bf16 instructions whose kernels' build widens bf16 weights natively."""
+    """True when `dtype_name` on `device` means fp32 arithmetic over bf16 linear weights: auto, on a CPU without
+    bf16 instructions that has AVX2 and FMA but no AVX-512, for which the kernels' build (-march=native) widens
+    bf16 weights natively (`s3_cpu.bf16_weight_linear_native`; a test holds the two to the same flags)."""
     if dtype_name != "auto" or torch.device(device).type != "cpu" or cpu_has_bf16():
         return False
-    from kv_kernels import cpu_build
-
-    cpu_build.load()
-    return bool(torch.ops.s3_cpu.bf16_weight_linear_native())
+    flags = cpu_flags()
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
 def round_linear_weights_to_bf16(model: torch.nn.Module) -> torch.nn.Module:
@@ -44,3 +46,11 @@ def round_linear_weights_to_bf16(model: torch.nn.Module) -> torch.nn.Module:
 def has_bf16_linear_weights(model: torch.nn.Module) -> bool:
     """True when `round_linear_weights_to_bf16` marked the model."""
     return bool(getattr(model, BF16_LINEAR_WEIGHTS, False))
+
+
+def bf16_copy_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the bf16 copies the fast path makes of a marked model's linear weights (0 for another model):
+    memory beside the model's own fp32 weights, which serve batches past the kernel's tokens."""
+    if not has_bf16_linear_weights(model):
+        return 0
+    return 2 * sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
