@@ -132,3 +132,16 @@ def amx_pack(weight: torch.Tensor) -> torch.Tensor:
     # n = (group, tile, column), k = (slice, row, pair) -> [group, slice, tile, row, column, pair]
     w = w.reshape(-1, 4, 16, in_features // 32, 16, 2).permute(0, 3, 1, 4, 2, 5)
     return w.contiguous().reshape(-1, in_features // 32, 4, 16, 32)
+
+
+def bf16_weight_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [N, K] (bf16 values; fp32 holding them is exact) in the panels `s3_cpu.bf16_weight_linear`
+    streams: [ceil(N / 16), K, 16] bf16, a panel's 16 columns interleaved (column i, then i + 8) and zero
+    columns past N (see kv_kernels/csrc/bf16_weight_linear.cpp)."""
+    out_features, in_features = weight.shape
+    w = weight.detach().to(torch.bfloat16)
+    padded = -out_features % 16
+    if padded:
+        w = torch.cat([w, w.new_zeros(padded, in_features)])  # [N_pad, K]
+    # n = (panel, half, lane) -> [panel, k, lane, half]
+    return w.reshape(-1, 2, 8, in_features).permute(0, 3, 2, 1).contiguous().reshape(-1, in_features, 16)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kv_kernels import cpu_build
+from kv_kernels import cpu_build, cpu_kernels
 from workers.engine import linear_weights
 from workers.engine.linear_weights import (bf16_copy_bytes, has_bf16_linear_weights, reads_bf16_weights,
                                           round_linear_weights_to_bf16)
@@ -15,9 +15,10 @@ from workers.engine.runtime import cpu_flags, cpu_has_bf16
 cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
 
 
-# K: whole 8-element slices and not (the plain loop); N: whole 4-row blocks and leftovers; M: 1, 2 and odd counts
-@pytest.mark.parametrize("tokens", [1, 2, 3, 8, 33])
-@pytest.mark.parametrize("in_features, out_features", [(576, 960), (1536, 130), (40, 7), (20, 3)])
+# M: every micro-kernel size (1-6 tokens), uneven blocks (16 = 6 + 5 + 5) and more than one L2 chunk of x rows
+# (K 1536: 42 rows); N: whole 16-column panels and a padded last one; K: any, odd too
+@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 6, 16, 33, 100])
+@pytest.mark.parametrize("in_features, out_features", [(576, 960), (1536, 130), (40, 7), (21, 3)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_kernel_is_f_linear_over_the_widened_weight(tokens, in_features, out_features, with_bias):
     gen = torch.Generator().manual_seed(tokens * 1000 + in_features + out_features)
@@ -25,20 +26,36 @@ def test_the_kernel_is_f_linear_over_the_widened_weight(tokens, in_features, out
     weight = (torch.randn(out_features, in_features, generator=gen) / in_features**0.5).to(torch.bfloat16)
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     out = torch.full((tokens, out_features), float("nan"))
-    torch.ops.s3_cpu.bf16_weight_linear(out, x, weight, bias)
+    torch.ops.s3_cpu.bf16_weight_linear(out, x, cpu_kernels.bf16_weight_pack(weight), bias)
     # fp32 sums of exact products (a bf16 times an fp32 is exact in fp32's arithmetic up to its rounding), in
     # another order than F.linear's
     torch.testing.assert_close(out, F.linear(x, weight.float(), bias), atol=1e-5, rtol=1e-5)
 
 
+def test_packing_lays_out_16_column_panels_interleaved_and_padded():
+    weight = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)  # bf16 holds these integers exactly
+    packed = cpu_kernels.bf16_weight_pack(weight)
+    assert packed.shape == (2, 3, 16) and packed.dtype == torch.bfloat16
+    # panel 0, k 1: columns 0, 8, 1, 9, ..., 7, 15 of row k
+    assert packed[0, 1].tolist() == [weight[c, 1].item() for pair in zip(range(8), range(8, 16)) for c in pair]
+    # panel 1 holds columns 16-19, then zeros: 16, pad, 17, pad, ...
+    assert packed[1, 0, :8].tolist() == [48.0, 0.0, 51.0, 0.0, 54.0, 0.0, 57.0, 0.0]
+    assert not packed[1, :, 8:].any()
+
+
 def test_the_kernel_refuses_other_dtypes_and_shapes_and_names_them():
-    x, weight, out = torch.zeros(2, 16), torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(2, 4)
-    with pytest.raises(RuntimeError, match="fp32 x and out and a bf16 weight"):
-        torch.ops.s3_cpu.bf16_weight_linear(out, x, weight.float(), None)
-    with pytest.raises(RuntimeError, match=r"weight must be \[N, 8\] for x \[M, 8\]"):
-        torch.ops.s3_cpu.bf16_weight_linear(out, torch.zeros(2, 8), weight, None)
+    x, out = torch.zeros(2, 16), torch.zeros(2, 4)
+    packed = cpu_kernels.bf16_weight_pack(torch.zeros(4, 16))
+    with pytest.raises(RuntimeError, match="fp32 x and out and a bf16 packed weight"):
+        torch.ops.s3_cpu.bf16_weight_linear(out, x, packed.float(), None)
+    with pytest.raises(RuntimeError, match=r"packed weight must be \[1, 8, 16\] for x \[M, 8\] and out \[M, 4\]"):
+        torch.ops.s3_cpu.bf16_weight_linear(out, torch.zeros(2, 8), packed, None)
+    with pytest.raises(RuntimeError, match=r"packed weight must be \[2, 16, 16\]"):
+        torch.ops.s3_cpu.bf16_weight_linear(torch.zeros(2, 20), x, packed, None)
+    with pytest.raises(RuntimeError, match="2-D x and out and a packed weight"):
+        torch.ops.s3_cpu.bf16_weight_linear(out, x, torch.zeros(4, 16, dtype=torch.bfloat16), None)
     with pytest.raises(RuntimeError, match=r"bias must be a contiguous fp32 \[4\]"):
-        torch.ops.s3_cpu.bf16_weight_linear(out, x, weight, torch.zeros(4, dtype=torch.bfloat16))
+        torch.ops.s3_cpu.bf16_weight_linear(out, x, packed, torch.zeros(4, dtype=torch.bfloat16))
     assert not out.any()
 
 

@@ -24,7 +24,7 @@ tanh-GELU MLP and `query_pre_attn_scalar` as the attention scale.
 
 In bf16 the linears use oneDNN weights packed once for AMX/AVX512-BF16 (1.5-2x
 faster than `F.linear` here); in fp32 they are `F.linear`, the very op HF calls, except over bf16
-weights (`workers.engine.linear_weights`), read by `s3_cpu.bf16_weight_linear` at up to 32 tokens.
+weights (`workers.engine.linear_weights`), read by `s3_cpu.bf16_weight_linear` at up to 256 tokens.
 A decode step of one to a few dozen tokens reads every weight for a handful of
 rows, and oneDNN's kernels stream them at 7-10 GB/s of this machine's ~22: up to
 32 tokens the C++ kernel `s3_cpu.amx_linear` runs AMX tiles over a copy of the
@@ -119,9 +119,10 @@ def _head_dim(config) -> int:
 # 14-15 GB/s from 1 to 16 tokens and 10-11 at 32, oneDNN 7-10 GB/s over the same range and even at 48;
 # `small_linear` (vdpbf16ps on the plain weight, for CPUs with AVX512-BF16 but no AMX) wins at 1 token only.
 # `bf16_weight_linear`, the fp32 engine's on AVX2-only CPUs with bf16 linear weights (`workers.engine.linear_weights`),
-# streams them 2-3x faster than `F.linear` reads fp32 ones at 1 to 16 tokens (Zen 3, SmolLM2's linears), as fast at
-# 32, and 10% slower at 64, where the arithmetic binds: past 32 tokens `F.linear` runs on the model's own weights.
-FEW_TOKEN_KERNELS = {"amx_linear": 32, "small_linear": 1, "bf16_weight_linear": 32}
+# streams them packed in 16-column panels, up to 6 tokens per widened weight; against `F.linear` on fp32 weights
+# (Zen 3, SmolLM2's linears, in one process) 3.6x at 1 token, 2.4-2.7x at 4-32, 1.4x at 128, equal at 256 and 0.8x
+# at 512, where MKL's GEMM blocks better: past 256 tokens `F.linear` runs on the model's own weights.
+FEW_TOKEN_KERNELS = {"amx_linear": 32, "small_linear": 1, "bf16_weight_linear": 256}
 
 
 def few_token_kernel() -> str | None:
@@ -143,7 +144,8 @@ class _Linear:
     `few_token` kernel (a FEW_TOKEN_KERNELS name), CPU bf16 calls of up to its token limit run it on its own copy
     of the weight: the tile layout for `amx_linear` (a third copy of the bf16 weights in memory, beside the model's
     and oneDNN's), the model's plain weight for `small_linear` (concatenated q|k|v and gate|up: copies), a bf16 copy
-    for `bf16_weight_linear` (fp32 calls over bf16 weights: the model's weights hold bf16 values)."""
+    for `bf16_weight_linear` packed in its panels (fp32 calls over bf16 weights: the model's weights hold bf16
+    values; `kv_kernels.cpu_kernels.bf16_weight_pack`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
                  few_token: str | None = None, parts: list[torch.Tensor] | None = None) -> None:
@@ -160,12 +162,17 @@ class _Linear:
         self.few_token_max = FEW_TOKEN_KERNELS[few_token] if few_token else 0
         self.few_op = getattr(torch.ops.s3_cpu, few_token) if few_token else None  # looked up once, not per call
         self.out_features = weight.shape[0]
-        self.few_weight = None  # [N_pad/64, in/32, 4, 16, 32] for amx_linear, [out, in] for small_linear
+        # [N_pad/64, in/32, 4, 16, 32] for amx_linear, [out, in] for small_linear, [N_pad/16, in, 16] for
+        # bf16_weight_linear
+        self.few_weight = None
         if few_token is not None:
             plain = weight.detach().contiguous()
-            if few_token == "bf16_weight_linear":
-                plain = plain.to(torch.bfloat16)  # the fp32 weight holds bf16 values: exact
-            self.few_weight = cpu_kernels.amx_pack(plain) if few_token == "amx_linear" else plain
+            if few_token == "amx_linear":
+                self.few_weight = cpu_kernels.amx_pack(plain)
+            elif few_token == "bf16_weight_linear":
+                self.few_weight = cpu_kernels.bf16_weight_pack(plain)  # the fp32 weight holds bf16 values: exact
+            else:
+                self.few_weight = plain
         self.few_bias = None if bias is None or few_token is None else bias.detach().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
