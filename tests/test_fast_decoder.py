@@ -163,6 +163,8 @@ def test_each_architecture_forwards_as_hugging_face_in_fp32_over_bf16_linear_wei
         linears = [fast.lm_head, *(linear for layer in fast.layers for linear in (*layer.qkv, layer.o_proj))]
         assert {(linear.few_token, linear.few_weight.dtype) for linear in linears} == {
             ("bf16_weight_linear", torch.bfloat16)}
+        # the packed copies live in the decoder's huge-page arena
+        assert fast.arena.bytes_mapped >= sum(linear.few_weight.numel() * 2 for linear in linears)
         assert len(fast.layers[0].qkv) == 1  # q|k|v in one call, or Phi-3's own fused weight
     for tokens in (1, 37):
         prompt = torch.randint(3, 256, (tokens,), generator=torch.Generator().manual_seed(10))

@@ -31,6 +31,7 @@ rows, and oneDNN's kernels stream them at 7-10 GB/s of this machine's ~22: up to
 weights packed for them (14-15 GB/s; `kv_kernels/csrc/amx_linear.cpp`), and on
 CPUs with AVX512-BF16 but no AMX `s3_cpu.small_linear` dots the plain weights
 with vdpbf16ps at one token (`kv_kernels/csrc/linear_ops.cpp`).
+The few-token kernels' weights, streamed every decode step, live in huge pages (`workers.engine.huge_page_arena`).
 The elementwise kernels round to bf16 where HF's bf16 modules round, so logits
 track HF's bf16 forward (the tests state the tolerance).
 
@@ -56,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
+from workers.engine.huge_page_arena import HugePageArena
 from workers.engine.linear_weights import has_bf16_linear_weights
 
 # Attention for one layer: (layer index, q [T, H, D], k [T, KVH, D], v [T, KVH, D], sliding window in tokens or 0)
@@ -148,7 +150,8 @@ class _Linear:
     values; `kv_kernels.cpu_kernels.bf16_weight_pack`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
-                 few_token: str | None = None, parts: list[torch.Tensor] | None = None) -> None:
+                 few_token: str | None = None, parts: list[torch.Tensor] | None = None,
+                 arena: HugePageArena | None = None) -> None:
         self.bias = bias
         # parts: the model's own weights that `weight` concatenates, for F.linear apart past the few-token kernel's
         # tokens (bf16 weights: no fp32 copy of the concatenation is kept)
@@ -173,6 +176,8 @@ class _Linear:
                 self.few_weight = cpu_kernels.bf16_weight_pack(plain)  # the fp32 weight holds bf16 values: exact
             else:
                 self.few_weight = plain
+            if arena is not None:  # streamed every step: into huge pages
+                self.few_weight = arena.hold(self.few_weight)
         self.few_bias = None if bias is None or few_token is None else bias.detach().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,8 +257,9 @@ class FastDecoder:
         embed_scale = getattr(inner.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden), in the model's dtype
         self.embed_scale = None if embed_scale is None else embed_scale.to(self.dtype)
         self.final_norm = self._norm(inner.norm)
-        self.lm_head = _Linear(model.lm_head.weight, getattr(model.lm_head, "bias", None), self.is_packed,
-                               self.few_token)
+        # the few-token kernels' weights, streamed every decode step; None where there are none
+        self.arena = HugePageArena() if self.few_token is not None else None
+        self.lm_head = self._linear(model.lm_head.weight, getattr(model.lm_head, "bias", None))
         layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(inner.layers))
         # [max_positions, head_dim] float32 per distinct rotary table (Gemma 3: local and global bases)
         self.cos_sin, rope_index = self._rotary_tables(inner.rotary_emb, layer_types, max_positions)
@@ -266,6 +272,11 @@ class FastDecoder:
         with torch.no_grad():  # Gemma3RMSNorm multiplies by (1 + w) in float32: the kernels' float32 weight
             return (1.0 + norm.weight.float()).contiguous() if self.gemma else norm.weight
 
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                parts: list[torch.Tensor] | None = None) -> _Linear:
+        """A linear of this decoder's kind (packed or not, its few-token kernel, weights in its arena)."""
+        return _Linear(weight, bias, self.is_packed, self.few_token, parts, self.arena)
+
     def _cat(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """The weights stacked [sum of out, in]; over bf16 weights in bf16 (no fp32 concatenation made)."""
         return torch.cat([w.to(torch.bfloat16) for w in weights] if self.reads_bf16_weights else weights)
@@ -274,19 +285,18 @@ class FastDecoder:
         attn, mlp = layer.self_attn, layer.mlp
         with torch.no_grad():
             if hasattr(attn, "qkv_proj"):  # Phi-3 keeps them fused
-                qkv = [_Linear(attn.qkv_proj.weight, attn.qkv_proj.bias, self.is_packed, self.few_token)]
+                qkv = [self._linear(attn.qkv_proj.weight, attn.qkv_proj.bias)]
             elif self.concatenates:
                 projections = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-                qkv = [_Linear(self._cat(projections), _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-                               self.is_packed, self.few_token, projections if self.reads_bf16_weights else None)]
+                qkv = [self._linear(self._cat(projections), _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                                    projections if self.reads_bf16_weights else None)]
             else:
                 qkv = [_Linear(p.weight, p.bias, False) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
             if hasattr(mlp, "gate_up_proj"):
-                gate_up = [_Linear(mlp.gate_up_proj.weight, None, self.is_packed, self.few_token)]
+                gate_up = [self._linear(mlp.gate_up_proj.weight, None)]
             elif self.concatenates:
                 projections = [mlp.gate_proj.weight, mlp.up_proj.weight]
-                gate_up = [_Linear(self._cat(projections), None, self.is_packed, self.few_token,
-                                   projections if self.reads_bf16_weights else None)]
+                gate_up = [self._linear(self._cat(projections), None, projections if self.reads_bf16_weights else None)]
             else:
                 gate_up = [_Linear(mlp.gate_proj.weight, None, False), _Linear(mlp.up_proj.weight, None, False)]
         # what the HF module passes its attention as sliding_window: its own (per layer) or the config's
@@ -300,9 +310,9 @@ class FastDecoder:
             q_norm=self._norm(getattr(attn, "q_norm", None)),
             k_norm=self._norm(getattr(attn, "k_norm", None)),
             qkv=qkv,
-            o_proj=_Linear(attn.o_proj.weight, attn.o_proj.bias, self.is_packed, self.few_token),
+            o_proj=self._linear(attn.o_proj.weight, attn.o_proj.bias),
             gate_up=gate_up,
-            down=_Linear(mlp.down_proj.weight, None, self.is_packed, self.few_token),
+            down=self._linear(mlp.down_proj.weight, None),
             window=int(window or 0),
             rope=rope,
         )
