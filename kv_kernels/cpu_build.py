@@ -26,7 +26,8 @@ from filelock import FileLock
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "token_mask.cpp", CSRC / "linear_ops.cpp",
-           CSRC / "amx_linear.cpp", CSRC / "row_argmax.cpp", CSRC / "bf16_weight_linear.cpp")
+           CSRC / "amx_linear.cpp", CSRC / "row_argmax.cpp", CSRC / "bf16_weight_linear.cpp",
+           CSRC / "decoder_layer.cpp")
 HEADERS = (CSRC / "vector_math.h",)
 # -fopenmp: at::parallel_for is an inline OpenMP loop, so it runs serially unless this file is
 # compiled with OpenMP; linking against torch's own libgomp (searched first, see -L below)
@@ -35,7 +36,8 @@ FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fope
          "-fPIC", "-DNDEBUG", "-w")
 OPS = ("append_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
        "mask_disallowed_", "small_linear", "small_linear_native",
-       "amx_linear", "amx_linear_native", "row_argmax", "bf16_weight_linear", "bf16_weight_linear_native")
+       "amx_linear", "amx_linear_native", "row_argmax", "bf16_weight_linear", "bf16_weight_linear_native",
+       "decoder_layer")
 
 
 def default_cache_dir() -> Path:

@@ -79,8 +79,8 @@ def prefill_logits():
         captured = {}
         forward = engine.runner.fast.forward
 
-        def keep_all_rows(ids, positions, attention, rows):
-            captured["logits"], hidden = forward(ids, positions, attention, torch.arange(ids.shape[0]))
+        def keep_all_rows(ids, positions, attention, rows, step=None):
+            captured["logits"], hidden = forward(ids, positions, attention, torch.arange(ids.shape[0]), step)
             return captured["logits"][rows], hidden[rows]
 
         engine.runner.fast.forward = keep_all_rows

@@ -16,7 +16,8 @@ from engine_driver import ARCHITECTURES, SHAPE, tiny_architecture
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
 from workers.engine.engine import Engine, EngineConfig
-from workers.engine.fast_decoder import FastDecoder, few_token_kernel, unsupported_reason
+from workers.engine.fast_decoder import FastDecoder, unsupported_reason
+from workers.engine.fast_linear import few_token_kernel
 from workers.engine.linear_weights import round_linear_weights_to_bf16
 from workers.engine.models import make_tiny_model, tiny_llama_config
 from workers.values.sampling_params import SamplingParams

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kv_kernels import cpu_build
-from workers.engine import fast_decoder
-from workers.engine.fast_decoder import FEW_TOKEN_KERNELS, FastDecoder
+from workers.engine import fast_linear
+from workers.engine.fast_decoder import FastDecoder
+from workers.engine.fast_linear import FEW_TOKEN_KERNELS
 from workers.engine.models import make_tiny_model
 from workers.engine.runtime import cpu_flags
 
@@ -56,11 +57,11 @@ def test_small_linear_refuses_what_it_cannot_compute():
                                       torch.zeros(4, 8, dtype=torch.bfloat16), None)
 
 
-@pytest.mark.skipif(fast_decoder.few_token_kernel() is None, reason="no few-token kernel is built natively here "
+@pytest.mark.skipif(fast_linear.few_token_kernel() is None, reason="no few-token kernel is built natively here "
                     "(the tests above and in test_amx_linear.py check the kernels' results)")
 @pytest.mark.parametrize("kernel", ["native", "small_linear"])
 def test_the_fast_path_takes_the_few_token_kernel_up_to_its_limit_and_onednn_past_it(monkeypatch, kernel):
-    name = fast_decoder.few_token_kernel() if kernel == "native" else "small_linear"
+    name = fast_linear.few_token_kernel() if kernel == "native" else "small_linear"
     limit = FEW_TOKEN_KERNELS[name]
     calls = []
     op = getattr(torch.ops.s3_cpu, name)
@@ -69,14 +70,14 @@ def test_the_fast_path_takes_the_few_token_kernel_up_to_its_limit_and_onednn_pas
         calls.append(x.shape[0])
         op(out, x, weight, bias)
 
-    monkeypatch.setattr(fast_decoder.torch.ops.s3_cpu, name, counted)  # before the linears look their kernel up
+    monkeypatch.setattr(fast_linear.torch.ops.s3_cpu, name, counted)  # before the linears look their kernel up
     model = make_tiny_model(seed=5, init_std=0.2).to(torch.bfloat16)
     decoder = FastDecoder(copy.deepcopy(model), max_positions=64)
-    assert decoder.few_token == fast_decoder.few_token_kernel()  # AMX where the build has it, else vdpbf16ps
+    assert decoder.few_token == fast_linear.few_token_kernel()  # AMX where the build has it, else vdpbf16ps
     weight = model.model.layers[0].self_attn.o_proj.weight  # [hidden, hidden]
     with torch.no_grad():
         o_proj = (decoder.layers[0].o_proj if kernel == "native"
-                  else fast_decoder._Linear(weight, None, pack=True, few_token="small_linear"))
+                  else fast_linear.Linear(weight, None, pack=True, few_token="small_linear"))
     assert o_proj.few_token == name
     for tokens in sorted({1, limit, limit + 1}):
         x = torch.randn(tokens, weight.shape[1], generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
@@ -87,11 +88,11 @@ def test_the_fast_path_takes_the_few_token_kernel_up_to_its_limit_and_onednn_pas
 def test_the_few_token_kernel_is_the_fastest_one_the_build_has():
     flags = cpu_flags()
     if torch.ops.s3_cpu.amx_linear_native():
-        assert fast_decoder.few_token_kernel() == "amx_linear"
+        assert fast_linear.few_token_kernel() == "amx_linear"
     elif "avx512_bf16" in flags:
-        assert fast_decoder.few_token_kernel() == "small_linear"
+        assert fast_linear.few_token_kernel() == "small_linear"
     else:
-        assert fast_decoder.few_token_kernel() is None
+        assert fast_linear.few_token_kernel() is None
 
 
 @pytest.mark.parametrize("few_token", [None, "small_linear", "amx_linear"])
@@ -100,14 +101,14 @@ def test_a_linear_takes_an_empty_batch_with_or_without_a_few_token_kernel(few_to
         pytest.skip(f"{few_token} is never used on this CPU (test_the_few_token_kernel_is_the_fastest_one_the_build_has)")
     weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.no_grad():
-        linear = fast_decoder._Linear(weight, None, pack=fast_decoder.onednn_packs_bf16(), few_token=few_token)
+        linear = fast_linear.Linear(weight, None, pack=fast_linear.onednn_packs_bf16(), few_token=few_token)
     assert linear(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 8)
 
 
 def test_an_input_width_the_tiles_cannot_take_falls_back_to_the_one_token_kernel_or_onednn():
     weight = torch.randn(8, 40, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)  # 40: not 32k
     with torch.no_grad():
-        linear = fast_decoder._Linear(weight, None, pack=fast_decoder.onednn_packs_bf16(), few_token="amx_linear")
+        linear = fast_linear.Linear(weight, None, pack=fast_linear.onednn_packs_bf16(), few_token="amx_linear")
     assert linear.few_token == ("small_linear" if torch.ops.s3_cpu.small_linear_native() else None)
     x = torch.randn(1, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     torch.testing.assert_close(linear(x).float(), _reference(x, weight, None).float(), atol=2e-2, rtol=2**-7)

@@ -22,16 +22,9 @@ multiply by (1 + w) in float32 before rounding (the norm kernels take a float32
 weight for that), one rotary table per layer type (local and global bases), a
 tanh-GELU MLP and `query_pre_attn_scalar` as the attention scale.
 
-In bf16 the linears use oneDNN weights packed once for AMX/AVX512-BF16 (1.5-2x
-faster than `F.linear` here); in fp32 they are `F.linear`, the very op HF calls, except over bf16
-weights (`workers.engine.linear_weights`), read by `s3_cpu.bf16_weight_linear` at up to 256 tokens.
-A decode step of one to a few dozen tokens reads every weight for a handful of
-rows, and oneDNN's kernels stream them at 7-10 GB/s of this machine's ~22: up to
-32 tokens the C++ kernel `s3_cpu.amx_linear` runs AMX tiles over a copy of the
-weights packed for them (14-15 GB/s; `kv_kernels/csrc/amx_linear.cpp`), and on
-CPUs with AVX512-BF16 but no AMX `s3_cpu.small_linear` dots the plain weights
-with vdpbf16ps at one token (`kv_kernels/csrc/linear_ops.cpp`).
-The few-token kernels' weights, streamed every decode step, live in huge pages (`workers.engine.huge_page_arena`).
+The linears are `workers.engine.fast_linear.Linear`: oneDNN-packed bf16, few-token C++ kernels (AMX tiles,
+vdpbf16ps, bf16 weights under fp32 arithmetic), or `F.linear`, the very op HF calls. On AVX2-only CPUs with
+bf16 weights the layers of a step may run as one C++ op each (`workers.engine.fused_layers`).
 The elementwise kernels round to bf16 where HF's bf16 modules round, so logits
 track HF's bf16 forward (the tests state the tolerance).
 
@@ -57,6 +50,9 @@ import torch
 import torch.nn.functional as F
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
+from workers.engine import fused_layers
+from workers.engine.attention import StepAttention
+from workers.engine.fast_linear import Linear, few_token_kernel, onednn_packs_bf16
 from workers.engine.huge_page_arena import HugePageArena
 from workers.engine.linear_weights import has_bf16_linear_weights
 
@@ -116,83 +112,6 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-# Few-token CPU bf16 kernels, by name, and the most tokens each takes; past that, oneDNN's packed linear.
-# Measured here streaming SmolLM2's 30 layers and head: `amx_linear` (AMX tiles on a weight packed for them)
-# 14-15 GB/s from 1 to 16 tokens and 10-11 at 32, oneDNN 7-10 GB/s over the same range and even at 48;
-# `small_linear` (vdpbf16ps on the plain weight, for CPUs with AVX512-BF16 but no AMX) wins at 1 token only.
-# `bf16_weight_linear`, the fp32 engine's on AVX2-only CPUs with bf16 linear weights (`workers.engine.linear_weights`),
-# streams them packed in 16-column panels, up to 6 tokens per widened weight; against `F.linear` on fp32 weights
-# (Zen 3, SmolLM2's linears, in one process) 3.6x at 1 token, 2.4-2.7x at 4-32, 1.4x at 128, equal at 256 and 0.8x
-# at 512, where MKL's GEMM blocks better: past 256 tokens `F.linear` runs on the model's own weights.
-FEW_TOKEN_KERNELS = {"amx_linear": 32, "small_linear": 1, "bf16_weight_linear": 256}
-
-
-def few_token_kernel() -> str | None:
-    """The few-token kernel the CPU kernels' build runs natively here (see FEW_TOKEN_KERNELS), or None."""
-    if torch.ops.s3_cpu.amx_linear_native():
-        return "amx_linear"
-    if torch.ops.s3_cpu.small_linear_native():
-        return "small_linear"
-    return None
-
-
-def onednn_packs_bf16() -> bool:
-    """True when oneDNN packs and runs bf16 linears on this CPU (AVX512-BF16, AMX or AVX-NE-CONVERT; not AVX2 alone)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-class _Linear:
-    """y = x @ W^T (+ b) for x [T, in]; oneDNN-packed weights in bf16 on CPU, `F.linear` otherwise. With a
-    `few_token` kernel (a FEW_TOKEN_KERNELS name), CPU bf16 calls of up to its token limit run it on its own copy
-    of the weight: the tile layout for `amx_linear` (a third copy of the bf16 weights in memory, beside the model's
-    and oneDNN's), the model's plain weight for `small_linear` (concatenated q|k|v and gate|up: copies), a bf16 copy
-    for `bf16_weight_linear` packed in its panels (fp32 calls over bf16 weights: the model's weights hold bf16
-    values; `kv_kernels.cpu_kernels.bf16_weight_pack`)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
-                 few_token: str | None = None, parts: list[torch.Tensor] | None = None,
-                 arena: HugePageArena | None = None) -> None:
-        self.bias = bias
-        # parts: the model's own weights that `weight` concatenates, for F.linear apart past the few-token kernel's
-        # tokens (bf16 weights: no fp32 copy of the concatenation is kept)
-        self.parts = parts
-        self.weight = None if pack or parts is not None else weight
-        # packed: opaque oneDNN layout of `weight`, chosen once for AMX / AVX512-BF16
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if pack else None
-        if few_token == "amx_linear" and weight.shape[1] % 32:  # the tiles take whole 32-deep slices of the input
-            few_token = "small_linear" if torch.ops.s3_cpu.small_linear_native() else None
-        self.few_token = few_token
-        self.few_token_max = FEW_TOKEN_KERNELS[few_token] if few_token else 0
-        self.few_op = getattr(torch.ops.s3_cpu, few_token) if few_token else None  # looked up once, not per call
-        self.out_features = weight.shape[0]
-        # [N_pad/64, in/32, 4, 16, 32] for amx_linear, [out, in] for small_linear, [N_pad/16, in, 16] for
-        # bf16_weight_linear
-        self.few_weight = None
-        if few_token is not None:
-            plain = weight.detach().contiguous()
-            if few_token == "amx_linear":
-                self.few_weight = cpu_kernels.amx_pack(plain)
-            elif few_token == "bf16_weight_linear":
-                self.few_weight = cpu_kernels.bf16_weight_pack(plain)  # the fp32 weight holds bf16 values: exact
-            else:
-                self.few_weight = plain
-            if arena is not None:  # streamed every step: into huge pages
-                self.few_weight = arena.hold(self.few_weight)
-        self.few_bias = None if bias is None or few_token is None else bias.detach().contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_op is not None and x.shape[0] <= self.few_token_max:
-            out = x.new_empty(x.shape[0], self.out_features)  # [T, out]
-            self.few_op(out, x.contiguous(), self.few_weight, self.few_bias)
-            return out
-        if self.parts is not None:
-            out = torch.cat([F.linear(x, part) for part in self.parts], dim=1)  # [T, out]
-            return out if self.bias is None else out.add_(self.bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
 @dataclass(slots=True)
 class _Layer:
     input_norm: torch.Tensor  # [hidden]; float32 (1 + w) for Gemma's rounding, else the model's dtype
@@ -201,10 +120,10 @@ class _Layer:
     post_mlp_norm: torch.Tensor | None  # [hidden], Gemma: normalises the MLP output before the residual add
     q_norm: torch.Tensor | None  # [head_dim], Qwen3 and Gemma 3: RMSNorm of each head of q, then of k
     k_norm: torch.Tensor | None
-    qkv: list[_Linear]  # one [q | k | v] linear (CPU bf16 or bf16 weights, CUDA, Phi-3), or q, k, v apart (CPU fp32)
-    o_proj: _Linear
-    gate_up: list[_Linear]  # one [gate | up] linear, or gate, up apart
-    down: _Linear
+    qkv: list[Linear]  # one [q | k | v] linear (CPU bf16 or bf16 weights, CUDA, Phi-3), or q, k, v apart (CPU fp32)
+    o_proj: Linear
+    gate_up: list[Linear]  # one [gate | up] linear, or gate, up apart
+    down: Linear
     window: int  # sliding window in tokens, 0 for a layer that sees its whole context
     rope: int  # index of the layer's rotary table
 
@@ -265,6 +184,7 @@ class FastDecoder:
         self.cos_sin, rope_index = self._rotary_tables(inner.rotary_emb, layer_types, max_positions)
         self.layers = [self._layer(layer, config, rope_index[kind]) for layer, kind in zip(inner.layers, layer_types)]
         self.scale = float(inner.layers[0].self_attn.scaling)
+        self.fused_layers = fused_layers.fuses_layers(self)  # one C++ op per layer where the step allows
 
     def _norm(self, norm: torch.nn.Module | None) -> torch.Tensor | None:
         if norm is None:
@@ -273,9 +193,9 @@ class FastDecoder:
             return (1.0 + norm.weight.float()).contiguous() if self.gemma else norm.weight
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                parts: list[torch.Tensor] | None = None) -> _Linear:
+                parts: list[torch.Tensor] | None = None) -> Linear:
         """A linear of this decoder's kind (packed or not, its few-token kernel, weights in its arena)."""
-        return _Linear(weight, bias, self.is_packed, self.few_token, parts, self.arena)
+        return Linear(weight, bias, self.is_packed, self.few_token, parts, self.arena)
 
     def _cat(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """The weights stacked [sum of out, in]; over bf16 weights in bf16 (no fp32 concatenation made)."""
@@ -291,14 +211,14 @@ class FastDecoder:
                 qkv = [self._linear(self._cat(projections), _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
                                     projections if self.reads_bf16_weights else None)]
             else:
-                qkv = [_Linear(p.weight, p.bias, False) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+                qkv = [Linear(p.weight, p.bias, False) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
             if hasattr(mlp, "gate_up_proj"):
                 gate_up = [self._linear(mlp.gate_up_proj.weight, None)]
             elif self.concatenates:
                 projections = [mlp.gate_proj.weight, mlp.up_proj.weight]
                 gate_up = [self._linear(self._cat(projections), None, projections if self.reads_bf16_weights else None)]
             else:
-                gate_up = [_Linear(mlp.gate_proj.weight, None, False), _Linear(mlp.up_proj.weight, None, False)]
+                gate_up = [Linear(mlp.gate_proj.weight, None, False), Linear(mlp.up_proj.weight, None, False)]
         # what the HF module passes its attention as sliding_window: its own (per layer) or the config's
         window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
         sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma: norms after attention and MLP too
@@ -350,17 +270,10 @@ class FastDecoder:
         rows = x.reshape(-1, self.head_dim)  # [T * heads, D], a copy when x is a column slice of q|k|v
         return self.ops.rms_norm(rows, weight, self.eps).view(x.shape[0], -1)
 
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                sample_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids, positions [T] int64; returns logits [N, vocab] and the final-norm hidden states [N, hidden]
-        of the N = len(sample_rows) rows, both in the model's dtype (the hidden rows are the lm_head's input)."""
-        ops = self.ops
-        num_tokens = input_ids.shape[0]
+    def _layers(self, residual: torch.Tensor, positions: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
+        """Every layer over residual [T, hidden] (updated) from Python; returns the last layer's output [T, hidden]."""
+        ops, num_tokens = self.ops, residual.shape[0]
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        residual = F.embedding(input_ids, self.embed_weight)  # [T, hidden]
-        if self.embed_scale is not None:
-            residual = residual * self.embed_scale
         hidden = None
         for index, layer in enumerate(self.layers):
             if hidden is None:
@@ -394,6 +307,22 @@ class FastDecoder:
             hidden = layer.down(act)
             if layer.post_mlp_norm is not None:
                 hidden = ops.rms_norm(hidden, layer.post_mlp_norm, self.eps)
-        ops.fused_add_rms_norm(hidden, residual, self.final_norm, self.eps)
+        return hidden
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                sample_rows: torch.Tensor, step: StepAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions [T] int64; returns logits [N, vocab] and the final-norm hidden states [N, hidden]
+        of the N = len(sample_rows) rows, both in the model's dtype (the hidden rows are the lm_head's input).
+        `step`: the step's paged attention behind `attention`, for the fused layers (`workers.engine.fused_layers`)."""
+        num_tokens = input_ids.shape[0]
+        residual = F.embedding(input_ids, self.embed_weight)  # [T, hidden]
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale
+        if fused_layers.serves_step(self, num_tokens, step):
+            hidden = fused_layers.run_layers(self, residual, positions, step)
+        else:
+            hidden = self._layers(residual, positions, attention)
+        self.ops.fused_add_rms_norm(hidden, residual, self.final_norm, self.eps)
         rows = hidden.index_select(0, sample_rows)  # [N, hidden]
         return self.lm_head(rows), rows  # [N, vocab], [N, hidden]

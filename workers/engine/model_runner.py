@@ -288,7 +288,7 @@ class ModelRunner:
         if self.fast is not None:
             scale = self.fast.scale
             logits, hidden = self.fast.forward(ids, pos, lambda i, q, k, v, w: attention(i, q, k, v, scale, w),
-                                              keep)
+                                              keep, attention)
         else:
             outputs = self.model(input_ids=ids[None], position_ids=pos[None], logits_to_keep=keep, use_cache=False,
                                  s3_attention=attention, output_hidden_states=want_hidden)
