@@ -9,7 +9,7 @@ rows, and oneDNN's kernels stream them at 7-10 GB/s of this machine's ~22: up to
 weights packed for them (14-15 GB/s; `kv_kernels/csrc/amx_linear.cpp`), and on
 CPUs with AVX512-BF16 but no AMX `s3_cpu.small_linear` dots the plain weights
 with vdpbf16ps at one token (`kv_kernels/csrc/linear_ops.cpp`).
-The few-token kernels' weights, streamed every decode step, live in huge pages (`workers.engine.huge_page_arena`).
+The few-token kernels' packed weights, streamed every decode step, live in huge pages (`workers.engine.huge_page_arena`).
 """
 
 import torch
@@ -78,7 +78,9 @@ class Linear:
                 self.few_weight = cpu_kernels.bf16_weight_pack(plain)  # the fp32 weight holds bf16 values: exact
             else:
                 self.few_weight = plain
-            if arena is not None:  # streamed every step: into huge pages
+            # the packed copies, streamed every step, into huge pages; small_linear's plain weight is often the
+            # model's own tensor, which a copy would double in memory
+            if arena is not None and few_token != "small_linear":
                 self.few_weight = arena.hold(self.few_weight)
         self.few_bias = None if bias is None or few_token is None else bias.detach().contiguous()
 
