@@ -104,8 +104,10 @@ class PeersBenchConfig:
 
 
 def quick_config(**overrides) -> PeersBenchConfig:
-    """1 and 0.05 GiB; llama.cpp's Q4_1 row at 1 GiB only (each llama.cpp run takes 4-5 minutes here)."""
-    return PeersBenchConfig(**{"kv_gibs": (1.0, 0.05), "q4_1_kv_gibs": (1.0,), **overrides})
+    """The first 100 of P8's 200 requests (their lengths are the same seeded draws' first half: 12,376 tokens),
+    1 and 0.05 GiB, llama.cpp's Q4_1 row at 1 GiB only. With all four systems the full 200 took 43 minutes on an
+    AVX2-only EPYC (vLLM's start-up alone 4.5 of them); half the work fits the 30 minutes a quick check gets."""
+    return PeersBenchConfig(**{"num_requests": 100, "kv_gibs": (1.0, 0.05), "q4_1_kv_gibs": (1.0,), **overrides})
 
 
 def p8_output_lengths(num_requests: int, median: float, sigma: float, cap: int, seed: int) -> list[int]:
@@ -164,12 +166,12 @@ def peer_environment(venv: Path) -> dict[str, str]:
 
 def run_vllm(config: PeersBenchConfig, model_dir: Path, requests: list[ReplayRequest], kv_cache_bytes: int,
              log_path: Path, max_model_len: int | None = None, online: dict | None = None,
-             single: ReplayRequest | None = None) -> dict:
+             single: ReplayRequest | None = None, dtype: str = "bfloat16") -> dict:
     """One vLLM process in the peer venv (`benchmarks/vllm_peer.py`, whose docstring says what `online`
-    adds); ValueError (with the log's path) when it fails."""
+    adds), its model in `dtype` ("bfloat16" or "float32"); ValueError (with the log's path) when it fails."""
     python = peer_python(config)
     spec = {
-        "model_dir": str(model_dir), "kv_cache_bytes": kv_cache_bytes,
+        "model_dir": str(model_dir), "kv_cache_bytes": kv_cache_bytes, "dtype": dtype,
         "max_model_len": max_model_len or config.max_model_len, "seed": config.seed,
         "requests": wire(requests),
     }
@@ -183,21 +185,24 @@ def run_vllm(config: PeersBenchConfig, model_dir: Path, requests: list[ReplayReq
 
 SYSTEMS = ("vllm", "llamacpp", "openvino", "ours")
 SYSTEM_POLICIES = {"vllm": "paged (vLLM)", "llamacpp": "slots (llama.cpp)", "openvino": "paged (OpenVINO)"}
+PEER_FP32 = {"vllm": "fp32", "openvino": "fp32+f16w"}  # each peer's precision where the CPU has no bf16 instructions
+VLLM_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def run_plan(config: PeersBenchConfig, precision: str) -> list[tuple[float, str, str, str]]:
     """(KV GiB, system, policy, precision) of every run, budget by budget. Ours at `precision`: bf16, or on a CPU
     without bf16 instructions fp32 arithmetic over bf16 weights ("fp32+bf16w", dtype auto) or fp32 weights;
-    OpenVINO computes in bf16 or fp32 alike, over its export's fp16 weights under fp32 ("fp32+f16w"); vLLM and
-    llama.cpp always at bf16 (their bf16 weights), llama.cpp also, at `q4_1_kv_gibs`, at its users' default (the
-    shipped Q4_1)."""
+    OpenVINO computes in bf16 or fp32 alike, over its export's fp16 weights under fp32 ("fp32+f16w"); vLLM in bf16
+    where we do, else in fp32 (`dtype="float32"`, fp32 weights: its bf16 path has no bf16 instructions to run on
+    there; on an AVX2-only EPYC it ran P8 at 45 tokens/s, fp32 at 182); llama.cpp always over its bf16 weights (ggml widens them to fp32 itself), and
+    at `q4_1_kv_gibs` also at its users' default (the shipped Q4_1)."""
     plan = []
     for gib in config.kv_gibs:
         for system in (s for s in SYSTEMS if s in config.systems):
             if system == "ours":
                 plan += [(gib, system, policy, precision) for policy in config.policies]
             else:
-                peer_precision = "bf16" if system != "openvino" or precision == "bf16" else "fp32+f16w"
+                peer_precision = "bf16" if precision == "bf16" or system == "llamacpp" else PEER_FP32[system]
                 plan += [(gib, system, SYSTEM_POLICIES[system], peer_precision)]
                 if system == "llamacpp" and (config.q4_1_kv_gibs is None or gib in config.q4_1_kv_gibs):
                     plan.append((gib, system, SYSTEM_POLICIES[system], "q4_1"))
@@ -245,6 +250,7 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
     hf_config = model_config(model_dir)
     bf16_token_bytes = pool_shape_for(hf_config, 1, 1, torch.bfloat16).bytes_per_block
     our_token_bytes = pool_shape_for(hf_config, 1, 1, dtype).bytes_per_block
+    fp32_token_bytes = pool_shape_for(hf_config, 1, 1, torch.float32).bytes_per_block
     true_lengths = {r.request_id: r.output_tokens for r in requests}
     oracle = NoisyOraclePredictor(true_lengths, sigma=config.predictor_sigma, max_len=config.max_model_len,
                                   seed=config.seed)
@@ -271,9 +277,10 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
                 alone_row = None if not wants_single else _single_row(system, precision,
                                                                       _single_ours(model, single, config))
             else:
-                result = _run_peer(system, config, model_dir, cache_dir, requests, gib, kv_tokens, run_precision,
-                                   log_dir, name, alone)
-                row = _peer_row(result, kv_tokens * bf16_token_bytes, run_precision)
+                peer_token_bytes = fp32_token_bytes if run_precision == "fp32" else bf16_token_bytes
+                result = _run_peer(system, config, model_dir, cache_dir, requests, kv_tokens, peer_token_bytes,
+                                   run_precision, log_dir, name, alone)
+                row = _peer_row(result, kv_tokens * peer_token_bytes, run_precision)
                 alone_row = None if alone is None else _single_row(system, run_precision, result["single"])
             host_gbs = [host_before_gbs, host_bandwidth_gbs()]  # the host around this run, its single stream too
             if alone_row is not None:
@@ -284,12 +291,14 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
     return report(config, runs, singles, total_tokens, log_dir, json_path)
 
 
-def _run_peer(system: str, config: PeersBenchConfig, model_dir: Path, cache_dir: Path, requests, gib: float,
-              kv_tokens: int, precision: str, log_dir: Path, name: str, single) -> dict:
+def _run_peer(system: str, config: PeersBenchConfig, model_dir: Path, cache_dir: Path, requests, kv_tokens: int,
+              token_bytes: int, precision: str, log_dir: Path, name: str, single) -> dict:
+    """One peer's run; vLLM's KV is `kv_tokens` at `token_bytes` (its dtype's), the others size theirs in tokens."""
     from benchmarks import cpu_peers
 
     if system == "vllm":
-        return run_vllm(config, model_dir, requests, int(gib * GIB), log_dir / f"{name}.log", single=single)
+        return run_vllm(config, model_dir, requests, kv_tokens * token_bytes, log_dir / f"{name}.log", single=single,
+                        dtype=VLLM_DTYPES[precision])
     if system == "llamacpp":
         gguf = cpu_peers.llamacpp_gguf(precision, cache_dir)
         return cpu_peers.run_llamacpp_peer(config.peer_venv, gguf, requests, kv_tokens, log_dir / f"{name}.log",

@@ -50,7 +50,7 @@ class NaturalPeersConfig:
         num_requests, max_len, max_prompt_tokens: the held-out prompts (`build_natural_workload`).
         labels_path: the served model's greedy lengths (missing prompts are labelled first).
         rate_fractions: arrival rates as fractions of vLLM's offline capacity in requests/s.
-        kv_tokens: KV tokens of every engine (vLLM's bytes are bf16's for them).
+        kv_tokens: KV tokens of every engine (vLLM's bytes are those of its dtype, ours: bf16 or fp32).
         policies: our policies; "oracle" runs the default policy (s3_peak) on the true lengths instead of the
             predictor's (the ceiling of what better prediction could give it); "probe" runs it with `probe`
             re-predicting each answer's remaining length from the engine's hidden states (after prefill, then
@@ -129,12 +129,13 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
     if model is not None and reads_bf16_weights(config.peers.dtype, "cpu"):  # dtype auto on an AVX2-only CPU
         round_linear_weights_to_bf16(model)
     hf_config = model_config(model_dir)
-    bf16_bytes = pool_shape_for(hf_config, 1, 1, torch.bfloat16).bytes_per_block
     our_bytes = pool_shape_for(hf_config, 1, 1, dtype).bytes_per_block
+    # vLLM computes in bf16 where we do, else in fp32 (its bf16 path needs bf16 instructions): our KV dtype's bytes
+    vllm_dtype = "bfloat16" if dtype == torch.bfloat16 else "float32"
     runs: list[dict] = []
     capacity_per_s = None
     if "vllm" in systems:
-        capacity_per_s = _run_vllm(config, model_dir, requests, units, config.kv_tokens * bf16_bytes,
+        capacity_per_s = _run_vllm(config, model_dir, requests, units, config.kv_tokens * our_bytes, vllm_dtype,
                                    len(tokenizer), log_dir, runs)
     if "ours" in systems:
         if capacity_per_s is None:  # no vLLM here: our paged_greedy's offline capacity sets the rates
@@ -199,7 +200,7 @@ def _run_ours(model, policy: str, requests, estimates, config: NaturalPeersConfi
 
 
 def _run_vllm(config: NaturalPeersConfig, model_dir: Path, requests, units: list[float], kv_cache_bytes: int,
-              vocab_size: int, log_dir: Path | None, runs: list[dict]) -> float:
+              dtype: str, vocab_size: int, log_dir: Path | None, runs: list[dict]) -> float:
     """vLLM's offline run and one run per rate (appended to `runs`); its offline capacity in requests/s."""
     online = {"unit_arrivals_s": units, "rate_fractions": list(config.rate_fractions),
               "warmup": {"prompts": warm_up_prompts(vocab_size), "output_tokens": WARMUP_OUTPUT_TOKENS}}
@@ -207,16 +208,16 @@ def _run_vllm(config: NaturalPeersConfig, model_dir: Path, requests, units: list
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="s3serve-peers-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     result = run_vllm(config.peers, model_dir, requests, kv_cache_bytes, log_dir / "vllm-natural.log",
-                      config.max_len, online)
+                      config.max_len, online, dtype=dtype)
     print(f"vLLM log: {log_dir / 'vllm-natural.log'}")
     runs.append(_row("vllm", "paged (vLLM)", 0.0, None, result["output_tokens"], result["wall_s"],
                      list(result["latency_s"].values()), list(result["ttft_s"].values()),
-                     list(result["tpot_s"].values()), result["preemptions"], result["exact_lengths"], "bfloat16"))
+                     list(result["tpot_s"].values()), result["preemptions"], result["exact_lengths"], dtype))
     for replay in result["online"]:
         runs.append(_row("vllm", "paged (vLLM)", replay["rate_fraction"], replay["rate_per_s"],
                          replay["output_tokens"], replay["wall_s"], list(replay["latency_s"].values()),
                          list(replay["ttft_s"].values()), list(replay["tpot_s"].values()), replay["preemptions"],
-                         replay["exact_lengths"], "bfloat16"))
+                         replay["exact_lengths"], dtype))
     return result["capacity_requests_per_s"]
 
 
@@ -263,7 +264,7 @@ def _report(config: NaturalPeersConfig, runs: list[dict], info: dict, capacity_p
           f"{config.predictor!r}{probed}; {DEFAULT_POLICY}+oracle plans by the true lengths instead (the ceiling); "
           f"the headline ratios are {headline}'s, the service's default; one timed run each")
     if any(r["system"] == "ours" and r["dtype"] != "bfloat16" for r in runs):
-        print("our engine ran in float32 here (no bf16 instructions): the same KV tokens, twice the bytes")
+        print("our engine and vLLM ran in float32 here (no bf16 instructions): the same KV tokens, twice the bytes")
     result = {"benchmark": "peers", "workload": {"name": "natural", **info, "num_requests": config.num_requests,
                                                  "max_len": config.max_len, "arrivals": "Poisson",
                                                  "seed": config.peers.seed},

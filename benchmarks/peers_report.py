@@ -37,7 +37,9 @@ def report(config, runs: list[dict], singles: list[dict], total_tokens: int, log
               f"never preempts: it reserves each slot for the longest request); every engine warmed up before its "
               f"one timed run")
     if any(r["system"] == "ours" and r["dtype"] != "bfloat16" for r in runs):
-        print("our engine ran in float32 here (no bf16 instructions): it got the same KV tokens, twice the bytes")
+        fp32_peers = sorted({r["system"] for r in runs if r["precision"] == "fp32" and r["system"] != "ours"})
+        also = "".join(f" and {system}" for system in fp32_peers)
+        print(f"our engine{also} ran in float32 here (no bf16 instructions): the same KV tokens, twice the bytes")
     print(f"peer logs: {log_dir}")
     result = {
         "benchmark": "peers",

