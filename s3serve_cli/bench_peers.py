@@ -66,9 +66,10 @@ def add_peers_parser(benches) -> None:
         help="our engine vs vLLM's CPU build, llama.cpp's server and OpenVINO GenAI, in one run: P8 at several KV "
              "budgets and one request alone, or natural lengths online (vLLM only)",
         description="--workload p8 (default): the P8 workload of ../shared/docs/PEERS.md (200 requests at t=0, "
-                    "45-token prompts cut from pool text, lognormal forced output lengths, 23,657 tokens) through "
-                    "each peer (all made by `make peers`): vLLM's CPU build (driven through its Python API in a "
-                    "subprocess), llama.cpp's llama-server (over HTTP, a slot per longest request as many as the KV "
+                    "45-token prompts cut from pool text, lognormal forced output lengths, 23,657 tokens; --quick: "
+                    "the first 100, 12,376 tokens) through each peer (all made by `make peers`): vLLM's CPU build "
+                    "(driven through its Python API in a subprocess; fp32 on CPUs without bf16 instructions, as "
+                    "ours), llama.cpp's llama-server (over HTTP, a slot per longest request as many as the KV "
                     "holds; at bf16, and at its users' Q4_1) and OpenVINO GenAI's ContinuousBatchingPipeline (its "
                     "Python API in its own environment, an IR export of the same weights); and through our engine "
                     "with paged_greedy and s3_peak (noisy-oracle predictions, sigma 0.3), at each KV budget (GiB of "
