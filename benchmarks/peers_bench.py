@@ -250,7 +250,6 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
     hf_config = model_config(model_dir)
     bf16_token_bytes = pool_shape_for(hf_config, 1, 1, torch.bfloat16).bytes_per_block
     our_token_bytes = pool_shape_for(hf_config, 1, 1, dtype).bytes_per_block
-    fp32_token_bytes = pool_shape_for(hf_config, 1, 1, torch.float32).bytes_per_block
     true_lengths = {r.request_id: r.output_tokens for r in requests}
     oracle = NoisyOraclePredictor(true_lengths, sigma=config.predictor_sigma, max_len=config.max_model_len,
                                   seed=config.seed)
@@ -277,7 +276,8 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
                 alone_row = None if not wants_single else _single_row(system, precision,
                                                                       _single_ours(model, single, config))
             else:
-                peer_token_bytes = fp32_token_bytes if run_precision == "fp32" else bf16_token_bytes
+                # vLLM runs fp32 only where we do (run_plan): then its KV bytes per token are ours
+                peer_token_bytes = our_token_bytes if run_precision == "fp32" else bf16_token_bytes
                 result = _run_peer(system, config, model_dir, cache_dir, requests, kv_tokens, peer_token_bytes,
                                    run_precision, log_dir, name, alone)
                 row = _peer_row(result, kv_tokens * peer_token_bytes, run_precision)
