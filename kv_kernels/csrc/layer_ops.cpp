@@ -223,7 +223,6 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const scalar_t* x_ptr = x.data_ptr<scalar_t>();
   scalar_t* o_ptr = out.data_ptr<scalar_t>();
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> gate(width);
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x_ptr + r * x.stride(0);
       scalar_t* orow = o_ptr + r * out.stride(0);
@@ -237,11 +236,20 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
           store_lanes(orow + i, _mm512_mul_ps(round_lanes<scalar_t>(silu), load_lanes(xr + width + i)));
         }
       }
+#elif defined(S3_CPU_AVX2)
+      if constexpr (std::is_same_v<scalar_t, float>) {  // fp32 on AVX2: was scalar exps, 5% of a batch-96 step
+        const __m256 one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= width; i += 8) {
+          const __m256 g = _mm256_loadu_ps(xr + i);
+          const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, exp_poly8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+          _mm256_storeu_ps(orow + i, _mm256_mul_ps(silu, _mm256_loadu_ps(xr + width + i)));
+        }
+      }
 #endif
       for (; i < width; ++i) {
         const float g = to_float(xr[i]);
-        gate[i] = g / (1.f + exp_poly(-g));
-        orow[i] = static_cast<scalar_t>(rounded<scalar_t>(gate[i]) * to_float(xr[width + i]));
+        const float silu = g / (1.f + exp_poly(-g));
+        orow[i] = static_cast<scalar_t>(rounded<scalar_t>(silu) * to_float(xr[width + i]));
       }
     }
   });
