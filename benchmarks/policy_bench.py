@@ -26,6 +26,7 @@ from predictor_service.length_example import TextOf
 from predictor_service.length_predictor import LengthPredictor, LengthQuery
 from predictor_service.server import DEFAULT_ARTIFACT_ROOT
 from workers.engine.model_runner import pool_shape_for
+from workers.engine.linear_weights import as_served, has_bf16_linear_weights
 from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 
 
@@ -53,11 +54,12 @@ def parse_predictor(spec: str, true_lengths: dict[str, int], max_len: int, seed:
 
 
 def _bench_model(config: PolicyBenchConfig, model_dir: Path, vocab_size: int):
-    """The served model's weights, or a random model of `config.model_shape` (bf16 on CUDA)."""
+    """The served model's weights (fp32; over bf16 linear weights where the service reads them so, see
+    `as_served`), or a random model of `config.model_shape` (bf16 on CUDA)."""
     import torch
 
     if config.model_shape is None:
-        return load_model(model_dir, device=config.device)
+        return as_served(load_model(model_dir, device=config.device), config.device)
     from workers.engine.model_shapes import make_shaped_model, shape_parameters
 
     dtype = torch.bfloat16 if config.device.startswith("cuda") else torch.float32
@@ -120,6 +122,9 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
               f"scale 1/{MOONCAKE_BLOCK_TOKENS // config.tokens_per_hash_id}), prompts capped at "
               f"{config.max_prompt_tokens}")
     model = _bench_model(config, model_dir, len(tokenizer))
+    precision = "fp32+bf16w" if has_bf16_linear_weights(model) else str(model.dtype).removeprefix("torch.")
+    if config.model_shape is None:
+        print(f"model {model_name}: {precision} ({'bf16 linear weights, ' if '+' in precision else ''}as served here)")
     pool = pool_shape_for(model.config, 1, 16, model.dtype)
     bytes_per_token = pool.bytes_per_block // pool.block_size
     kv_cache_bytes = config.kv_cache_bytes or config.reserve_slots * config.max_len * bytes_per_token
@@ -218,6 +223,7 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
         "kv_blocks": runs[0].num_blocks if runs else None,
         "max_reserve_slots": kv_cache_bytes // (config.max_len * bytes_per_token),
         "workload": config.workload,
+        "precision": precision,
         ("natural" if natural else "capping"): workload_info,
         "policies": summaries,
         "ratios": ratios,

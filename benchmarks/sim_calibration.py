@@ -122,14 +122,16 @@ CALIBRATION_POLICIES = ("paged_greedy", "max_reserve", "s3")  # fitted on the fi
 
 
 def calibration_model(device: str, model_shape: str, model_dir: Path, vocab_size: int, max_len: int):
-    """The model the calibration's real engine runs: SmolLM2's weights on the CPU, a random bf16 shape on a GPU."""
+    """The model the calibration's real engine runs: SmolLM2's weights on the CPU (as served: `as_served`), a random
+    bf16 shape on a GPU."""
     import torch
 
+    from workers.engine.linear_weights import as_served
     from workers.engine.model_shapes import make_shaped_model
     from workers.engine.models import load_model
 
     if device == "cpu":
-        return load_model(model_dir)
+        return as_served(load_model(model_dir))
     return make_shaped_model(model_shape, vocab_size=vocab_size, dtype=torch.bfloat16, device=device,
                              max_position_embeddings=max(max_len, 512))
 

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from benchmarks.prompt_pool import PromptRecord, encode_chat, read_prompts
 from workers.engine.engine import Engine
+from workers.engine.linear_weights import as_served
 from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.scheduling.engine_config import EngineConfig
 from workers.values.sampling_params import SamplingParams
@@ -119,7 +120,7 @@ def label_records(records: list[PromptRecord], config: LabelConfig, model_name: 
     if not jobs:
         return summary
     engine = Engine(
-        load_model(model_dir),
+        as_served(load_model(model_dir)),  # the weights the service serves here: its answers' lengths
         EngineConfig.of(kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=max(512, config.max_num_seqs), max_model_len=config.max_len),
     )

@@ -43,6 +43,15 @@ def round_linear_weights_to_bf16(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def as_served(model: torch.nn.Module, device="cpu") -> torch.nn.Module:
+    """The fp32 `model` with the linear weights `dtype auto` serves on `device`: rounded to bf16 where
+    `reads_bf16_weights` (AVX2-only CPUs), as they are elsewhere; returns it. For the tools that run the engine
+    beside the service (the policy and simulator benches, labelling), so they measure and label what it serves."""
+    if model.dtype == torch.float32 and reads_bf16_weights("auto", device) and not has_bf16_linear_weights(model):
+        round_linear_weights_to_bf16(model)
+    return model
+
+
 def has_bf16_linear_weights(model: torch.nn.Module) -> bool:
     """True when `round_linear_weights_to_bf16` marked the model."""
     return bool(getattr(model, BF16_LINEAR_WEIGHTS, False))
