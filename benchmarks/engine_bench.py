@@ -35,7 +35,7 @@ from benchmarks.report import environment, format_table, write_json
 from benchmarks.roofline import DecoderShape, Limits, decode_step_cost, measure_limits, run_cost
 from workers.engine.engine import Engine
 from workers.engine.model_runner import pool_shape_for
-from workers.engine.linear_weights import has_bf16_linear_weights, reads_bf16_weights, round_linear_weights_to_bf16
+from workers.engine.linear_weights import as_served, has_bf16_linear_weights
 from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.engine.runtime import resolve_dtype
 from workers.scheduling.engine_config import EngineConfig
@@ -214,9 +214,8 @@ def run(config: EngineBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
     records = spread_sample(read_prompts(config.prompts_path), config.num_prompts * 2)
     prompts = [ids for ids in (encode_chat(tokenizer, r, config.max_prompt_tokens) for r in records) if ids]
     prompts = prompts[: config.num_prompts]
-    hf_model = load_model(model_dir, dtype=dtype)
-    if reads_bf16_weights(config.dtype, "cpu"):  # dtype auto on an AVX2-only CPU: both sides over the bf16 weights
-        round_linear_weights_to_bf16(hf_model)
+    hf_model = as_served(load_model(model_dir, dtype=dtype), "cpu", config.dtype)
+    if has_bf16_linear_weights(hf_model):  # dtype auto on an AVX2-only CPU: both sides over the bf16 weights
         dtype_name = "float32 over bf16 weights"
     engine_model = copy.deepcopy(hf_model)
     print(f"model {model_name}, {dtype_name}, {torch.get_num_threads()} torch threads")

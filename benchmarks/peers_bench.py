@@ -46,7 +46,7 @@ from benchmarks.traces import ReplayRequest, TraceRow, build_requests, load_prom
 from predictor_service.length_predictor import LengthQuery
 from workers.engine.model_runner import pool_shape_for
 from workers.engine.engine import Engine
-from workers.engine.linear_weights import reads_bf16_weights, round_linear_weights_to_bf16
+from workers.engine.linear_weights import as_served, precision_label, reads_bf16_weights
 from workers.engine.models import DEFAULT_MODEL, default_cache_dir, load_model, load_tokenizer, resolve_model_dir
 from workers.engine.runtime import resolve_dtype, usable_cores
 from workers.scheduling.engine_config import EngineConfig
@@ -243,10 +243,8 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
           f"prompt, {config.single_output_tokens} tokens, alone")
     dtype = resolve_dtype(config.dtype, "cpu")
     bf16_weights = reads_bf16_weights(config.dtype, "cpu")  # dtype auto on an AVX2-only CPU: fp32 over bf16 weights
-    precision = "bf16" if dtype == torch.bfloat16 else "fp32+bf16w" if bf16_weights else "fp32"
-    model = load_model(model_dir, dtype=dtype) if "ours" in config.systems else None
-    if model is not None and bf16_weights:
-        round_linear_weights_to_bf16(model)
+    precision = precision_label(dtype, bf16_weights)
+    model = as_served(load_model(model_dir, dtype=dtype), "cpu", config.dtype) if "ours" in config.systems else None
     hf_config = model_config(model_dir)
     bf16_token_bytes = pool_shape_for(hf_config, 1, 1, torch.bfloat16).bytes_per_block
     our_token_bytes = pool_shape_for(hf_config, 1, 1, dtype).bytes_per_block

@@ -32,7 +32,7 @@ from benchmarks.report import environment, format_table, percentile, write_json
 from cluster.control.worker_probe import load_length_probe
 from predictor_service.length_predictor import LengthQuery
 from workers.engine.model_runner import pool_shape_for
-from workers.engine.linear_weights import reads_bf16_weights, round_linear_weights_to_bf16
+from workers.engine.linear_weights import as_served
 from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 from workers.engine.runtime import resolve_dtype
 from workers.scheduling.length_probe import LengthProbe
@@ -125,9 +125,8 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
           f"{'vLLM' if 'vllm' in systems else 'our paged_greedy'}'s offline capacity")
     units = unit_arrivals(len(requests), config.peers.seed)
     dtype = resolve_dtype(config.peers.dtype, "cpu")
-    model = load_model(model_dir, dtype=dtype) if "ours" in systems else None
-    if model is not None and reads_bf16_weights(config.peers.dtype, "cpu"):  # dtype auto on an AVX2-only CPU
-        round_linear_weights_to_bf16(model)
+    # dtype auto on an AVX2-only CPU: fp32 over bf16 linear weights
+    model = as_served(load_model(model_dir, dtype=dtype), "cpu", config.peers.dtype) if "ours" in systems else None
     hf_config = model_config(model_dir)
     our_bytes = pool_shape_for(hf_config, 1, 1, dtype).bytes_per_block
     # vLLM computes in bf16 where we do, else in fp32 (its bf16 path needs bf16 instructions): our KV dtype's bytes

@@ -26,7 +26,7 @@ from predictor_service.length_example import TextOf
 from predictor_service.length_predictor import LengthPredictor, LengthQuery
 from predictor_service.server import DEFAULT_ARTIFACT_ROOT
 from workers.engine.model_runner import pool_shape_for
-from workers.engine.linear_weights import as_served, has_bf16_linear_weights
+from workers.engine.linear_weights import as_served, has_bf16_linear_weights, precision_label
 from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
 
 
@@ -122,9 +122,9 @@ def run(config: PolicyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_
               f"scale 1/{MOONCAKE_BLOCK_TOKENS // config.tokens_per_hash_id}), prompts capped at "
               f"{config.max_prompt_tokens}")
     model = _bench_model(config, model_dir, len(tokenizer))
-    precision = "fp32+bf16w" if has_bf16_linear_weights(model) else str(model.dtype).removeprefix("torch.")
+    precision = precision_label(model.dtype, has_bf16_linear_weights(model))
     if config.model_shape is None:
-        print(f"model {model_name}: {precision} ({'bf16 linear weights, ' if '+' in precision else ''}as served here)")
+        print(f"model {model_name}: {precision}, as served here")
     pool = pool_shape_for(model.config, 1, 16, model.dtype)
     bytes_per_token = pool.bytes_per_block // pool.block_size
     kv_cache_bytes = config.kv_cache_bytes or config.reserve_slots * config.max_len * bytes_per_token

@@ -96,7 +96,8 @@ def test_rounding_keeps_fp32_tensors_holding_bf16_values_and_refuses_a_half_mode
 def test_the_benches_and_the_labeller_get_the_weights_a_worker_serves_where_auto_rounds_them(monkeypatch):
     from benchmarks.sim_calibration import calibration_model
 
-    monkeypatch.setattr(linear_weights, "reads_bf16_weights", lambda name, device: device == "cpu")
+    monkeypatch.setattr(linear_weights, "reads_bf16_weights", lambda name, device: name == "auto" and device == "cpu")
+    assert not has_bf16_linear_weights(linear_weights.as_served(make_tiny_model(seed=4), "cpu", "float32"))
     model = make_tiny_model(seed=4, init_std=0.2)
     before = model.lm_head.weight.clone()
     assert linear_weights.as_served(model) is model and has_bf16_linear_weights(model)
@@ -107,6 +108,9 @@ def test_the_benches_and_the_labeller_get_the_weights_a_worker_serves_where_auto
     assert not has_bf16_linear_weights(linear_weights.as_served(make_tiny_model(seed=4).to(torch.bfloat16)))
     monkeypatch.setattr("workers.engine.models.load_model", lambda model_dir: make_tiny_model(seed=4))
     assert has_bf16_linear_weights(calibration_model("cpu", "tiny", None, 0, 64))
+    labels = [linear_weights.precision_label(d, w) for d, w in
+              ((torch.bfloat16, False), (torch.float32, True), (torch.float32, False))]
+    assert labels == ["bf16", "fp32+bf16w", "fp32"]
 
 
 def test_a_worker_rounds_its_weights_where_auto_means_bf16_weights_and_the_fast_path_reads_them(monkeypatch):

@@ -28,7 +28,7 @@ def test_bench_policies_writes_every_metric_ratio_and_plot(tmp_path, model_cache
     assert "prompts capped at 32 tokens" in result.stdout
     data = json.loads(out_json.read_text())
     # the weights the service serves on this CPU: bf16 linear weights under fp32 where dtype auto reads them so
-    assert data["precision"] == ("fp32+bf16w" if reads_bf16_weights("auto", "cpu") else "float32")
+    assert data["precision"] == ("fp32+bf16w" if reads_bf16_weights("auto", "cpu") else "fp32")
     assert f"model {DEFAULT_MODEL}: {data['precision']}" in result.stdout
     assert set(data["policies"]) == {"max_reserve", "paged_greedy", "s3", "s3_peak", "sglang_ratio", "oracle"}
     for name, metrics in data["policies"].items():

@@ -43,13 +43,18 @@ def round_linear_weights_to_bf16(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def as_served(model: torch.nn.Module, device="cpu") -> torch.nn.Module:
-    """The fp32 `model` with the linear weights `dtype auto` serves on `device`: rounded to bf16 where
-    `reads_bf16_weights` (AVX2-only CPUs), as they are elsewhere; returns it. For the tools that run the engine
-    beside the service (the policy and simulator benches, labelling), so they measure and label what it serves."""
-    if model.dtype == torch.float32 and reads_bf16_weights("auto", device) and not has_bf16_linear_weights(model):
+def as_served(model: torch.nn.Module, device="cpu", dtype_name: str = "auto") -> torch.nn.Module:
+    """`model` with the linear weights `dtype_name` serves on `device`: an fp32 model's rounded to bf16 where
+    `reads_bf16_weights` (auto on AVX2-only CPUs), as they are elsewhere; returns it. For the tools that run the
+    engine beside the service (the benches, labelling), so they measure and label what it serves."""
+    if model.dtype == torch.float32 and reads_bf16_weights(dtype_name, device) and not has_bf16_linear_weights(model):
         round_linear_weights_to_bf16(model)
     return model
+
+
+def precision_label(dtype: torch.dtype, bf16_weights: bool) -> str:
+    """How the benches name a model's precision: "bf16", "fp32+bf16w" (fp32 over bf16 linear weights) or "fp32"."""
+    return "bf16" if dtype == torch.bfloat16 else "fp32+bf16w" if bf16_weights else "fp32"
 
 
 def has_bf16_linear_weights(model: torch.nn.Module) -> bool:
