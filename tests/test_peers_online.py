@@ -70,14 +70,14 @@ def test_each_policy_at_each_rate_is_compared_with_vllm_at_that_rate():
 def test_our_side_runs_every_policy_at_every_rate_on_the_same_arrivals(tmp_path, model_cache_dir, shared_data):
     out = tmp_path / "natural.json"
     result = _peers("--workload", "natural", "--quick", "--systems", "ours", "--num-requests", "4",
-                    "--rates", "0.5", "2", "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
+                    "--rates", "2", "4", "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
                     "--model-cache-dir", str(model_cache_dir), "--json", str(out), timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ttft_p50" in result.stdout and "tpot_mean" in result.stdout
     data = json.loads(out.read_text())
     runs = data["runs"]
     assert {(r["policy"], r["rate"]) for r in runs} == {
-        (p, f) for p in ("paged_greedy", "s3_peak+probe", "s3_peak+oracle") for f in (0.5, 2.0)}  # --quick's
+        (p, f) for p in ("paged_greedy", "s3_peak+probe", "s3_peak+oracle") for f in (2.0, 4.0)}  # --quick's
     # the probe re-predicts the forced answers (their lengths are the model's own): at least each prefill's sample
     assert all((r["probe_reads"] >= 4) == (r["policy"] == "s3_peak+probe") for r in runs)
     capacity = data["capacity_requests_per_s"]  # no vLLM here: our paged_greedy's offline capacity

@@ -160,13 +160,13 @@ def test_chat_with_no_messages_or_too_long_messages_is_a_400(service):
 
 
 def test_fuzzed_bodies_get_openai_shaped_4xx_and_never_a_5xx(service):
-    """Seeded: 150 bodies to each completion endpoint; every error is OpenAI-shaped and none is a 5xx."""
+    """Seeded: 100 bodies to each completion endpoint; every error is OpenAI-shaped and none is a 5xx."""
     rng = random.Random(20261122)
     counts: dict[int, int] = {}
     with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {API_KEY}",
                                             "Content-Type": "application/json"}) as http:
         for path, is_chat in (("/v1/completions", False), ("/v1/chat/completions", True)):
-            for _ in range(150):
+            for _ in range(100):
                 content = fuzz_body(rng, is_chat, MODEL)
                 response = http.post(f"{service.base_url}{path}", content=content)
                 counts[response.status_code] = counts.get(response.status_code, 0) + 1
@@ -175,7 +175,7 @@ def test_fuzzed_bodies_get_openai_shaped_4xx_and_never_a_5xx(service):
                     assert_openai_error(response, response.status_code)
                 elif b'"stream": true' not in content and b'"stream":true' not in content:
                     assert response.json()["choices"], (content[:300], response.text)
-    assert counts.get(400, 0) >= 150 and sum(counts.values()) == 300, counts  # mostly refused, all answered
+    assert counts.get(400, 0) >= 100 and sum(counts.values()) == 200, counts  # mostly refused, all answered
     assert httpx.get(f"{service.base_url}/health").status_code == 200
 
 

@@ -2,7 +2,7 @@
 
 In bf16 the linears use oneDNN weights packed once for AMX/AVX512-BF16 (1.5-2x
 faster than `F.linear` here); in fp32 they are `F.linear`, the very op HF calls, except over bf16
-weights (`workers.engine.linear_weights`), read by `s3_cpu.bf16_weight_linear` at up to 256 tokens.
+weights (`workers.engine.linear_weights`), read by `s3_cpu.bf16_weight_linear` at any number of tokens.
 A decode step of one to a few dozen tokens reads every weight for a handful of
 rows, and oneDNN's kernels stream them at 7-10 GB/s of this machine's ~22: up to
 32 tokens the C++ kernel `s3_cpu.amx_linear` runs AMX tiles over a copy of the
@@ -24,9 +24,9 @@ from workers.engine.huge_page_arena import HugePageArena
 # `small_linear` (vdpbf16ps on the plain weight, for CPUs with AVX512-BF16 but no AMX) wins at 1 token only.
 # `bf16_weight_linear`, the fp32 engine's on AVX2-only CPUs with bf16 linear weights (`workers.engine.linear_weights`),
 # streams them packed in 16-column panels, up to 6 tokens per widened weight; against `F.linear` on fp32 weights
-# (Zen 3, SmolLM2's linears, in one process) 3.6x at 1 token, 2.4-2.7x at 4-32, 1.4x at 128, equal at 256 and 0.8x
-# at 512, where MKL's GEMM blocks better: past 256 tokens `F.linear` runs on the model's own weights.
-FEW_TOKEN_KERNELS = {"amx_linear": 32, "small_linear": 1, "bf16_weight_linear": 256}
+# (Zen 3, SmolLM2's linears, in one process) 3.6x at 1 token, 2.4-2.7x at 4-32, 1.4x at 128; against the
+# per-part `F.linear` and concatenation it replaces, 1.06x at 256, 1.2-1.3x at 384-4096 (2026-11-28): no limit.
+FEW_TOKEN_KERNELS = {"amx_linear": 32, "small_linear": 1, "bf16_weight_linear": 1 << 62}
 
 
 def few_token_kernel() -> str | None:
