@@ -274,8 +274,7 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
                 alone_row = None if not wants_single else _single_row(system, precision,
                                                                       _single_ours(model, single, config))
             else:
-                # vLLM runs fp32 only where we do (run_plan): then its KV bytes per token are ours
-                peer_token_bytes = our_token_bytes if run_precision == "fp32" else bf16_token_bytes
+                peer_token_bytes = peer_kv_token_bytes(system, run_precision, our_token_bytes, bf16_token_bytes)
                 result = _run_peer(system, config, model_dir, cache_dir, requests, kv_tokens, peer_token_bytes,
                                    run_precision, log_dir, name, alone)
                 row = _peer_row(result, kv_tokens * peer_token_bytes, run_precision)
@@ -287,6 +286,13 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
                          "kv_tokens": kv_tokens, **row, "host_gbs": host_gbs})
             progress.update(1)
     return report(config, runs, singles, total_tokens, log_dir, json_path)
+
+
+def peer_kv_token_bytes(system: str, precision: str, our_token_bytes: int, bf16_token_bytes: int) -> int:
+    """A peer's KV bytes per token: ours where its KV is fp32 as ours is (vLLM runs fp32 only where we do, see
+    run_plan; OpenVINO's cache is f32 wherever it is not bf16), 16-bit ones otherwise (llama.cpp's f16 cache)."""
+    is_fp32_kv = precision == "fp32" or (system == "openvino" and precision != "bf16")
+    return our_token_bytes if is_fp32_kv else bf16_token_bytes
 
 
 def _run_peer(system: str, config: PeersBenchConfig, model_dir: Path, cache_dir: Path, requests, kv_tokens: int,

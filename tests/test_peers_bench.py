@@ -158,6 +158,15 @@ def test_vllm_gets_the_same_kv_tokens_at_its_own_dtypes_bytes(tmp_path, monkeypa
         ("bfloat16", 2_330 * 23_040), ("float32", 2_330 * 46_080)]
 
 
+def test_the_kv_bytes_reported_for_a_peer_follow_its_cache_dtype():
+    from benchmarks.peers_bench import peer_kv_token_bytes
+
+    ours, bf16 = 46_080, 23_040  # SmolLM2's fp32 and bf16 KV bytes per token
+    assert [peer_kv_token_bytes(system, precision, ours, bf16) for system, precision in (
+        ("vllm", "fp32"), ("vllm", "bf16"), ("openvino", "fp32+f16w"), ("openvino", "bf16"), ("llamacpp", "bf16"),
+        ("llamacpp", "q4_1"))] == [ours, bf16, ours, bf16, bf16, bf16]
+
+
 def test_an_unknown_system_or_a_missing_peer_environment_fails_before_anything_loads(tmp_path):
     with pytest.raises(ValueError, match="--systems takes"):
         run(PeersBenchConfig(systems=("sglang",)))
