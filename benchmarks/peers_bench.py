@@ -289,10 +289,9 @@ def run(config: PeersBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_d
 
 
 def peer_kv_token_bytes(system: str, precision: str, our_token_bytes: int, bf16_token_bytes: int) -> int:
-    """A peer's KV bytes per token: ours where its KV is fp32 as ours is (vLLM runs fp32 only where we do, see
-    run_plan; OpenVINO's cache is f32 wherever it is not bf16), 16-bit ones otherwise (llama.cpp's f16 cache)."""
-    is_fp32_kv = precision == "fp32" or (system == "openvino" and precision != "bf16")
-    return our_token_bytes if is_fp32_kv else bf16_token_bytes
+    """A peer's KV bytes per token: llama.cpp's cache is f16 whatever its weights; vLLM's and OpenVINO's are in
+    their compute precision, fp32 (ours) unless they run bf16 (vLLM runs fp32 only where we do, see run_plan)."""
+    return bf16_token_bytes if system == "llamacpp" or precision == "bf16" else our_token_bytes
 
 
 def _run_peer(system: str, config: PeersBenchConfig, model_dir: Path, cache_dir: Path, requests, kv_tokens: int,

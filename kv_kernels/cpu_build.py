@@ -17,10 +17,10 @@ import hashlib
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 import sysconfig
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch

@@ -192,10 +192,9 @@ class FastDecoder:
         with torch.no_grad():  # Gemma3RMSNorm multiplies by (1 + w) in float32: the kernels' float32 weight
             return (1.0 + norm.weight.float()).contiguous() if self.gemma else norm.weight
 
-    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                parts: list[torch.Tensor] | None = None) -> Linear:
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
         """A linear of this decoder's kind (packed or not, its few-token kernel, weights in its arena)."""
-        return Linear(weight, bias, self.is_packed, self.few_token, parts, self.arena)
+        return Linear(weight, bias, self.is_packed, self.few_token, self.arena)
 
     def _cat(self, weights: list[torch.Tensor]) -> torch.Tensor:
         """The weights stacked [sum of out, in]; over bf16 weights in bf16 (no fp32 concatenation made)."""
@@ -208,15 +207,14 @@ class FastDecoder:
                 qkv = [self._linear(attn.qkv_proj.weight, attn.qkv_proj.bias)]
             elif self.concatenates:
                 projections = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-                qkv = [self._linear(self._cat(projections), _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
-                                    projections if self.reads_bf16_weights else None)]
+                qkv = [self._linear(self._cat(projections), _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj))]
             else:
                 qkv = [Linear(p.weight, p.bias, False) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
             if hasattr(mlp, "gate_up_proj"):
                 gate_up = [self._linear(mlp.gate_up_proj.weight, None)]
             elif self.concatenates:
                 projections = [mlp.gate_proj.weight, mlp.up_proj.weight]
-                gate_up = [self._linear(self._cat(projections), None, projections if self.reads_bf16_weights else None)]
+                gate_up = [self._linear(self._cat(projections), None)]
             else:
                 gate_up = [Linear(mlp.gate_proj.weight, None, False), Linear(mlp.up_proj.weight, None, False)]
         # what the HF module passes its attention as sliding_window: its own (per layer) or the config's

@@ -52,13 +52,10 @@ class Linear:
     values; `kv_kernels.cpu_kernels.bf16_weight_pack`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool,
-                 few_token: str | None = None, parts: list[torch.Tensor] | None = None,
-                 arena: HugePageArena | None = None) -> None:
+                 few_token: str | None = None, arena: HugePageArena | None = None) -> None:
         self.bias = bias
-        # parts: the model's own weights that `weight` concatenates, for F.linear apart past the few-token kernel's
-        # tokens (bf16 weights: no fp32 copy of the concatenation is kept)
-        self.parts = parts
-        self.weight = None if pack or parts is not None else weight
+        # bf16_weight_linear takes every step (FEW_TOKEN_KERNELS): no weight is kept for F.linear beside its copy
+        self.weight = None if pack or few_token == "bf16_weight_linear" else weight
         # packed: opaque oneDNN layout of `weight`, chosen once for AMX / AVX512-BF16
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if pack else None
         if few_token == "amx_linear" and weight.shape[1] % 32:  # the tiles take whole 32-deep slices of the input
@@ -89,9 +86,6 @@ class Linear:
             out = x.new_empty(x.shape[0], self.out_features)  # [T, out]
             self.few_op(out, x.contiguous(), self.few_weight, self.few_bias)
             return out
-        if self.parts is not None:
-            out = torch.cat([F.linear(x, part) for part in self.parts], dim=1)  # [T, out]
-            return out if self.bias is None else out.add_(self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
