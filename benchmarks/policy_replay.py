@@ -18,6 +18,7 @@ from workers.engine.engine import Engine
 from workers.scheduling.engine_config import EngineConfig
 from workers.scheduling.length_probe import LengthProbe
 from workers.scheduling.policies import make_policy, overcommit_options
+from workers.scheduling.preemption import PreemptionRule
 from workers.scheduling.scheduler import SchedulerStats
 from workers.values.sampling_params import SamplingParams
 
@@ -86,7 +87,8 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
     `estimates` holds each request's (point, upper bound) output tokens; the policy plans by the one it
     chooses (`PlanningRule.prediction_from`)."""
     natural = config.workload == "natural"
-    kwargs = overcommit_options(name, config.overcommit_step)
+    kwargs = overcommit_options(name, config.overcommit_step,
+                                PreemptionRule.can_swap(config.preemption_mode, config.swap_space_bytes))
     if name == "oracle" and natural:
         kwargs = {"from_prediction": True}  # `estimates` hold the labelled lengths; nothing is forced
     policy = make_policy(name, max_model_len=config.max_len, **kwargs)

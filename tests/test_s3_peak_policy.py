@@ -4,7 +4,8 @@ import pytest
 
 from policy_driver import BLOCK_SIZE, MAX_LEN, make_requests, simulate, waiting_seq
 from workers.scheduling.kv_cache_manager import BlockAllocator
-from workers.scheduling.policies import S3PeakPolicy, S3Policy
+from workers.actors.worker_settings import WorkerSettings
+from workers.scheduling.policies import S3PeakPolicy, S3Policy, overcommit_options
 from workers.scheduling.scheduler import Scheduler, SchedulerConfig
 from workers.values.sampling_params import SamplingParams
 from workers.values.sequence import Sequence, SequenceStatus
@@ -73,6 +74,17 @@ def test_s3_peak_overcommit_runs_more_at_once_and_every_request_still_finishes()
     assert _mean(stretched_running) > 1.1 * _mean(strict_running)
     assert stretched.stats.num_preemptions > 0 and len(stretched_running) < len(strict_running)
     assert allocator.num_free_blocks == allocator.num_blocks
+
+
+def test_s3_peak_does_not_stretch_where_victims_are_only_recomputed():
+    assert overcommit_options("s3_peak", None, can_swap=False) == {"overcommit_step": 0.0}
+    assert overcommit_options("s3_peak", None, can_swap=True) == {}  # the policy's own default
+    assert overcommit_options("s3_peak", 0.05, can_swap=False) == {"overcommit_step": 0.05}  # a set one wins
+    assert overcommit_options("paged_greedy", None, can_swap=False) == {}
+    # The worker reads its own preemption settings: recompute, or no host room to swap into.
+    for changes, step in (({}, 0.01), ({"preemption_mode": "recompute"}, 0.0), ({"swap_space_bytes": 0}, 0.0),
+                          ({"preemption_mode": "recompute", "overcommit_step": 0.02}, 0.02)):
+        assert WorkerSettings.of(**changes).make_policy().overcommit_step == step, changes
 
 
 RUNNING = [waiting_seq("running", arrival_s=0.0, predicted=50, decoded=5)]  # something holds blocks

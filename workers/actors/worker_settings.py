@@ -10,6 +10,7 @@ from workers.engine.models import DEFAULT_MODEL
 from workers.engine.runtime import DTYPE_CHOICES
 from workers.scheduling.engine_config import EngineConfig
 from workers.scheduling.policies import DEFAULT_POLICY, POLICIES, S3Policy, make_policy, overcommit_options
+from workers.scheduling.preemption import PreemptionRule
 from workers.scheduling.prefix_cache import prefix_cache_salt
 from workers.scheduling.scheduling_policy import SchedulingPolicy
 from workers.values.kv_memory import parse_kv_cache_memory
@@ -43,7 +44,8 @@ class WorkerSettings(SettingsTree):
                         "sglang_ratio or max_reserve (the worst case, every request at max_tokens)", choices=tuple(POLICIES))
     overcommit_step: float | None = setting(
         None, "s3_peak: share of a worker's KV pool its peak test's budget stretches by per step it refuses a "
-              "request while nothing was preempted (None: the policy's 0.01; 0: the peak always within the pool)",
+              "request while nothing was preempted (None: the policy's 0.01 where preempted sequences may be swapped, 0 where "
+              "they are only recomputed; 0: the peak always within the pool)",
         unit="share of the pool")
     kv_cache_memory: str | int = setting(
         "auto", "KV-cache memory of each worker (per rank), on the CPU and CUDA alike (vLLM's "
@@ -112,5 +114,7 @@ class WorkerSettings(SettingsTree):
     def make_policy(self) -> SchedulingPolicy:
         """The worker's policy, built as the controller builds its own (same registry, same buckets)."""
         kwargs = {} if self.bucket_tokens is None else {"bucket_tokens": self.bucket_tokens}
+        cache = self.engine.cache
+        can_swap = PreemptionRule.can_swap(cache.preemption_mode, cache.swap_space_bytes)
         return make_policy(self.policy, max_model_len=self.engine.max_model_len,
-                           **kwargs, **overcommit_options(self.policy, self.overcommit_step))
+                           **kwargs, **overcommit_options(self.policy, self.overcommit_step, can_swap))

@@ -202,7 +202,13 @@ class S3PeakPolicy(S3Policy):
     blocks. It keeps its value while the worker idles: it measures how far the
     plans overstate the peak, not how busy the worker is. Requests then wait
     no longer than preemptions say they must, and the plans still decide who
-    goes first and who is preempted.
+    goes first and who is preempted. The stretch bets that a preemption costs
+    less than blocks left idle; where victims can only be recomputed
+    (`preemption_mode` recompute, as vLLM V1 and OpenVINO preempt) each one
+    redoes its whole prefix, and the bet loses: on 100 P8 requests at 0.05 GiB
+    (bench peers' second hundred; 2026-11-28) 77 preemptions and 5,669 tokens
+    recomputed at 0.01 against 9 and 960 without the stretch, which ran 1.19x
+    the tokens/s, so `overcommit_options` turns it off there.
 
     Args:
         wait_s_per_token: seconds of waiting that outweigh one predicted
@@ -328,9 +334,14 @@ SERVING_POLICY_NAMES = tuple(name for name, cls in POLICIES.items() if cls.is_se
 DEFAULT_POLICY = "s3_peak"
 
 
-def overcommit_options(name: str, overcommit_step: float | None) -> dict:
-    """make_policy's keyword for s3_peak's `overcommit_step` when one is set (None: the policy's default)."""
-    return {"overcommit_step": overcommit_step} if name == "s3_peak" and overcommit_step is not None else {}
+def overcommit_options(name: str, overcommit_step: float | None, can_swap: bool = True) -> dict:
+    """make_policy's keyword for s3_peak's `overcommit_step`: the one set; else none (the policy's default) where
+    preempted sequences may be swapped, 0 where they are only recomputed (`can_swap` False, see S3PeakPolicy)."""
+    if name != "s3_peak":
+        return {}
+    if overcommit_step is not None:
+        return {"overcommit_step": overcommit_step}
+    return {} if can_swap else {"overcommit_step": 0.0}
 
 
 #: Output lengths the s3 family's 10 buckets (and the length predictor's histogram) span at most: the paper's

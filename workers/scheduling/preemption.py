@@ -82,6 +82,11 @@ class PreemptionRule:
         return cls(mode, swap_space_bytes // bytes_per_block,
                    PreemptionCostModel(kv_bytes_per_token=bytes_per_block // block_size))
 
+    @staticmethod
+    def can_swap(mode: str, swap_space_bytes: int) -> bool:
+        """Whether a rule of this mode and host budget ever copies a victim instead of recomputing it."""
+        return mode != "recompute" and swap_space_bytes > 0
+
     def wants_swap(self, num_computed_tokens: int) -> bool:
         """Before the budget: would this rule copy a victim holding this much computed KV?"""
         if self.mode == "recompute" or num_computed_tokens == 0:
