@@ -46,7 +46,7 @@ class PolicyBenchConfig:
         probe: a hidden-state probe folder (`s3serve probe train`; "default": the shipped one): s3 and s3_peak
             run again with it refining their bounds in the engine, reported as s3+probe and s3_peak+probe.
         overcommit_step: s3_peak's budget stretch per refusing step (`S3PeakPolicy`; None: its default, 0 with
-            `preemption_mode` recompute; 0: the peak always within the pool).
+            `preemption_mode` recompute or no swap space; 0: the peak always within the pool).
         preemption_mode: how every policy's victims give up their KV (`CacheConfig.preemption_mode`): the same
             mechanism for all, so the policies differ only in their decisions.
         swap_space_bytes: host bytes swapped-out KV may hold at once, for every policy (`CacheConfig`).

@@ -44,8 +44,8 @@ class WorkerSettings(SettingsTree):
                         "sglang_ratio or max_reserve (the worst case, every request at max_tokens)", choices=tuple(POLICIES))
     overcommit_step: float | None = setting(
         None, "s3_peak: share of a worker's KV pool its peak test's budget stretches by per step it refuses a "
-              "request while nothing was preempted (None: the policy's 0.01 where preempted sequences may be swapped, 0 where "
-              "they are only recomputed; 0: the peak always within the pool)",
+              "request while nothing was preempted (None: the policy's 0.01 where preempted sequences may be "
+              "swapped, 0 where they are only recomputed; 0: the peak always within the pool)",
         unit="share of the pool")
     kv_cache_memory: str | int = setting(
         "auto", "KV-cache memory of each worker (per rank), on the CPU and CUDA alike (vLLM's "

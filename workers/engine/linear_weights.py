@@ -8,9 +8,9 @@ weights a CPU with bf16 instructions serves: they are rounded once in the model 
 and fp32 checkpoints lose what bf16 cannot hold, as on such CPUs), and the fast path reads a bf16 copy
 (`workers.engine.fast_decoder`) at every step; the model keeps its fp32 tensors (HF's modules, the
 reference), so the copy costs memory for half the weights again (`bf16_copy_bytes`, taken from the KV
-budget's free memory). Activations, norms, attention and the KV cache stay fp32. This is what llama.cpp does with a 16-bit GGUF and OpenVINO with
-its fp16 export on these CPUs. `dtype float32` keeps fp32 weights; AVX-512 CPUs without bf16
-(Skylake-SP, Cascade Lake) and other CPUs compute in plain fp32.
+budget's free memory). Activations, norms, attention and the KV cache stay fp32. This is what llama.cpp
+does with a 16-bit GGUF and OpenVINO with its fp16 export on these CPUs. `dtype float32` keeps fp32
+weights; AVX-512 CPUs without bf16 (Skylake-SP, Cascade Lake) and other CPUs compute in plain fp32.
 """
 
 import torch
