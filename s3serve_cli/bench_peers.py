@@ -8,7 +8,8 @@ from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from s3serve_cli.args import add_model_args, given
 
 
-def _bench_peers(args: argparse.Namespace) -> int:
+def peers_systems(args: argparse.Namespace) -> list[str]:
+    """The systems `bench peers` runs; ValueError for a flag its --workload does not use, or a system it lacks."""
     natural = args.workload == "natural"
     inapplicable = {"--kv-gib": args.kv_gib, "--single-output-tokens": args.single_output_tokens} if natural else {
         "--rates": args.rates, "--kv-tokens": args.kv_tokens, "--labels": args.labels, "--predictor": args.predictor,
@@ -17,9 +18,15 @@ def _bench_peers(args: argparse.Namespace) -> int:
     systems = args.systems or (["vllm", "ours"] if natural else ["vllm", "llamacpp", "openvino", "ours"])
     if natural and set(systems) - {"vllm", "ours"}:
         raise ValueError(f"--workload natural runs vllm and ours only, got --systems {' '.join(systems)}")
-    if misplaced:  # before the bench's import, which loads the engine
+    if misplaced:
         raise ValueError(f"{', '.join(misplaced)} {'does' if len(misplaced) == 1 else 'do'} not apply to --workload "
                          f"{args.workload}")
+    return systems
+
+
+def _bench_peers(args: argparse.Namespace) -> int:
+    natural = args.workload == "natural"
+    systems = peers_systems(args)  # before the bench's import, which loads the engine
     from benchmarks import peers_bench
 
     base = peers_bench.quick_config() if args.quick else peers_bench.PeersBenchConfig()

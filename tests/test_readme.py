@@ -1,7 +1,13 @@
 """The README tells the truth about the repository's layout and links only inside it."""
 
+import contextlib
+import io
 import re
+import shlex
 from pathlib import Path
+
+from s3serve_cli.bench_peers import peers_systems
+from s3serve_cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -76,3 +82,32 @@ def test_the_architecture_documents_path_names_a_file_that_exists_at_every_hop()
     for hop in hops:
         path = next((word for word in hop if word.endswith(".py") and "/" in word), None)
         assert path and (ROOT / path).is_file(), f"hop {' '.join(hop[:3])!r} names no file that exists"
+
+
+def _documented_commands() -> list[str]:
+    """The arguments of every `s3serve` invocation shown: the README's inline ones that pass a flag (its tables'
+    commands), and every code block line in it and the docs (joined across trailing backslashes)."""
+    commands = [command for command in re.findall(r"`s3serve ([^`]+)`", README) if "--" in command]
+    for path in (ROOT / "README.md", *DOCS):
+        joined = re.sub(r"\\\n\s*", " ", path.read_text())
+        commands += re.findall(r"^\s*(?:\.venv/bin/)?s3serve (.+)$", joined, flags=re.MULTILINE)
+    return sorted(set(commands))
+
+
+def test_every_documented_command_parses_and_uses_only_flags_that_apply():
+    commands = _documented_commands()
+    assert len(commands) > 20 and "bench peers --workload natural --quick" in commands, commands
+    failures = []
+    for command in commands:
+        stderr = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+                args = build_parser().parse_args(shlex.split(command, comments=True))
+            if args.command == "bench" and args.bench == "peers":
+                peers_systems(args)  # the flags its --workload uses (checked before the bench runs)
+        except SystemExit as exit_:
+            if exit_.code != 0:  # 0: --help
+                failures.append(f"s3serve {command}: {stderr.getvalue().strip()}")
+        except ValueError as error:
+            failures.append(f"s3serve {command}: {error}")
+    assert not failures, "\n".join(failures)
