@@ -31,19 +31,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def environment() -> dict:
     """Where the numbers were measured."""
-    from workers.engine.runtime import cpu_has_bf16, usable_cores
+    from workers.engine import cpu_kind
+    from workers.engine.runtime import usable_cores
+
+    cpu = cpu_kind.this_cpu()
 
     return {
         "python": platform.python_version(),
@@ -51,8 +44,9 @@ def environment() -> dict:
         "torch_threads": torch.get_num_threads(),
         "cores": usable_cores(),
         "machine": platform.machine(),
-        "processor": _cpu_model(),
-        "cpu_bf16": cpu_has_bf16(),
+        "processor": cpu.model_name or platform.processor(),
+        "cpu_kind": cpu.name,
+        "cpu_bf16": cpu.has_bf16,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

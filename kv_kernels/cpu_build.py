@@ -34,7 +34,7 @@ HEADERS = (CSRC / "vector_math.h",)
 # -fopenmp: at::parallel_for is an inline OpenMP loop, so it runs serially unless this file is
 # compiled with OpenMP; linking against torch's own libgomp (searched first, see -L below)
 # keeps one OpenMP runtime and one thread pool in the process.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-std=c++17", "-fPIC",
+FLAGS = ("-O3", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp", "-std=c++17", "-fPIC",
          "-DNDEBUG", "-w")
 OPS = ("append_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
        "mask_disallowed_", "small_linear", "small_linear_native",
@@ -60,11 +60,11 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-def _build_key() -> str:
+def _build_key(march: str, sources: tuple[Path, ...]) -> str:
     digest = hashlib.sha256()
-    for path in SOURCES + HEADERS:
+    for path in sources + HEADERS:
         digest.update(path.read_bytes())
-    digest.update(" ".join(FLAGS).encode())
+    digest.update(" ".join((*FLAGS, f"-march={march}")).encode())
     digest.update(torch.__version__.encode())
     digest.update(_cpu_flags().encode())
     try:
@@ -75,16 +75,17 @@ def _build_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _compile_commands(build_dir: Path, out_path: Path) -> tuple[list[list[str]], list[str]]:
+def _compile_commands(build_dir: Path, out_path: Path, march: str,
+                      sources: tuple[Path, ...]) -> tuple[list[list[str]], list[str]]:
     """One `-c` command per source (objects in build_dir), and the link of those objects into out_path."""
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     lib_dirs = cpp_extension.library_paths()
-    objects = [build_dir / f"{source.stem}.o" for source in SOURCES]
-    compiles = [[_compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, "-c", str(source), "-o", str(obj)]
-                for source, obj in zip(SOURCES, objects)]
+    objects = [build_dir / f"{source.stem}.o" for source in sources]
+    compiles = [[_compiler(), *FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, "-c",
+                 str(source), "-o", str(obj)] for source, obj in zip(sources, objects)]
     link = [_compiler(), "-shared", "-fopenmp", *map(str, objects), "-o", str(out_path),
             *[f"-L{d}" for d in lib_dirs], *[f"-Wl,-rpath,{d}" for d in lib_dirs], "-lc10", "-ltorch_cpu", "-lgomp"]
     return compiles, link
@@ -98,22 +99,28 @@ def _run_compiler(command: list[str]) -> None:
         raise RuntimeError(f"building {CSRC} failed ({_compiler()} exit {result.returncode}): {first_error.strip()}")
 
 
-def _compile(build_dir: Path, out_path: Path) -> None:
+def _compile(build_dir: Path, out_path: Path, march: str, sources: tuple[Path, ...]) -> None:
     """Compiles the sources side by side (one per core), then links them."""
-    compiles, link = _compile_commands(build_dir, out_path)
+    compiles, link = _compile_commands(build_dir, out_path, march, sources)
     with ThreadPoolExecutor(max_workers=max(1, min(len(compiles), os.cpu_count() or 1))) as pool:
         list(pool.map(_run_compiler, compiles))
     _run_compiler(link)
 
 
-def library_path(cache_dir: Path | None = None) -> Path:
-    """Where the library for this source, torch, compiler and CPU lives (built or not)."""
-    return Path(cache_dir or default_cache_dir()) / f"s3_cpu-{_build_key()}.so"
+def library_path(cache_dir: Path | None = None, march: str = "native",
+                 sources: tuple[Path, ...] | None = None) -> Path:
+    """Where the library of `sources` (default: every source) for this torch, compiler and CPU lives (built or not)."""
+    return Path(cache_dir or default_cache_dir()) / f"s3_cpu-{_build_key(march, sources or SOURCES)}.so"
 
 
-def build(cache_dir: Path | None = None, quiet: bool = False) -> Path:
-    """Compile the library unless a matching build exists; returns its path. Race-safe across processes."""
-    path = library_path(cache_dir)
+def build(cache_dir: Path | None = None, quiet: bool = False, march: str = "native",
+          sources: tuple[Path, ...] | None = None) -> Path:
+    """Compile the library unless a matching build exists; returns its path. Race-safe across processes.
+
+    The engine loads the whole library built for this machine (`march` native). A build for another x86 level
+    (`march` x86-64-v3: AVX2 and FMA, no AVX-512) of some `sources` lets a test run another CPU kind's code paths
+    on a machine whose instructions include that kind's (in a process of its own: the ops share one namespace)."""
+    path = library_path(cache_dir, march, sources)
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +133,7 @@ def build(cache_dir: Path | None = None, quiet: bool = False) -> Path:
         start_s = time.monotonic()
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             tmp_path = Path(tmp) / path.name
-            _compile(Path(tmp), tmp_path)
+            _compile(Path(tmp), tmp_path, march, sources or SOURCES)
             os.replace(tmp_path, path)
         if not quiet:
             print(f"built the CPU kernels in {time.monotonic() - start_s:.0f} s", file=sys.stderr, flush=True)
@@ -149,6 +156,13 @@ def load(cache_dir: Path | None = None) -> None:
     if is_loaded():
         return
     torch.ops.load_library(str(build(cache_dir)))
+
+
+def native_kernels() -> tuple[str, ...]:
+    """The kernels the library (loaded, or built and loaded now) runs natively on this CPU (each `<name>_native`
+    op that answers True)."""
+    load()
+    return tuple(op.removesuffix("_native") for op in OPS if op.endswith("_native") and getattr(torch.ops.s3_cpu, op)())
 
 
 def main() -> int:

@@ -18,6 +18,32 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
+def pytest_addoption(parser):
+    from workers.engine.cpu_kind import KINDS
+
+    parser.addoption("--cpu-kind", choices=sorted(KINDS), default=None,
+                     help="run the tests as on a CPU of this kind (workers/engine/cpu_kind.py): every CPU decision "
+                          "reads that kind, and the C++ kernels are built for its x86 level and loaded (this "
+                          "machine needs the kind's instructions; an AVX-512 or AMX machine runs avx2)")
+
+
+def _run_as_cpu_kind(config, name: str) -> None:
+    """The whole run on a CPU of kind `name`: the kind faked for every decision, the kernels built for it."""
+    import torch
+
+    from kv_kernels import cpu_build
+    from workers.engine import cpu_kind
+
+    kind = cpu_kind.KINDS[name]
+    missing = cpu_kind.this_cpu().missing_for(kind)
+    if missing:
+        raise pytest.UsageError(f"--cpu-kind {name} needs {' '.join(missing)}, which this CPU lacks")
+    torch.ops.load_library(str(cpu_build.build(march=cpu_kind.KIND_MARCH[name])))
+    patch = pytest.MonkeyPatch()
+    patch.setattr(cpu_kind, "this_cpu", lambda: kind)
+    config.add_cleanup(patch.undo)
+
+
 def pytest_configure(config):
     """Under pytest-xdist each worker gets its share of the cores for torch's threads (at least one).
 
@@ -25,6 +51,8 @@ def pytest_configure(config):
     region waits at its barrier for a thread the other worker has descheduled: tiny-model tests ran
     5-25 times slower than alone. Processes a test starts set their own threads (`tune_cpu_runtime`).
     """
+    if config.getoption("--cpu-kind"):
+        _run_as_cpu_kind(config, config.getoption("--cpu-kind"))
     num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if num_workers > 1:
         import torch
@@ -32,6 +60,53 @@ def pytest_configure(config):
         from workers.engine.runtime import usable_cores
 
         torch.set_num_threads(max(1, usable_cores() // num_workers))
+
+
+def pytest_report_header(config) -> list[str]:
+    """The CPU kind the suite runs on and the kernel paths that means, first in every report (`make test`)."""
+    from kv_kernels import cpu_build
+    from workers.engine import cpu_kind
+
+    cpu = cpu_kind.this_cpu()
+    decisive = " ".join(flag for flag in cpu_kind.DECISIVE_FLAGS if flag in cpu.flags) or "none of them"
+    lines = [f"cpu kind: {cpu.name} ({cpu.model_name or 'model unknown'}; decisive flags: {decisive}; "
+             f"C++ kernels' vectors: {cpu.vector_isa})",
+             f"cpu path for dtype auto: {cpu.serves().describe()}"]
+    if not (cpu_build.is_loaded() or cpu_build.library_path().is_file()):
+        return [*lines, "cpu kernels: not built yet (the first test that needs them builds them)"]
+    cpu_build.load()
+    built = cpu_build.native_kernels()
+    lines.append(f"cpu kernels built natively: {', '.join(built) or 'none of the kind-specific ones'}")
+    if set(built) != set(cpu.native_kernels):
+        lines.append(f"cpu kernels: the build differs from the kind's {', '.join(cpu.native_kernels) or 'none'} "
+                     "(AMX tile state refused by Linux, or a compiler without the instructions)")
+    return lines
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch):
+    """`fake_cpu(name, runs_kernels=True) -> CpuKind`: for the rest of the test, this machine is a CPU of kind
+    `name` (`workers.engine.cpu_kind.KINDS`) to every decision the code makes (its flags, bf16, AMX, what dtype auto
+    means, the linear weights, the few-token kernel, the fused layer op), all read through `cpu_kind.this_cpu()`.
+
+    The kernels still run on the real CPU, from its own build: with `runs_kernels`, where the kind has instructions
+    this machine lacks, the test is skipped and says which ("needs amx_tile amx_bf16"). A kind whose instructions
+    this machine has runs the build's code for this machine (an AVX2 kind's widening linear, on an AVX-512
+    machine, runs its portable loop; `tests/test_cpu_kind.py` runs the AVX2 lanes from a build of their own)."""
+    from workers.engine import cpu_kind
+
+    real = cpu_kind.this_cpu()
+
+    def fake(name: str, runs_kernels: bool = True):
+        kind = cpu_kind.KINDS[name]
+        missing = real.missing_for(kind)
+        if runs_kernels and missing:
+            pytest.skip(f"needs {' '.join(missing)}: the kernels of a CPU of kind {name} cannot run on this "
+                        f"{real.name} CPU")
+        monkeypatch.setattr(cpu_kind, "this_cpu", lambda: kind)
+        return kind
+
+    return fake
 
 
 @pytest.fixture(scope="session")

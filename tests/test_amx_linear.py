@@ -6,19 +6,19 @@ import torch
 
 from kv_kernels import cpu_build, cpu_kernels
 from test_small_linear import _reference  # fp32 sums of the bf16 products, rounded once
-from workers.engine.runtime import cpu_flags
+from workers.engine import cpu_kind
 
 cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
 
 NATIVE = bool(torch.ops.s3_cpu.amx_linear_native())
-needs_amx = pytest.mark.skipif(not NATIVE, reason="this CPU or build has no AMX tiles; the kernel is never called "
-                               "here (test_the_kernel_says_whether_it_can_run checks that)")
+_MISSING = " ".join(cpu_kind.this_cpu().missing_for(cpu_kind.KINDS["amx"])) or "the tile state from Linux (5.16 on)"
+needs_amx = pytest.mark.skipif(not NATIVE, reason=f"needs {_MISSING}: the kernel is never called here "
+                               "(test_the_kernel_says_whether_it_can_run checks that)")
 
 
 def test_the_kernel_says_whether_it_can_run():
     # built with -march=native: the tiles exist where the CPU has them, and Linux (5.16 on) grants their state
-    flags = cpu_flags()
-    assert NATIVE == ("amx_tile" in flags and "amx_bf16" in flags)
+    assert NATIVE == cpu_kind.this_cpu().has_amx
 
 
 def test_the_tile_layout_holds_each_weight_once_as_tdpbf16ps_reads_it():

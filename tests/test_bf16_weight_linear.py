@@ -6,11 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from kv_kernels import cpu_build, cpu_kernels
-from workers.engine import linear_weights
+from workers.engine import cpu_kind, linear_weights
 from workers.engine.linear_weights import (bf16_copy_bytes, has_bf16_linear_weights, reads_bf16_weights,
                                           round_linear_weights_to_bf16)
 from workers.engine.models import make_tiny_model
-from workers.engine.runtime import cpu_flags, cpu_has_bf16
 
 cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
 
@@ -60,23 +59,23 @@ def test_the_kernel_refuses_other_dtypes_and_shapes_and_names_them():
 
 
 def test_the_kernel_says_whether_it_was_built_for_avx2_lanes():
-    flags = cpu_flags()
-    assert torch.ops.s3_cpu.bf16_weight_linear_native() == (
-        {"avx2", "fma"} <= flags and "avx512f" not in flags)
+    # built for this CPU (-march=native; for `pytest --cpu-kind`, its kind's level): AVX2 lanes on an AVX2-only kind
+    assert torch.ops.s3_cpu.bf16_weight_linear_native() == cpu_kind.this_cpu().widens_bf16_weights
 
 
-def test_auto_means_bf16_weights_only_on_a_cpu_without_bf16_whose_kernels_widen_them(monkeypatch):
-    if not cpu_has_bf16():
-        assert reads_bf16_weights("auto", "cpu") == torch.ops.s3_cpu.bf16_weight_linear_native()
-    monkeypatch.setattr(linear_weights, "cpu_has_bf16", lambda: False)
-    for flags, widens in (({"avx2", "fma"}, True), ({"avx2", "fma", "avx512f"}, False), ({"avx2"}, False)):
-        monkeypatch.setattr(linear_weights, "cpu_flags", lambda: frozenset(flags))
-        assert reads_bf16_weights("auto", "cpu") == widens
-    monkeypatch.setattr(linear_weights, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+@pytest.mark.parametrize("kind, widens", [("avx2", True), ("avx512", False), ("avx512_bf16", False), ("amx", False),
+                                          ("baseline", False)])
+def test_auto_means_bf16_weights_only_on_a_cpu_without_bf16_whose_kernels_widen_them(fake_cpu, kind, widens):
+    fake_cpu(kind, runs_kernels=False)
+    assert reads_bf16_weights("auto", "cpu") == widens
     assert not reads_bf16_weights("float32", "cpu")  # asked for fp32 weights
     assert not reads_bf16_weights("auto", "meta")  # not the CPU
-    monkeypatch.setattr(linear_weights, "cpu_has_bf16", lambda: True)
-    assert not reads_bf16_weights("auto", "cpu")  # such a CPU computes in bf16
+
+
+def test_avx2_without_fma_or_with_avx512_is_no_widening_cpu():
+    assert not cpu_kind.CpuKind(frozenset({"avx2"})).widens_bf16_weights
+    assert not cpu_kind.CpuKind(frozenset({"avx2", "fma", "avx512f"})).widens_bf16_weights
+    assert not cpu_kind.CpuKind(frozenset({"avx2", "fma", "avx512_bf16"})).widens_bf16_weights
 
 
 def test_rounding_keeps_fp32_tensors_holding_bf16_values_and_refuses_a_half_model():
@@ -93,10 +92,10 @@ def test_rounding_keeps_fp32_tensors_holding_bf16_values_and_refuses_a_half_mode
         round_linear_weights_to_bf16(make_tiny_model(seed=4).to(torch.bfloat16))
 
 
-def test_the_benches_and_the_labeller_get_the_weights_a_worker_serves_where_auto_rounds_them(monkeypatch):
+def test_the_benches_and_the_labeller_get_the_weights_a_worker_serves_where_auto_rounds_them(fake_cpu, monkeypatch):
     from benchmarks.sim_calibration import calibration_model
 
-    monkeypatch.setattr(linear_weights, "reads_bf16_weights", lambda name, device: name == "auto" and device == "cpu")
+    fake_cpu("avx2", runs_kernels=False)
     assert not has_bf16_linear_weights(linear_weights.as_served(make_tiny_model(seed=4), "cpu", "float32"))
     model = make_tiny_model(seed=4, init_std=0.2)
     before = model.lm_head.weight.clone()
@@ -113,11 +112,12 @@ def test_the_benches_and_the_labeller_get_the_weights_a_worker_serves_where_auto
     assert labels == ["bf16", "fp32+bf16w", "fp32"]
 
 
-def test_a_worker_rounds_its_weights_where_auto_means_bf16_weights_and_the_fast_path_reads_them(monkeypatch):
+def test_a_worker_rounds_its_weights_where_auto_means_bf16_weights_and_the_fast_path_reads_them(fake_cpu,
+                                                                                                 monkeypatch):
     from workers.actors.worker_actor import load_worker_model, worker_kv_bytes
     from workers.actors.worker_settings import WorkerSettings
 
-    monkeypatch.setattr(linear_weights, "reads_bf16_weights", lambda name, device: name == "auto")  # any CPU
+    fake_cpu("avx2", runs_kernels=False)  # an AVX2-only CPU, whatever this one is
 
     def load(**changes):
         return load_worker_model(WorkerSettings.of(tiny_model_seed=0, device="cpu", **changes))[0]

@@ -15,6 +15,7 @@ from transformers.models.llama import modeling_llama
 from engine_driver import ARCHITECTURES, SHAPE, tiny_architecture
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
+from workers.engine import cpu_kind
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.fast_decoder import FastDecoder, unsupported_reason
 from workers.engine.fast_linear import few_token_kernel
@@ -138,12 +139,17 @@ def test_fast_forward_with_the_torch_ops_matches_the_hf_forward(dtype):
         assert (got.float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("kind", ["amx", "avx512_bf16"])
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_each_architecture_forwards_as_hugging_face_with_the_few_token_kernel_in_bf16(name):
-    """What a CPU decode step of up to 32 sequences runs: every linear through the few-token kernel (AMX here)."""
+def test_each_architecture_forwards_as_hugging_face_with_the_few_token_kernel_in_bf16(fake_cpu, name, kind):
+    """What a CPU decode step of up to 32 sequences runs: every linear through its kind's few-token kernel."""
+    fake_cpu(kind)
+    want_kernel = cpu_kind.this_cpu().bf16_few_token_kernels[0]
+    if few_token_kernel() != want_kernel:
+        pytest.skip(f"needs {want_kernel} in the kernels' build ({', '.join(cpu_build.native_kernels()) or 'none'})")
     model = tiny_architecture(name).to(torch.bfloat16)
     fast = FastDecoder(model, max_positions=64)
-    assert fast.few_token == few_token_kernel()
+    assert fast.few_token == want_kernel
     tokens = 24 if fast.few_token == "amx_linear" else 1  # within the kernel's limit (FEW_TOKEN_KERNELS)
     prompt = torch.randint(3, 256, (tokens,), generator=torch.Generator().manual_seed(9))
     with torch.inference_mode():
@@ -153,21 +159,25 @@ def test_each_architecture_forwards_as_hugging_face_with_the_few_token_kernel_in
     assert (got.float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.parametrize("kind", ["avx2", "avx512"])
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
-def test_each_architecture_forwards_as_hugging_face_in_fp32_over_bf16_linear_weights(name):
+def test_each_architecture_forwards_as_hugging_face_in_fp32_over_bf16_linear_weights(fake_cpu, name, kind):
     """dtype auto on an AVX2-only CPU: the weights rounded to bf16 in the model, the fast path reading a bf16 copy
-    (where the kernels' build widens it natively) and computing in fp32, at 1 token and at 37."""
+    and computing in fp32, at 1 token and at 37; a CPU of another kind given such a model reads it with F.linear."""
+    fake_cpu(kind)
     model = round_linear_weights_to_bf16(tiny_architecture(name))
     fast = FastDecoder(model, max_positions=64)
-    assert fast.reads_bf16_weights == torch.ops.s3_cpu.bf16_weight_linear_native()
+    assert fast.reads_bf16_weights == (kind == "avx2")
     assert all(param.dtype == torch.float32 for param in model.parameters())
-    if fast.reads_bf16_weights:  # else (AVX-512 or bf16 CPUs) F.linear reads the rounded fp32 weights
-        linears = [fast.lm_head, *(linear for layer in fast.layers for linear in (*layer.qkv, layer.o_proj))]
+    linears = [fast.lm_head, *(linear for layer in fast.layers for linear in (*layer.qkv, layer.o_proj))]
+    if kind == "avx2":
         assert {(linear.few_token, linear.few_weight.dtype) for linear in linears} == {
             ("bf16_weight_linear", torch.bfloat16)}
         # the packed copies live in the decoder's huge-page arena
         assert fast.arena.bytes_mapped >= sum(linear.few_weight.numel() * 2 for linear in linears)
         assert len(fast.layers[0].qkv) == 1  # q|k|v in one call, or Phi-3's own fused weight
+    else:
+        assert {linear.few_token for linear in linears} == {None} and fast.arena is None
     for tokens in (1, 37):
         prompt = torch.randint(3, 256, (tokens,), generator=torch.Generator().manual_seed(10))
         with torch.inference_mode():

@@ -17,9 +17,16 @@ from workers.engine.linear_weights import round_linear_weights_to_bf16
 from workers.engine.models import make_tiny_model
 
 cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
-WIDENS = torch.ops.s3_cpu.bf16_weight_linear_native()  # AVX2 without AVX-512: fp32 over bf16 weights
+# Every test runs as on an AVX2-only CPU (`fake_cpu`), the kind whose fp32 engine reads bf16 weights and fuses its
+# layers; this machine's build runs the op (on AVX2 lanes where it is of that kind, or under `pytest --cpu-kind avx2`)
+pytestmark = pytest.mark.usefixtures("avx2_cpu")
 FUSED = {"llama", "mistral", "qwen2", "phi3"}  # Llama's layer; Qwen3's head norms and Gemma's are not
 BLOCK = 4
+
+
+@pytest.fixture
+def avx2_cpu(fake_cpu):
+    return fake_cpu("avx2")
 
 
 def _step(fast: FastDecoder, backend, query_lens: list[int], seq_lens: list[int], num_prefills: int, seed: int):
@@ -53,12 +60,15 @@ def _tiny(name: str) -> torch.nn.Module:
     return make_tiny_model(seed=3, init_std=0.2) if name == "llama" else tiny_architecture(name)
 
 
-@pytest.mark.parametrize("name", ["llama", *sorted(ARCHITECTURES)])
+@pytest.mark.parametrize("name", sorted(set(ARCHITECTURES) - FUSED))
+def test_layers_of_another_shape_run_the_python_loop(name):
+    assert not FastDecoder(round_linear_weights_to_bf16(_tiny(name)), max_positions=64).fused_layers
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
 def test_fused_layers_give_the_python_loops_logits_and_pool_bit_for_bit(name):
     fast = FastDecoder(round_linear_weights_to_bf16(_tiny(name)), max_positions=64)
-    assert fast.fused_layers == (WIDENS and name in FUSED)
-    if not fast.fused_layers:
-        return  # this CPU, or this layer shape, runs the Python loop (the other tests check it)
+    assert fast.fused_layers
     # two prefill chunks (one after a cached prefix) and three decodes, one past a sliding window's keys
     shape = ([5, 3, 1, 1, 1], [8, 3, 9, 40, 4], 2)
     ids, positions, fused_step = _step(fast, CpuKVKernels(), *shape, seed=1)
@@ -71,11 +81,15 @@ def test_fused_layers_give_the_python_loops_logits_and_pool_bit_for_bit(name):
     assert fused_step.elapsed_s > 0  # attention's time, measured inside the op, reaches the step profile
 
 
+@pytest.mark.parametrize("kind", ["avx512", "avx512_bf16", "amx", "baseline"])
+def test_no_other_kind_fuses_its_layers(fake_cpu, kind):
+    fake_cpu(kind, runs_kernels=False)  # FastDecoder only decides here: fp32 over bf16 weights is no kind's but AVX2's
+    fast = FastDecoder(round_linear_weights_to_bf16(_tiny("llama")), max_positions=64)
+    assert not fast.reads_bf16_weights and not fast.fused_layers
+
+
 def test_a_step_runs_fused_only_on_the_cpu_backend_and_within_the_linear_kernels_tokens():
     fast = FastDecoder(round_linear_weights_to_bf16(_tiny("llama")), max_positions=64)
-    if not WIDENS:
-        assert not fast.fused_layers
-        return
     ids, positions, step = _step(fast, CpuKVKernels(), [1, 1], [5, 9], 0, seed=2)
     assert fused_layers.serves_step(fast, 2, step)
     assert not fused_layers.serves_step(fast, 2, None)  # a caller with its own attention function

@@ -6,13 +6,13 @@ import torch
 from workers.engine import runtime
 
 
-def test_auto_dtype_follows_the_cpu_bf16_flags(monkeypatch):
-    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2", "amx_bf16"}))
-    assert runtime.resolve_dtype("auto", "cpu") == torch.bfloat16
-    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    assert runtime.resolve_dtype("auto", "cpu") == torch.bfloat16
-    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
-    assert runtime.resolve_dtype("auto", "cpu") == torch.float32
+@pytest.mark.parametrize("kind, dtype", [("amx", torch.bfloat16), ("avx512_bf16", torch.bfloat16),
+                                         ("avx512", torch.float32), ("avx2", torch.float32),
+                                         ("baseline", torch.float32)])
+def test_auto_dtype_follows_the_cpu_kind(fake_cpu, kind, dtype):
+    fake_cpu(kind, runs_kernels=False)
+    assert runtime.resolve_dtype("auto", "cpu") == dtype
+    assert runtime.resolve_dtype("auto", "cpu", "float16") == dtype  # no fp16 arithmetic on a CPU
 
 
 def test_auto_dtype_on_cuda_keeps_the_models_half_type(monkeypatch):
@@ -23,8 +23,6 @@ def test_auto_dtype_on_cuda_keeps_the_models_half_type(monkeypatch):
     assert runtime.resolve_dtype("auto", "cuda", None) == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)  # a V100, a T4
     assert runtime.resolve_dtype("auto", "cuda", "bfloat16") == torch.float16
-    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    assert runtime.resolve_dtype("auto", "cpu", "float16") == torch.bfloat16  # no fp16 arithmetic on the CPU
 
 
 def test_a_model_folders_stated_dtype_is_read(tmp_path):
@@ -45,11 +43,6 @@ def test_explicit_dtypes_and_a_bad_name():
     assert runtime.resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, float16, got 'fp8'"):
         runtime.resolve_dtype("fp8", "cpu")
-
-
-def test_this_machines_flags_are_read():
-    flags = runtime.cpu_flags()
-    assert runtime.cpu_has_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def test_tuning_sets_threads_to_the_usable_cores_and_can_be_told_otherwise():

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from kv_kernels import cpu_build
-from workers.engine import fast_linear
+from workers.engine import cpu_kind, fast_linear
 from workers.engine.fast_decoder import FastDecoder
 from workers.engine.fast_linear import FEW_TOKEN_KERNELS
 from workers.engine.models import make_tiny_model
-from workers.engine.runtime import cpu_flags
 
 cpu_build.load()  # a failed build fails these tests (no skip): the engine's CPU path needs it
 
@@ -38,7 +37,7 @@ def test_small_linear_is_the_fp32_sum_rounded_once(tokens, in_features, out_feat
 
 def test_the_kernel_says_whether_it_was_built_for_the_cpus_bf16_dots():
     # built with -march=native: never native where the CPU lacks the instructions; here gcc >= 11 has them
-    assert torch.ops.s3_cpu.small_linear_native() == ("avx512_bf16" in cpu_flags())
+    assert torch.ops.s3_cpu.small_linear_native() == ("avx512_bf16" in cpu_kind.this_cpu().flags)
 
 
 def test_small_linear_refuses_what_it_cannot_compute():
@@ -57,11 +56,18 @@ def test_small_linear_refuses_what_it_cannot_compute():
                                       torch.zeros(4, 8, dtype=torch.bfloat16), None)
 
 
-@pytest.mark.skipif(fast_linear.few_token_kernel() is None, reason="no few-token kernel is built natively here "
-                    "(the tests above and in test_amx_linear.py check the kernels' results)")
-@pytest.mark.parametrize("kernel", ["native", "small_linear"])
-def test_the_fast_path_takes_the_few_token_kernel_up_to_its_limit_and_onednn_past_it(monkeypatch, kernel):
-    name = fast_linear.few_token_kernel() if kernel == "native" else "small_linear"
+def _kinds_kernel(fake_cpu, kind: str) -> str:
+    """The few-token kernel of a CPU of `kind`, faked; skips where this machine's build cannot run it."""
+    fake_cpu(kind)
+    name = cpu_kind.this_cpu().bf16_few_token_kernels[0]
+    if fast_linear.few_token_kernel() != name:
+        pytest.skip(f"needs {name} in the kernels' build (here: {', '.join(cpu_build.native_kernels()) or 'none'})")
+    return name
+
+
+@pytest.mark.parametrize("kind", ["amx", "avx512_bf16"])
+def test_the_fast_path_takes_the_few_token_kernel_up_to_its_limit_and_onednn_past_it(fake_cpu, monkeypatch, kind):
+    name = _kinds_kernel(fake_cpu, kind)
     limit = FEW_TOKEN_KERNELS[name]
     calls = []
     op = getattr(torch.ops.s3_cpu, name)
@@ -73,11 +79,9 @@ def test_the_fast_path_takes_the_few_token_kernel_up_to_its_limit_and_onednn_pas
     monkeypatch.setattr(fast_linear.torch.ops.s3_cpu, name, counted)  # before the linears look their kernel up
     model = make_tiny_model(seed=5, init_std=0.2).to(torch.bfloat16)
     decoder = FastDecoder(copy.deepcopy(model), max_positions=64)
-    assert decoder.few_token == fast_linear.few_token_kernel()  # AMX where the build has it, else vdpbf16ps
+    assert decoder.few_token == name  # AMX tiles on an AMX CPU, vdpbf16ps on one with AVX512-BF16 alone
     weight = model.model.layers[0].self_attn.o_proj.weight  # [hidden, hidden]
-    with torch.no_grad():
-        o_proj = (decoder.layers[0].o_proj if kernel == "native"
-                  else fast_linear.Linear(weight, None, pack=True, few_token="small_linear"))
+    o_proj = decoder.layers[0].o_proj
     assert o_proj.few_token == name
     for tokens in sorted({1, limit, limit + 1}):
         x = torch.randn(tokens, weight.shape[1], generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
@@ -85,20 +89,19 @@ def test_the_fast_path_takes_the_few_token_kernel_up_to_its_limit_and_onednn_pas
     assert calls == sorted({1, limit})  # past the limit, oneDNN's packed linear
 
 
-def test_the_few_token_kernel_is_the_fastest_one_the_build_has():
-    flags = cpu_flags()
-    if torch.ops.s3_cpu.amx_linear_native():
-        assert fast_linear.few_token_kernel() == "amx_linear"
-    elif "avx512_bf16" in flags:
-        assert fast_linear.few_token_kernel() == "small_linear"
-    else:
-        assert fast_linear.few_token_kernel() is None
+@pytest.mark.parametrize("kind, kernel", [("amx", "amx_linear"), ("avx512_bf16", "small_linear"), ("avx512", None),
+                                          ("avx2", None), ("baseline", None)])
+def test_the_few_token_kernel_is_the_fastest_one_the_kind_has(fake_cpu, kind, kernel):
+    fake_cpu(kind)
+    assert fast_linear.few_token_kernel() == kernel
+    assert fast_linear.few_token_kernel(below="amx_linear") == ("small_linear" if kind == "amx" else None)
 
 
 @pytest.mark.parametrize("few_token", [None, "small_linear", "amx_linear"])
 def test_a_linear_takes_an_empty_batch_with_or_without_a_few_token_kernel(few_token):
-    if few_token is not None and not getattr(torch.ops.s3_cpu, f"{few_token}_native")():
-        pytest.skip(f"{few_token} is never used on this CPU (test_the_few_token_kernel_is_the_fastest_one_the_build_has)")
+    built = cpu_build.native_kernels()
+    if few_token is not None and few_token not in built:
+        pytest.skip(f"needs {few_token} in the kernels' build (here: {', '.join(built) or 'none'})")
     weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     with torch.no_grad():
         linear = fast_linear.Linear(weight, None, pack=fast_linear.onednn_packs_bf16(), few_token=few_token)
@@ -109,6 +112,6 @@ def test_an_input_width_the_tiles_cannot_take_falls_back_to_the_one_token_kernel
     weight = torch.randn(8, 40, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)  # 40: not 32k
     with torch.no_grad():
         linear = fast_linear.Linear(weight, None, pack=fast_linear.onednn_packs_bf16(), few_token="amx_linear")
-    assert linear.few_token == ("small_linear" if torch.ops.s3_cpu.small_linear_native() else None)
+    assert linear.few_token == ("small_linear" if "small_linear" in cpu_build.native_kernels() else None)
     x = torch.randn(1, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     torch.testing.assert_close(linear(x).float(), _reference(x, weight, None).float(), atol=2e-2, rtol=2**-7)

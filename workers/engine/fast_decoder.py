@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_kernels import cpu_build, cpu_kernels, torch_layer_ops
-from workers.engine import fused_layers
+from workers.engine import cpu_kind, fused_layers
 from workers.engine.attention import StepAttention
 from workers.engine.fast_linear import Linear, few_token_kernel, onednn_packs_bf16
 from workers.engine.huge_page_arena import HugePageArena
@@ -164,11 +164,11 @@ class FastDecoder:
         inner = model.model
         # oneDNN-packed weights: CPU bf16 only; CUDA concatenates the q|k|v and gate|up weights unpacked
         self.is_packed = self.device.type == "cpu" and self.dtype == torch.bfloat16 and onednn_packs_bf16()
-        # fp32 arithmetic over bf16 weights (`workers.engine.linear_weights`), where the kernels' build widens them
+        # fp32 arithmetic over bf16 weights (`workers.engine.linear_weights`), on the CPUs whose kernels widen them
         self.reads_bf16_weights = (self.ops is cpu_kernels and self.dtype == torch.float32
-                                   and has_bf16_linear_weights(model) and torch.ops.s3_cpu.bf16_weight_linear_native())
+                                   and has_bf16_linear_weights(model) and cpu_kind.this_cpu().widens_bf16_weights)
         self.concatenates = self.is_packed or self.device.type == "cuda" or self.reads_bf16_weights
-        # the few-token kernel: where the C++ kernels run, the one their build runs natively (AMX, AVX512-BF16)
+        # the few-token kernel: where the C++ kernels run, this CPU kind's that their build runs natively
         self.few_token = few_token_kernel() if self.is_packed and self.ops is cpu_kernels else None
         if self.reads_bf16_weights:
             self.few_token = "bf16_weight_linear"

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_kernels import cpu_kernels
+from workers.engine import cpu_kind
 from workers.engine.huge_page_arena import HugePageArena
 
 # Few-token CPU bf16 kernels, by name, and the most tokens each takes; past that, oneDNN's packed linear.
@@ -29,13 +30,14 @@ from workers.engine.huge_page_arena import HugePageArena
 FEW_TOKEN_KERNELS = {"amx_linear": 32, "small_linear": 1, "bf16_weight_linear": 1 << 62}
 
 
-def few_token_kernel() -> str | None:
-    """The few-token kernel the CPU kernels' build runs natively here (see FEW_TOKEN_KERNELS), or None."""
-    if torch.ops.s3_cpu.amx_linear_native():
-        return "amx_linear"
-    if torch.ops.s3_cpu.small_linear_native():
-        return "small_linear"
-    return None
+def few_token_kernel(below: str | None = None) -> str | None:
+    """The fastest few-token bf16 kernel this CPU's kind runs (`CpuKind.bf16_few_token_kernels`, see
+    FEW_TOKEN_KERNELS) that the CPU kernels' build runs natively here (AMX tile state granted, the instructions
+    compiled in), or None; with `below`, the fastest one slower than that kernel."""
+    kernels = cpu_kind.this_cpu().bf16_few_token_kernels
+    if below is not None:
+        kernels = kernels[kernels.index(below) + 1:] if below in kernels else ()
+    return next((name for name in kernels if getattr(torch.ops.s3_cpu, f"{name}_native")()), None)
 
 
 def onednn_packs_bf16() -> bool:
@@ -59,7 +61,7 @@ class Linear:
         # packed: opaque oneDNN layout of `weight`, chosen once for AMX / AVX512-BF16
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if pack else None
         if few_token == "amx_linear" and weight.shape[1] % 32:  # the tiles take whole 32-deep slices of the input
-            few_token = "small_linear" if torch.ops.s3_cpu.small_linear_native() else None
+            few_token = few_token_kernel(below="amx_linear")
         self.few_token = few_token
         self.few_token_max = FEW_TOKEN_KERNELS[few_token] if few_token else 0
         self.few_op = getattr(torch.ops.s3_cpu, few_token) if few_token else None  # looked up once, not per call

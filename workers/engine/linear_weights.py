@@ -15,19 +15,17 @@ weights; AVX-512 CPUs without bf16 (Skylake-SP, Cascade Lake) and other CPUs com
 
 import torch
 
-from workers.engine.runtime import cpu_flags, cpu_has_bf16
+from workers.engine import cpu_kind
 
 BF16_LINEAR_WEIGHTS = "s3serve_bf16_linear_weights"  # set (True) on a model whose linear weights hold bf16 values
 
 
 def reads_bf16_weights(dtype_name: str, device) -> bool:
     """True when `dtype_name` on `device` means fp32 arithmetic over bf16 linear weights: auto, on a CPU without
-    bf16 instructions that has AVX2 and FMA but no AVX-512, for which the kernels' build (-march=native) widens
-    bf16 weights natively (`s3_cpu.bf16_weight_linear_native`; a test holds the two to the same flags)."""
-    if dtype_name != "auto" or torch.device(device).type != "cpu" or cpu_has_bf16():
-        return False
-    flags = cpu_flags()
-    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+    bf16 instructions that has AVX2 and FMA but no AVX-512 (`CpuKind.widens_bf16_weights`), for which the kernels'
+    build (-march=native) widens bf16 weights natively (`s3_cpu.bf16_weight_linear_native`; a test holds the two
+    to the same flags)."""
+    return dtype_name == "auto" and torch.device(device).type == "cpu" and cpu_kind.this_cpu().widens_bf16_weights
 
 
 def round_linear_weights_to_bf16(model: torch.nn.Module) -> torch.nn.Module:

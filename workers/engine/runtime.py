@@ -17,7 +17,8 @@ and worker actors share cores with the router and controller.
 import ctypes
 import logging
 import os
-from pathlib import Path
+
+from workers.engine import cpu_kind
 
 logger = logging.getLogger(__name__)
 
@@ -29,39 +30,23 @@ _M_MMAP_THRESHOLD = -3
 _KEEP_BYTES = 256 * 1024**2
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_bf16() -> bool:
-    """True when the CPU computes bf16 natively (AVX512-BF16 or AMX), where bf16 beats fp32."""
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
 def resolve_dtype(name: str, device, config_dtype: str | None = None):
     """A torch dtype for a dtype name, or "auto": on CUDA the model's own half type (`config_dtype`, its config's
-    dtype) where it has one and the GPU runs it, else bf16 (fp16 on GPUs without bf16); on the CPU bf16 where it
-    has bf16 instructions, fp32 otherwise (fp16 arithmetic on CPUs is slow)."""
+    dtype) where it has one and the GPU runs it, else bf16 (fp16 on GPUs without bf16); on the CPU its kind's
+    (`CpuKind.auto_dtype`: bf16 where it has bf16 instructions, fp32 otherwise; fp16 arithmetic on CPUs is slow)."""
     import torch
 
     if name != "auto":
         if name not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {name!r}")
         return getattr(torch, name)
-    kind = torch.device(device).type
-    if kind == "cuda":
+    device_type = torch.device(device).type
+    if device_type == "cuda":
         bf16 = torch.cuda.is_bf16_supported()
         if config_dtype == "float16" or not bf16:
             return torch.float16
         return torch.bfloat16
-    return torch.bfloat16 if kind == "cpu" and cpu_has_bf16() else torch.float32
+    return getattr(torch, cpu_kind.this_cpu().auto_dtype) if device_type == "cpu" else torch.float32
 
 
 def usable_cores() -> int:
