@@ -150,7 +150,7 @@ class ClusterSimulation:
         """Start the worker's next step if it is idle and has work."""
         if worker.is_busy:
             return
-        duration_s = worker.next_step()
+        duration_s = worker.next_step(now_s)
         if duration_s is None:
             return
         if self.record_steps:

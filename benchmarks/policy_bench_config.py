@@ -6,7 +6,7 @@ from pathlib import Path
 
 from benchmarks.natural_workload import HELD_OUT_LABELS
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from workers.scheduling.engine_config import DEFAULT_SWAP_SPACE_BYTES
+from workers.scheduling.engine_config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_SWAP_SPACE_BYTES
 from workers.scheduling.policies import POLICY_NAMES
 
 POLICIES = POLICY_NAMES
@@ -50,6 +50,8 @@ class PolicyBenchConfig:
         preemption_mode: how every policy's victims give up their KV (`CacheConfig.preemption_mode`): the same
             mechanism for all, so the policies differ only in their decisions.
         swap_space_bytes: host bytes swapped-out KV may hold at once, for every policy (`CacheConfig`).
+        max_queue_wait_s: the starvation bound of every engine's queue (`SchedulerConfig`), which s3_peak's
+            order ages by.
     """
 
     trace_path: Path = DEFAULT_TRACE
@@ -77,6 +79,7 @@ class PolicyBenchConfig:
     overcommit_step: float | None = None
     preemption_mode: str = "auto"
     swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
 
 
 def quick_config(workload: str = "trace", **overrides) -> PolicyBenchConfig:

@@ -41,7 +41,10 @@ class PolicyRun:
     ttft_s: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
+    latency_by_request: dict[str, float] = field(default_factory=dict)
+    queue_s: list[float] = field(default_factory=list)  # each request's wait in the engine's queue before admission
     num_preemptions: int = 0
+    preemptions_by_cause: dict[str, int] = field(default_factory=dict)  # `SchedulerStats.preemptions_by_cause`
     num_recomputed_tokens: int = 0
     swapped_bytes: int = 0
     swap_space_peak_bytes: int = 0  # the most swapped-out KV held on the host at once (bounded by the budget)
@@ -81,28 +84,31 @@ def warm_up(engine: Engine, vocab_size: int) -> None:
 
 def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]], config: PolicyBenchConfig,
                kv_cache_bytes: int, progress: tqdm, prefix_caching: bool = True,
-               probe: LengthProbe | None = None) -> PolicyRun:
+               probe: LengthProbe | None = None, policy_options: dict | None = None,
+               label: str | None = None) -> PolicyRun:
     """Replay the requests through a fresh engine with one policy (and `probe` refining its bounds, if given).
 
     `estimates` holds each request's (point, upper bound) output tokens; the policy plans by the one it
-    chooses (`PlanningRule.prediction_from`)."""
+    chooses (`PlanningRule.prediction_from`). `policy_options`: the policy's own constructor arguments (a
+    variant); `label`: the run's name (default: the policy's, "+probe" with a probe)."""
     natural = config.workload == "natural"
     kwargs = overcommit_options(name, config.overcommit_step,
                                 PreemptionRule.can_swap(config.preemption_mode, config.swap_space_bytes))
     if name == "oracle" and natural:
         kwargs = {"from_prediction": True}  # `estimates` hold the labelled lengths; nothing is forced
-    policy = make_policy(name, max_model_len=config.max_len, **kwargs)
+    policy = make_policy(name, max_model_len=config.max_len, max_queue_wait_s=config.max_queue_wait_s,
+                         **{**kwargs, **(policy_options or {})})
     engine = Engine(
         model,
         EngineConfig.of(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len,
                      prefix_caching=prefix_caching, preemption_mode=config.preemption_mode,
-                     swap_space_bytes=config.swap_space_bytes),
+                     swap_space_bytes=config.swap_space_bytes, max_queue_wait_s=config.max_queue_wait_s),
         policy=policy,
         probe=probe,
     )
     warm_up(engine, engine.vocab_size)
-    label = name if probe is None else f"{name}{PROBE_SUFFIX}"
+    label = label or (name if probe is None else f"{name}{PROBE_SUFFIX}")
     run = PolicyRun(policy=label if prefix_caching else f"{label}{NO_CACHE_SUFFIX}", num_blocks=engine.allocator.num_blocks,
                     prefix_caching=prefix_caching)
     pending = sorted(requests, key=lambda r: r.arrival_s)
@@ -142,12 +148,16 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
                 run.digests[out.seq_id] = output_digest(out.output_token_ids)
                 run.ttft_s.append(metrics.ttft_s)
                 run.latency_s.append(metrics.latency_s)
+                run.latency_by_request[out.seq_id] = metrics.latency_s
+                if metrics.queue_s is not None:
+                    run.queue_s.append(metrics.queue_s)
                 if metrics.tpot_s is not None:
                     run.tpot_s.append(metrics.tpot_s)
                 progress.update(1)
     run.wall_s = time.monotonic() - start_s
     stats = engine.scheduler.stats
     run.num_preemptions = stats.num_preemptions
+    run.preemptions_by_cause = dict(stats.preemptions_by_cause)
     run.num_recomputed_tokens = stats.num_recomputed_tokens
     run.swapped_bytes = engine.swapped_bytes
     run.swap_space_peak_bytes = engine.scheduler.swap_space.peak_blocks * engine.runner.pool_shape.bytes_per_block

@@ -11,9 +11,9 @@ the real engine; `benchmarks.cluster_sim` runs many under one controller.
 from dataclasses import dataclass, field
 
 from benchmarks.step_time import StepModel
-from cluster.control.placement import DEFAULT_MAX_WAIT_S
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, check_routing
+from workers.scheduling.engine_config import DEFAULT_MAX_QUEUE_WAIT_S
 from workers.scheduling.kv_cache_manager import BlockAllocator
 from workers.scheduling.preemption import PreemptionCostModel, PreemptionRule
 from workers.scheduling.scheduler import Scheduler, SchedulerConfig
@@ -82,8 +82,8 @@ class SimConfig:
             queue has space, in arrival order.
         rebalance_min_gap: the service's `rebalance_min_gap` (0: no load rebalancing).
         routing: the service's `routing`: which worker with room takes a request when nobody waits.
-        max_queue_wait_s: the service's `max_queue_wait_s`: seconds a request waits for room in the controller's
-            queue before it is placed ahead of every newer one.
+        max_queue_wait_s: the service's `max_queue_wait_s`: seconds a request waits in the controller's queue, or
+            in a worker's, before it goes ahead of every newer one.
         preemption_mode: how every policy's victims give up their KV (`CacheConfig.preemption_mode`); swapped
             copies may fill as much host memory as one worker's KV pool, beyond it they recompute.
     """
@@ -98,7 +98,7 @@ class SimConfig:
     rebalance_min_gap: int = 2
     routing: str = DEFAULT_ROUTING
     preemption_mode: str = "auto"
-    max_queue_wait_s: float = DEFAULT_MAX_WAIT_S
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
@@ -162,7 +162,8 @@ class SimWorker:
         self.allocator = BlockAllocator(config.num_blocks, config.block_size)
         preemption = PreemptionRule(config.preemption_mode, config.num_blocks,
                                     PreemptionCostModel(kv_bytes_per_token=step_model.kv_bytes_per_token))
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   max_queue_wait_s=config.max_queue_wait_s),
                                    self.allocator, policy, preemption)
         self.step_model = step_model
         self.bytes_per_block = step_model.kv_bytes_per_token * config.block_size
@@ -176,9 +177,9 @@ class SimWorker:
         self.scheduler.policy.reservation_tokens(seq)  # as Engine.add_request: fail now, not mid-run
         self.scheduler.add(seq)
 
-    def start_step(self) -> float | None:
-        """Schedule the next step (as `Engine.step`); its duration, or None when nothing runs."""
-        decisions = self.scheduler.schedule()
+    def start_step(self, now_s: float) -> float | None:
+        """Schedule the next step (as `Engine.step`) at simulated `now_s`; its duration, or None when nothing runs."""
+        decisions = self.scheduler.schedule(now_s)
         swapped = sum(len(blocks) for _, blocks in decisions.swap_out + decisions.swap_in)
         self.pending_swap_s += self.step_model.swap_s(swapped * self.bytes_per_block)
         self.in_flight = decisions.chunks
@@ -188,7 +189,7 @@ class SimWorker:
         self.last_shape = step_shape(decisions.chunks)
         return self.step_model.step_s(self.last_shape) + swap_s
 
-    def next_step(self) -> float | None:
+    def next_step(self, now_s: float) -> float | None:
         """Start the next step that runs chunks; its duration, or None when nothing is left.
 
         A step that only preempted is followed at once by the next, as in the engine loop; after
@@ -196,7 +197,7 @@ class SimWorker:
         for _ in range(MAX_EMPTY_STEPS):
             if not self.scheduler.has_unfinished():
                 return None
-            duration_s = self.start_step()
+            duration_s = self.start_step(now_s)
             if duration_s is not None:
                 return duration_s
         raise RuntimeError(f"worker {self.worker_id} cannot schedule any of its {len(self.scheduler.waiting)} "
@@ -237,7 +238,7 @@ def simulate_worker(requests: list[SimRequest], config: SimConfig, policy: Sched
     result = SimResult(num_requests=len(requests))
     expected = {r.request_id: r.num_output_tokens for r in requests}
     now_s = 0.0
-    while (duration_s := worker.next_step()) is not None:
+    while (duration_s := worker.next_step(now_s)) is not None:
         result.step_samples.append((worker.last_shape, duration_s))
         now_s += duration_s
         finished, sampled = worker.end_step()

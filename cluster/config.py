@@ -13,7 +13,6 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from cluster.control.placement import DEFAULT_MAX_WAIT_S
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS, check_routing
 from predictor_service.probe_files import check_probe_folder
@@ -90,11 +89,6 @@ class ServiceSettings(BaseModel):
         128, ge=1, description="requests waiting for KV room on any worker; beyond it clients get 429")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest accepted HTTP body")
     placement_timeout_s: float = Field(300.0, gt=0, description="how long a request may wait for KV room")
-    max_queue_wait_s: float = Field(
-        DEFAULT_MAX_WAIT_S, ge=0,
-        description="seconds a request may wait for KV room before it is placed ahead of every newer one (the "
-                    "starvation bound of the controller's queue, which otherwise places shortest predicted work "
-                    "first under s3_peak, largest reservation first under the others)")
     num_cpus: int | None = Field(None, ge=1, description="logical CPUs of the local Ray cluster (default: 2 x cores)")
     worker_num_cpus: float = Field(0.5, gt=0, description="Ray CPUs each worker actor asks for")
     worker_num_gpus: float = Field(

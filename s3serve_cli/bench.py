@@ -10,6 +10,7 @@ from workers.engine.models import DEFAULT_MODEL
 from s3serve_cli.args import add_model_args, given
 from s3serve_cli.bench_cluster import add_cluster_parser
 from s3serve_cli.bench_coldstart import add_coldstart_parser
+from s3serve_cli.bench_latency import add_latency_parser
 from s3serve_cli.bench_peers import add_peers_parser
 from s3serve_cli.bench_predictor import add_predictor_parser
 from s3serve_cli.bench_remaining import add_remaining_parser
@@ -223,6 +224,8 @@ def add_bench_parser(commands) -> None:
     add_cluster_parser(benches)
 
     add_peers_parser(benches)
+
+    add_latency_parser(benches)
 
     control = benches.add_parser(
         "control-plane",

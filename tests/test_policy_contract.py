@@ -1,6 +1,6 @@
 """The policy contract (docs/policies.md), checked for every registered policy and for the documentation's example.
 
-- `can_admit` is a question: it changes neither the policy nor a sequence;
+- `can_admit` and `shorter_work_victim` are questions: they change neither the policy nor a sequence;
 - the planning rule reads no admission state: its answers are the same after any hooks were called;
 - no hook changes a sequence: the scheduler writes `bound_after_overrun`'s answer;
 - the example policy, executed from docs/policies.md, runs through the real scheduler to the end.
@@ -72,7 +72,7 @@ def _drive_admission_hooks(policy: SchedulingPolicy, running: list[Sequence], wa
 
 
 @pytest.mark.parametrize("make", [make for _, make in POLICIES], ids=IDS)
-def test_can_admit_changes_neither_the_policy_nor_a_sequence(make):
+def test_can_admit_and_shorter_work_victim_change_neither_the_policy_nor_a_sequence(make):
     policy = make()
     running = _with_progress(make_requests(6, seed=1)[:4], decoded=[0, 5, 30, 90])
     waiting = make_requests(6, seed=2)
@@ -84,6 +84,8 @@ def test_can_admit_changes_neither_the_policy_nor_a_sequence(make):
         for num_blocks in (1, 8, 64, 10_000):  # refusals and admissions alike
             answers.add(policy.can_admit(seq, running, num_blocks, BLOCK_SIZE, 64))
             policy.can_admit(seq, running[:1], num_blocks, BLOCK_SIZE, 64)  # a speculative question
+        victim = policy.shorter_work_victim(seq, running)
+        assert victim is None or victim in running
     assert answers <= {True, False}
     assert vars(policy) == before
     assert [_state(s) for s in [*running, *waiting]] == sequences_before

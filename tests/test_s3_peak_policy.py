@@ -100,29 +100,37 @@ def _kv_scarce(policy: S3PeakPolicy) -> S3PeakPolicy:
 
 
 def test_s3_peak_admits_the_shortest_predicted_remaining_first_and_ages_the_long_ones():
-    policy = _kv_scarce(S3PeakPolicy(wait_s_per_token=0.1))
+    policy = S3PeakPolicy(max_queue_wait_s=30.0, length_range_tokens=500)
     long_old = waiting_seq("long_old", arrival_s=0.0, predicted=400)
-    short_new = waiting_seq("short_new", arrival_s=5.0, predicted=100)
-    mostly_done = waiting_seq("mostly_done", arrival_s=8.0, predicted=400, decoded=380)  # 20 to go (preempted)
-    # 400 tokens weigh 40 s, 100 tokens 10 s: arriving 5 s later, the short one still goes first.
+    short_new = waiting_seq("short_new", arrival_s=5.0, predicted=20)
+    mostly_done = waiting_seq("mostly_done", arrival_s=8.0, predicted=40, decoded=36)  # a few to go (preempted)
+    # the key: arrival + 30 s x expected remaining / 500 tokens; nothing is KV-scarce, nobody refused: the order holds
+    # whenever a queue forms, whatever holds it back
+    assert not policy.kv_scarce
     assert [s.seq_id for s in policy.admission_order([long_old, short_new, mostly_done])] == [
-        "mostly_done", "short_new", "long_old"]
-    # Once the long one has waited more than 30 s longer than the short one, it goes first.
-    short_late = waiting_seq("short_late", arrival_s=31.0, predicted=100)
+        "short_new", "mostly_done", "long_old"]
+    assert 0 < policy.order_key(long_old) - long_old.arrival_s <= 30.0
+    # Only requests that arrived within 30 s of it can pass it: one arriving later goes after it, however short.
+    short_late = waiting_seq("short_late", arrival_s=30.5, predicted=1)
     assert [s.seq_id for s in policy.admission_order([short_late, long_old])] == ["long_old", "short_late"]
-    # At 0 s per token it is first come first served; the larger, the closer to shortest first.
-    assert [s.seq_id for s in _kv_scarce(S3PeakPolicy(wait_s_per_token=0.0)).admission_order(
-        [short_new, long_old])] == ["long_old", "short_new"]
-    assert [s.seq_id for s in _kv_scarce(S3PeakPolicy(wait_s_per_token=10.0)).admission_order(
-        [long_old, short_late])] == ["short_late", "long_old"]
-    with pytest.raises(ValueError, match="wait_s_per_token"):
-        S3PeakPolicy(wait_s_per_token=-1)
+    # At a 0 s bound it is first come first served.
+    assert [s.seq_id for s in S3PeakPolicy(max_queue_wait_s=0.0).admission_order([long_old, short_new])] == [
+        "long_old", "short_new"]
+    for options in ({"max_queue_wait_s": -1.0}, {"length_range_tokens": 0}, {"order_by_work": "never"}):
+        with pytest.raises(ValueError, match=next(iter(options))):
+            S3PeakPolicy(**options)
 
 
-def test_s3_peak_takes_its_queue_in_order_until_kv_runs_short_and_for_a_window_after():
-    policy = S3PeakPolicy(pressure_window_steps=3)
+def test_the_service_bound_and_length_range_reach_the_policy():
+    policy = WorkerSettings.of(max_queue_wait_s=12.0, max_model_len=1024).make_policy()
+    assert policy.max_queue_wait_s == 12.0 and policy.length_range_tokens == 1024
+    assert WorkerSettings.of(max_model_len=8192).make_policy().length_range_tokens == 2048  # the buckets' range
+
+
+def test_s3_peak_as_it_was_takes_its_queue_in_order_until_kv_runs_short_and_for_a_window_after():
+    policy = S3PeakPolicy(pressure_window_steps=3, order_by_work="kv_scarce")
     long_old = waiting_seq("long_old", arrival_s=0.0, predicted=400)
-    short_new = waiting_seq("short_new", arrival_s=5.0, predicted=100)
+    short_new = waiting_seq("short_new", arrival_s=1.0, predicted=100)
     queue, shortest_first = [long_old, short_new], ["short_new", "long_old"]
     fits = waiting_seq("fits", arrival_s=0.0, predicted=10)
     assert policy.can_admit(fits, RUNNING, num_blocks=40, block_size=16, step_token_budget=64)

@@ -9,7 +9,7 @@ import heapq
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-DEFAULT_MAX_WAIT_S = 30.0  # the service's max_queue_wait_s: the starvation bound of the controller's queue
+from workers.scheduling.engine_config import DEFAULT_MAX_QUEUE_WAIT_S
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -77,7 +77,7 @@ class PendingRequest:
 
 
 def first_fit_decreasing(pending: Sequence[PendingRequest], workers: Sequence[WorkerBudget],
-                         now_s: float | None = None, max_wait_s: float = DEFAULT_MAX_WAIT_S) -> dict[str, str]:
+                         now_s: float | None = None, max_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S) -> dict[str, str]:
     """Place pending requests on workers by first-fit-decreasing of their reservations.
 
     Order of requests: first those *starved* (waiting at least `max_wait_s` at `now_s`),

@@ -117,4 +117,5 @@ class WorkerSettings(SettingsTree):
         cache = self.engine.cache
         can_swap = PreemptionRule.can_swap(cache.preemption_mode, cache.swap_space_bytes)
         return make_policy(self.policy, max_model_len=self.engine.max_model_len,
+                           max_queue_wait_s=self.engine.scheduler.max_queue_wait_s,
                            **kwargs, **overcommit_options(self.policy, self.overcommit_step, can_swap))

@@ -255,7 +255,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one forward over every scheduled chunk; return the tokens it produced."""
         start_s = time.perf_counter()
-        decisions = self.scheduler.schedule()
+        decisions = self.scheduler.schedule(time.monotonic())
         for seq, block_ids in decisions.swap_out:
             try:
                 self.swapped_bytes += self.runner.swap_out(seq.seq_id, block_ids)
@@ -347,6 +347,7 @@ class Engine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_preemptions=seq.num_preemptions,
+            admitted_s=seq.admitted_s,
         )
         return StepOutput(seq.seq_id, token_id, reason, tuple(seq.output_token_ids), metrics, logprob, prompt_logprobs)
 

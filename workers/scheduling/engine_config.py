@@ -11,6 +11,7 @@ from workers.scheduling.preemption import PREEMPTION_MODES
 from workers.values.setting import SettingsTree, setting
 
 DEFAULT_SWAP_SPACE_BYTES = 1024**3
+DEFAULT_MAX_QUEUE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,12 +26,20 @@ class SchedulerConfig(SettingsTree):
         1024, "under a first-fit policy (s3, s3_peak) a waiting request that does not fit is passed by later ones "
               "that do; this many steps after the first time nobody passes it any more until it fits, so a large "
               "request is not starved by a stream of smaller ones", unit="steps")
+    max_queue_wait_s: float = setting(
+        DEFAULT_MAX_QUEUE_WAIT_S, "the starvation bound of both queues a request can wait in, the controller's (for "
+                                  "a worker) and a worker's (for a slot and KV): a request that has waited this long "
+                                  "goes ahead of every newer one. Under s3_peak both queues otherwise go shortest "
+                                  "predicted remaining work first, aged so that a request is passed only by ones that "
+                                  "arrived less than this long after it", unit="seconds")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_overtaken_steps < 0:
             raise ValueError(f"max_overtaken_steps must be >= 0, got {self.max_overtaken_steps}")
+        if not self.max_queue_wait_s >= 0:
+            raise ValueError(f"max_queue_wait_s must be >= 0, got {self.max_queue_wait_s}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -27,12 +27,20 @@ A policy chooses whom to preempt, never how: every victim gives up its KV by the
 `workers.scheduling.preemption.PreemptionRule` (swap within a host budget, or recompute), the same for all.
 """
 
+from workers.scheduling.engine_config import DEFAULT_MAX_QUEUE_WAIT_S
 from workers.scheduling.kv_peak import Plan, holds_at_least, peak_fits
 from workers.scheduling.length_distribution import LengthDistribution
 from workers.scheduling.planning_rule import PlanningRule
 from workers.scheduling.scheduling_policy import SchedulingPolicy
 from workers.scheduling.sglang_ratio import SGLangRatioPolicy
 from workers.values.sequence import Sequence
+
+
+#: Output lengths the s3 family's 10 buckets (and the length predictor's histogram) span at most: the paper's
+#: 10 buckets over a 2048-token context. A model's own, longer context (SmolLM2's 8,192, Gemma 3's 32,768, the
+#: service's default max_model_len) would make each bucket wider than most answers are long; a longer answer
+#: falls in the last bucket and outruns its bound as any other does.
+BUCKET_RANGE_TOKENS = 2048
 
 
 class MaxReservePolicy(SchedulingPolicy):
@@ -161,26 +169,38 @@ class S3PeakPolicy(S3Policy):
     It plans by the predictor's point estimate, not its upper bound
     (`prediction_from`): an underestimate costs a stretched plan, not a
     preemption, and the worker's length probe refines it as decoding goes on.
-    While KV is scarce (within `pressure_window_steps` steps of the peak test
-    refusing a request or a sequence being preempted for want of blocks, and
-    while anything runs) waiting requests are admitted shortest predicted
-    remaining first, aged by arrival (`wait_s_per_token`), so blocks go to
-    those that give them back soonest; otherwise in queue order (arrival, the
-    preempted first), as paging admits. "Remaining" is not the point minus what
-    was decoded but the expected remaining output of the request's length
-    distribution given that it is still going (`workers.scheduling.length_distribution`:
-    a log-normal around its point, cut at max_tokens), so a sequence that outran
-    its prediction, likely one that loops to the limit, stops looking nearly
-    done. With room for all, the order only
-    decides which prompts are prefilled first, and shortest first then makes
-    the batch swing from short answers with many prefills to long answers
-    decoding nearly alone, which costs tokens/s (simulated Azure conv,
-    LLaMA-7B on A100s, 64 workers: 0.98x paged_greedy shortest first always,
-    1.00x so). When a sequence cannot grow, the running one expected to hold
-    its blocks longest is preempted, so those about to finish and free theirs
-    keep going; and, as TRAIL limits preemption as a request grows, a sequence
-    that has decoded at least `protect_fraction` of its expected length is
-    preempted only when every candidate has.
+
+    Waiting requests are admitted shortest predicted remaining work first
+    whenever a queue forms, whatever holds it back (the peak test, the slots
+    of `max_num_seqs`, the step's token budget; with room for all, every one
+    is admitted in the same step and the order only says whose prefill comes
+    first). The order is aged: a request's key is its arrival plus
+    `max_queue_wait_s` times its expected remaining work as a share of the
+    length range, so it can be passed only by requests that arrived less than
+    `max_queue_wait_s` after it, and once it has waited that long the
+    scheduler puts it ahead of every newer one. "Remaining" is not the point
+    minus what was decoded but the expected remaining output of the request's
+    length distribution given that it is still going
+    (`workers.scheduling.length_distribution`: a log-normal around its point,
+    cut at max_tokens), so a sequence that outran its prediction, likely one
+    that loops to the limit, stops looking nearly done. (Until 2026-11 the
+    queue went shortest first only while KV was scarce, `order_by_work`
+    "kv_scarce": a queue held back by slots or the token budget went first
+    come first served, and the first token of a short answer waited behind
+    every long one.)
+
+    When a sequence cannot grow, the running one expected to hold its blocks
+    longest is preempted, so those about to finish and free theirs keep going;
+    and, as TRAIL limits preemption as a request grows, a sequence that has
+    decoded at least `protect_fraction` of its expected length is preempted
+    only when every candidate has. When a waiting request cannot start (no
+    free slot, or the peak test refuses it) and its expected remaining work is
+    at most 1 / `shorter_work_ratio` of a running sequence's, that running
+    one (the longest expected, never one protected so, nor one preempted
+    before) is preempted for it (`shorter_work_victim`), at most one every
+    `shorter_work_gap_steps` steps: the victim swaps out within the host
+    budget (recomputes beyond it, as every preemption does) and waits by its
+    own remaining work.
 
     The future peak needs every running sequence's progress, which only the
     worker sees, so the controller charges a request only its prompt
@@ -211,46 +231,65 @@ class S3PeakPolicy(S3Policy):
     the tokens/s, so `overcommit_options` turns it off there.
 
     Args:
-        wait_s_per_token: seconds of waiting that outweigh one predicted
-            remaining token in the admission order (0: first come first served).
+        max_queue_wait_s: the starvation bound (the service's `max_queue_wait_s`): the most arrival time a
+            request's expected remaining work outweighs in the admission order, reached at `length_range_tokens`.
+        length_range_tokens: the output lengths the order's aging spans (`length_range_tokens(max_model_len)`).
+        order_by_work: "queue" (shortest remaining work first whenever a queue forms) or "kv_scarce" (only
+            within `pressure_window_steps` steps of a refusal or a preemption for want of blocks; first come first
+            served otherwise), kept to measure the one against the other.
         pressure_window_steps: steps after the peak test last refused a request
-            (or a sequence was preempted) during which admission stays shortest first.
+            (or a sequence was preempted) during which KV counts as scarce.
         overcommit_step: share of the pool the checked budget grows by per refusing
             step without a preemption (0: the peak always within the pool).
         max_overcommit: the most the checked budget exceeds the pool by, as a share of it.
         length_sigma: spread of each request's log output length around its point estimate (the
             distribution that ranks remaining work).
         protect_fraction: share of its expected length a sequence must have decoded to be preempted last
-            (1 or more: never protected).
+            (1 or more: never protected), and never for shorter work.
+        shorter_work_ratio: how many times a waiting request's expected remaining work a running one's must be
+            for the running one to be preempted for it (0: never preempt for shorter work).
+        shorter_work_gap_steps: the fewest steps between two preemptions for shorter work.
     """
 
     name = "s3_peak"
     holds_plan = False
     admits_at_worker = True
 
-    def __init__(self, bucket_tokens: int = 102, wait_s_per_token: float = 0.05, pressure_window_steps: int = 64,
-                 overcommit_step: float = 0.01, max_overcommit: float = 1.0, length_sigma: float = 1.0,
-                 protect_fraction: float = 0.5) -> None:
+    def __init__(self, bucket_tokens: int = 102, max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S,
+                 length_range_tokens: int = BUCKET_RANGE_TOKENS, order_by_work: str = "queue",
+                 pressure_window_steps: int = 64, overcommit_step: float = 0.01, max_overcommit: float = 1.0,
+                 length_sigma: float = 1.0, protect_fraction: float = 0.5, shorter_work_ratio: float = 4.0,
+                 shorter_work_gap_steps: int = 16) -> None:
         super().__init__(bucket_tokens)
         if protect_fraction <= 0:
             raise ValueError(f"protect_fraction must be > 0, got {protect_fraction}")
         self.lengths = LengthDistribution(default_sigma=length_sigma)
         self.protect_fraction = protect_fraction
-        if wait_s_per_token < 0 or pressure_window_steps < 1:
-            raise ValueError(f"need wait_s_per_token >= 0 and pressure_window_steps >= 1, got {wait_s_per_token} "
-                             f"and {pressure_window_steps}")
+        if max_queue_wait_s < 0 or length_range_tokens < 1 or pressure_window_steps < 1:
+            raise ValueError(f"need max_queue_wait_s >= 0, length_range_tokens >= 1 and pressure_window_steps >= 1, "
+                             f"got {max_queue_wait_s}, {length_range_tokens} and {pressure_window_steps}")
+        if order_by_work not in ORDERS_BY_WORK:
+            raise ValueError(f"order_by_work must be one of {', '.join(ORDERS_BY_WORK)}, got {order_by_work!r}")
         if overcommit_step < 0 or max_overcommit < 0:
             raise ValueError(f"need overcommit_step >= 0 and max_overcommit >= 0, got {overcommit_step} and "
                              f"{max_overcommit}")
-        self.wait_s_per_token = wait_s_per_token
+        if shorter_work_ratio < 0 or shorter_work_gap_steps < 1:
+            raise ValueError(f"need shorter_work_ratio >= 0 and shorter_work_gap_steps >= 1, got "
+                             f"{shorter_work_ratio} and {shorter_work_gap_steps}")
+        self.max_queue_wait_s = max_queue_wait_s
+        self.length_range_tokens = length_range_tokens
+        self.order_by_work = order_by_work
         self.pressure_window_steps = pressure_window_steps
         self.overcommit_step = overcommit_step
         self.max_overcommit = max_overcommit
+        self.shorter_work_ratio = shorter_work_ratio
+        self.shorter_work_gap_steps = shorter_work_gap_steps
         # Admission state of one worker's scheduler (what it learns from refusals and preemptions); the planning
         # rule above it reads none of it.
         self._steps_since_refusal = pressure_window_steps
         self._refused = False
         self._preempted = False
+        self._steps_since_shorter_work = shorter_work_gap_steps
         self.overcommit = 0.0  # the checked budget is the pool x (1 + this)
 
     @property
@@ -260,6 +299,7 @@ class S3PeakPolicy(S3Policy):
         return self._steps_since_refusal < self.pressure_window_steps
 
     def on_step(self, running: list[Sequence]) -> None:
+        self._steps_since_shorter_work += 1
         if self._preempted:
             self.overcommit /= 2
         elif running and self._refused:
@@ -285,13 +325,33 @@ class S3PeakPolicy(S3Policy):
         decoded = seq.num_output_tokens
         return decoded > 0 and decoded >= self.protect_fraction * (decoded + self.remaining_tokens(seq))
 
+    def order_key(self, seq: Sequence) -> float:
+        """Its place in the admission order (smallest first): arrival plus `max_queue_wait_s` times its expected
+        remaining work as a share of the length range (all of it from `length_range_tokens` on), so a newer
+        request goes first only when it is predicted shorter by more than their arrival gap is worth."""
+        share = min(1.0, self.remaining_tokens(seq) / self.length_range_tokens)
+        return seq.arrival_s + self.max_queue_wait_s * share
+
     def admission_order(self, waiting: list[Sequence]) -> list[Sequence]:
-        if not self.kv_scarce:
+        if self.order_by_work == "kv_scarce" and not self.kv_scarce:
             return list(waiting)
-        # Shortest predicted remaining first, aged: the key is arrival plus `wait_s_per_token` seconds per
-        # remaining token, so a newer request overtakes an older one only when it is predicted shorter by
-        # more than their arrival gap / wait_s_per_token tokens, and nobody waits forever (0: first come first served).
-        return sorted(waiting, key=lambda s: s.arrival_s + self.wait_s_per_token * self.remaining_tokens(s))
+        return sorted(waiting, key=self.order_key)
+
+    def shorter_work_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence | None:
+        # The longest expected of those that may go (not protected, never preempted before), if it is expected to
+        # run `shorter_work_ratio` times longer than `seq`; at most one every `shorter_work_gap_steps` steps.
+        if self.shorter_work_ratio <= 0 or self._steps_since_shorter_work < self.shorter_work_gap_steps:
+            return None
+        candidates = [s for s in running if s.num_preemptions == 0 and not self.is_protected(s)]
+        if not candidates:
+            return None
+        victim = max(candidates, key=lambda s: (self.remaining_tokens(s), -s.num_computed_tokens))
+        if self.remaining_tokens(victim) < self.shorter_work_ratio * max(1.0, self.remaining_tokens(seq)):
+            return None
+        return victim
+
+    def on_preempted_for(self, victim: Sequence, seq: Sequence) -> None:
+        self._steps_since_shorter_work = 0
 
     def choose_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence:
         # Unprotected first (TRAIL); then the one expected to hold its blocks longest, among those preempted least
@@ -322,6 +382,8 @@ class S3PeakPolicy(S3Policy):
         self._refused = True
 
 
+ORDERS_BY_WORK = ("queue", "kv_scarce")  # S3PeakPolicy's order_by_work
+
 POLICIES: dict[str, type[SchedulingPolicy]] = {
     cls.name: cls
     for cls in (MaxReservePolicy, PagedGreedyPolicy, S3Policy, S3PeakPolicy, SGLangRatioPolicy, OraclePolicy)
@@ -344,13 +406,6 @@ def overcommit_options(name: str, overcommit_step: float | None, can_swap: bool 
     return {} if can_swap else {"overcommit_step": 0.0}
 
 
-#: Output lengths the s3 family's 10 buckets (and the length predictor's histogram) span at most: the paper's
-#: 10 buckets over a 2048-token context. A model's own, longer context (SmolLM2's 8,192, Gemma 3's 32,768, the
-#: service's default max_model_len) would make each bucket wider than most answers are long; a longer answer
-#: falls in the last bucket and outruns its bound as any other does.
-BUCKET_RANGE_TOKENS = 2048
-
-
 def length_range_tokens(max_model_len: int | None) -> int:
     """The output lengths the buckets span for this context: max_model_len, at most BUCKET_RANGE_TOKENS (that
     with none given)."""
@@ -363,12 +418,19 @@ def make_rule(name: str, max_model_len: int | None = None, **kwargs) -> Planning
     return make_policy(name, max_model_len, **kwargs)
 
 
-def make_policy(name: str, max_model_len: int | None = None, **kwargs) -> SchedulingPolicy:
+def make_policy(name: str, max_model_len: int | None = None, max_queue_wait_s: float | None = None,
+                **kwargs) -> SchedulingPolicy:
     """Build a policy by registry name. With `max_model_len`, the s3 family's length buckets are a tenth of
-    `length_range_tokens(max_model_len)` wide (the paper's max_len / 10), unless `bucket_tokens` is given."""
+    `length_range_tokens(max_model_len)` wide (the paper's max_len / 10), unless `bucket_tokens` is given, and
+    s3_peak's order ages over that range; `max_queue_wait_s` (the service's starvation bound) reaches the policies
+    whose order it ages (s3_peak)."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     cls = POLICIES[name]
     if issubclass(cls, S3Policy) and max_model_len is not None:
         kwargs.setdefault("bucket_tokens", max(1, length_range_tokens(max_model_len) // 10))
+    if issubclass(cls, S3PeakPolicy):
+        kwargs.setdefault("length_range_tokens", length_range_tokens(max_model_len))
+        if max_queue_wait_s is not None:
+            kwargs.setdefault("max_queue_wait_s", max_queue_wait_s)
     return cls(**kwargs)

@@ -4,6 +4,14 @@ Pure (no torch): it decides which token chunks run in the next step, which
 sequences are swapped out or back in, and keeps the allocator in step with
 those decisions. The engine carries them out.
 
+Within a class, waiting sequences go in the policy's order, except that one that has waited
+`max_queue_wait_s` (on the clock `schedule(now_s)` is given) goes ahead of every newer one, and
+under a first-fit policy one passed for `max_overtaken_steps` steps is passed no more. When a
+waiting sequence cannot start (no slot or no room), the policy may name a running one of its
+class or a less urgent one to preempt for it, because its work is much shorter
+(`SchedulingPolicy.shorter_work_victim`; asked once a step, of the first one in order that cannot
+start); the scheduler does it only if the waiting one then fits.
+
 Priority classes (`Sequence.priority`, lower is more urgent) come before the policy:
 waiting sequences are considered class by class (the policy's order within a class); a
 victim is always taken from the least urgent class present (the policy's choice within it),
@@ -63,9 +71,14 @@ class MispredictionEvent:
     step: int
 
 
+# why a sequence was preempted: a running one could not grow; for a more urgent class; for much shorter work
+PREEMPTION_CAUSES = ("kv", "priority", "shorter_work")
+
+
 @dataclass(slots=True)
 class SchedulerStats:
     num_preemptions: int = 0
+    preemptions_by_cause: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREEMPTION_CAUSES, 0))
     num_swaps: int = 0
     num_swapped_blocks: int = 0
     num_swaps_over_budget: int = 0  # victims the rule would have swapped, recomputed for want of swap space
@@ -113,8 +126,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick the chunks of the next step, reserving the blocks they write."""
+    def schedule(self, now_s: float | None = None) -> SchedulerOutput:
+        """Pick the chunks of the next step, reserving the blocks they write. `now_s`, on the clock of the
+        sequences' `arrival_s`, lets one that has waited `max_queue_wait_s` go first; None: no such bound."""
         self.num_steps += 1
         self.policy.on_step(self.running)
         out = SchedulerOutput()
@@ -137,7 +151,7 @@ class Scheduler:
         if self.stats.num_preemptions == preemptions_before:
             # Admitting right after a preemption would hand the freed blocks
             # straight back and thrash.
-            self._admit(out, budget)
+            self._admit(out, budget, now_s)
         # The tables once every growth, preemption and admission of the step is done.
         out.chunks = [ScheduledChunk(c.seq, c.num_tokens, self.allocator.block_table(c.seq.seq_id))
                       for c in out.chunks]
@@ -176,36 +190,56 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, now_s: float | None) -> None:
         queue_position = {seq.seq_id: index for index, seq in enumerate(self.waiting)}  # arrival (preempted first)
         last_admitted: dict[int, int] = {}  # class -> queue position of its latest arrival admitted this step
-        # sorted() is stable: the policy's order holds within each class, after those passed long enough.
-        order = sorted(self.policy.admission_order(self.waiting),
-                       key=lambda s: (s.priority, not self._passed_enough(s)))
+        # sorted() is stable: the policy's order holds within each class, after those that waited or were passed
+        # long enough.
+        order = sorted(self.policy.admission_order(self.waiting), key=lambda s: (s.priority, *self._urgency(s, now_s)))
         in_progress = None  # _first_blocks_in_progress(), computed again after the running set changes
         refusals: list[tuple[object, int]] = []  # (policy's plan, blocks) refused beside the running ones or fewer
+        asked_shorter_work = False  # the policy is asked once a step, for the first one that cannot start
         for seq in order:
-            if budget <= 0 or (len(self.running) >= self.config.max_num_seqs and not self._has_less_urgent(seq)):
+            if budget <= 0:
                 break
+            slot_victim = None
+            if len(self.running) >= self.config.max_num_seqs and not self._has_less_urgent(seq):
+                if not asked_shorter_work:
+                    asked_shorter_work = True
+                    slot_victim = self._shorter_work_victim(seq)
+                if slot_victim is None:
+                    break  # no slot, and nobody running gives up theirs for it
             if in_progress is None:
                 in_progress = self._first_blocks_in_progress()
             if self._first_block_in_progress(seq, in_progress):
                 continue
+            if slot_victim is not None:
+                budget += self._preempt_for(seq, slot_victim, out)
+                in_progress, refusals = None, []
             blocks = self._try_allocate(seq, refusals)
             while blocks is None and self._less_urgent_would_make_room(seq):
                 budget += self._preempt_less_urgent(seq, out)
                 in_progress, refusals = None, []  # fewer running: earlier refusals prove nothing
                 blocks = self._try_allocate(seq, refusals)
+            if blocks is None and not asked_shorter_work:
+                asked_shorter_work = True
+                victim = self._shorter_work_victim(seq)
+                if victim is not None:
+                    budget += self._preempt_for(seq, victim, out)
+                    in_progress, refusals = None, []
+                    blocks = self._try_allocate(seq, refusals)
             if blocks is None:
-                if self.policy.is_first_fit and not self._passed_enough(seq):
+                if self.policy.is_first_fit and self._urgency(seq, now_s)[0] == 2:
                     continue
-                break  # FCFS, or passed long enough: nobody overtakes it
+                break  # FCFS, or waited or passed long enough: nobody overtakes it
             last_admitted[seq.priority] = max(last_admitted.get(seq.priority, -1), queue_position[seq.seq_id])
             if len(self.running) >= self.config.max_num_seqs:  # no slot left: a less urgent one gives up its own
                 budget += self._preempt_less_urgent(seq, out)
                 refusals = []
             in_progress = None
             self.waiting.remove(seq)
+            if seq.admitted_s is None:
+                seq.admitted_s = now_s
             seq.first_passed_step = None
             self._prefix_hashes.pop(seq.seq_id, None)
             seq.status = SequenceStatus.RUNNING
@@ -243,6 +277,13 @@ class Scheduler:
             if any(position < last for priority, last in last_admitted.items() if priority >= seq.priority):
                 seq.first_passed_step = self.num_steps
 
+    def _urgency(self, seq: Sequence, now_s: float | None) -> tuple[int, float]:
+        """Where `seq` goes within its class: (0, arrival) once it has waited `max_queue_wait_s` (oldest first),
+        (1, 0) once passed for `max_overtaken_steps` steps, else (2, 0): the policy's order."""
+        if now_s is not None and now_s - seq.arrival_s >= self.config.max_queue_wait_s:
+            return 0, seq.arrival_s
+        return (1, 0.0) if self._passed_enough(seq) else (2, 0.0)
+
     def _passed_enough(self, seq: Sequence) -> bool:
         """Later ones were admitted past waiting `seq` for `max_overtaken_steps` steps: it goes first, and
         nobody of its class or a less urgent one passes it again."""
@@ -270,7 +311,7 @@ class Scheduler:
                 return True, freed_tokens  # the full growth does not fit, but the next token does
             victim = self._choose_victim(seq, self.running)
             freed_tokens += self._unschedule(victim, out)
-            self._preempt(victim, out)
+            self._preempt(victim, out, "kv")
             self.policy.on_preempted(victim, self.running)
             if victim is seq:
                 return False, freed_tokens
@@ -362,10 +403,33 @@ class Scheduler:
         """Preempt one running sequence less urgent than waiting `seq`; returns the step tokens it gave back."""
         victim = self._choose_victim(seq, [s for s in self.running if s.priority > seq.priority])
         freed = self._unschedule(victim, out)
-        self._preempt(victim, out)
+        self._preempt(victim, out, "priority")
         return freed
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _shorter_work_victim(self, seq: Sequence) -> Sequence | None:
+        """The running sequence (none more urgent than waiting `seq`) the policy would preempt for `seq`'s shorter
+        work, if `seq` then has a slot, its blocks and the policy's admission; else None."""
+        pool = [s for s in self.running if s.priority >= seq.priority]
+        victim = self.policy.shorter_work_victim(seq, pool) if pool else None
+        if victim is None or victim not in pool:
+            return None
+        reclaimable = self.allocator.num_free_blocks + self.allocator.num_blocks_freed_by([victim.seq_id])
+        if self.allocator.blocks_for(self.policy.reservation_tokens(seq)) > reclaimable:
+            return None
+        staying = [s for s in self.running if s is not victim]
+        if not self.policy.can_admit(seq, staying, self.allocator.num_blocks, self.allocator.block_size,
+                                     self.config.max_num_batched_tokens):
+            return None
+        return victim
+
+    def _preempt_for(self, seq: Sequence, victim: Sequence, out: SchedulerOutput) -> int:
+        """Preempt running `victim` for waiting `seq`'s shorter work; returns the step tokens it gave back."""
+        freed = self._unschedule(victim, out)
+        self._preempt(victim, out, "shorter_work")
+        self.policy.on_preempted_for(victim, seq)
+        return freed
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, cause: str) -> None:
         assert all(chunk.seq is not seq for chunk in out.chunks), f"{seq.seq_id} already runs this step"
         num_cached_blocks = self.allocator.blocks_for(seq.num_computed_tokens)
         swap = self.preemption.wants_swap(seq.num_computed_tokens)
@@ -387,4 +451,5 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
+        self.stats.preemptions_by_cause[cause] += 1
         self.waiting.insert(0, seq)

@@ -52,6 +52,15 @@ class SchedulingPolicy(PlanningRule):
         """Whom to preempt when `seq` cannot grow; the newest running sequence by default."""
         return running[-1]
 
+    def shorter_work_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence | None:
+        """Waiting `seq` cannot start (no free slot, or no room): the running sequence (of `running`, none more
+        urgent than `seq`) to preempt so that it can, because its work is so much shorter; None (the default):
+        nobody is preempted for shorter work. A question without side effects, as `can_admit`."""
+        return None
+
+    def on_preempted_for(self, victim: Sequence, seq: Sequence) -> None:
+        """The scheduler preempted `victim` for waiting `seq`, as `shorter_work_victim` answered."""
+
     def on_step(self, running: list[Sequence]) -> None:
         """A step begins with these sequences running; policies that learn from steps update here."""
 

@@ -24,6 +24,12 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_output_tokens: int
     num_preemptions: int
+    admitted_s: float | None = None  # when it first left the worker's queue (None: no clock was given)
+
+    @property
+    def queue_s(self) -> float | None:
+        """Seconds it waited in the worker's queue before it was first admitted."""
+        return None if self.admitted_s is None else self.admitted_s - self.arrival_s
 
     @property
     def ttft_s(self) -> float:

@@ -1,0 +1,403 @@
+"""`s3serve bench latency`: what knowing lengths buys where requests wait, at fractions of our own capacity.
+
+Prediction can only shorten waiting (a running sequence gets one token per step whatever is predicted), so this
+bench loads one engine where a queue forms and measures who waits:
+
+- Work: held-out pool prompts (`benchmarks.natural_workload`: none the shipped predictor trained on), each answered
+  for exactly the served model's own greedy length, forced with ignore_eos: every policy does the same work and
+  writes the same tokens (checked). The shipped predictor reads each prompt's text, the shipped probe re-predicts
+  from the engine's hidden states as the service does; the oracle plans by the true lengths (the labelled ceiling).
+- Load: our own capacity, measured first in each setting: FCFS paging with every request at t=0, requests finished
+  per second until 90% of them are (the drain of the last long answers left out). Each point offers Poisson
+  arrivals (seeded) at a fraction of it; the bursty point replays the Azure conv trace's arrival times, scaled to
+  `bursty_load` of it on average.
+- Settings: `kv_bound` (KV for `kv_bound_slots` worst-case sequences: the S3 regime, where memory binds) and
+  `default` (the service's CPU default: KV for max_num_seqs sequences of max_len, so the slots bind).
+- Policies in one invocation, on equal footing (the same requests, arrival times, KV tokens, step limits, preemption
+  mechanism and host budget, warm-up and number of runs): `fcfs` (paged_greedy, first come first served: vLLM's
+  behaviour), `default` (the service's: s3_peak with the shipped predictor and probe), `oracle` (s3_peak on the true
+  lengths), and on request `before` (s3_peak with the predictor and probe as the service ran it until 2026-11:
+  shortest work first only while KV was scarce, no preemption for shorter work) and `no_preempt` (the default
+  without preemption for shorter work).
+- Rounds are interleaved: round 1 runs every setting, point and policy, then round 2 again. The tables give each
+  value's median over the rounds and its spread ((max - min) / median); ratios are taken within a round and then
+  their median is reported.
+"""
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload, compare_outputs
+from benchmarks.peers_online import unit_arrivals
+from benchmarks.policy_bench import parse_predictor
+from benchmarks.policy_bench_config import DEFAULT_TRACE, PolicyBenchConfig
+from benchmarks.policy_replay import WARMUP_REQUESTS, PolicyRun, run_policy
+from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from benchmarks.report import environment, format_table, percentile, write_json
+from benchmarks.traces import read_trace
+from cluster.control.worker_probe import load_length_probe
+from predictor_service.length_predictor import LengthQuery
+from workers.engine.linear_weights import as_served, has_bf16_linear_weights, precision_label
+from workers.engine.model_runner import pool_shape_for
+from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
+from workers.engine.runtime import resolve_dtype
+from workers.scheduling.engine_config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_SWAP_SPACE_BYTES
+from workers.scheduling.policies import DEFAULT_POLICY
+from workers.scheduling.preemption import PREEMPTION_MODES
+
+SETTINGS = ("kv_bound", "default")
+BURSTY = "bursty"
+WAITED_S = 0.1  # a request that spent longer than this in the engine's queue counts as one that waited
+LENGTH_CLASSES = ("short", "medium", "long")  # thirds of the workload's true output lengths
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One policy row: the registry policy, what it plans by ("none", "predictor" or "true"), whether the probe
+    re-predicts in the engine, and the policy's own options."""
+
+    policy: str
+    estimates: str
+    probe: bool = False
+    options: tuple[tuple[str, object], ...] = ()
+
+
+VARIANTS = {
+    "fcfs": Variant("paged_greedy", "none"),
+    "default": Variant(DEFAULT_POLICY, "predictor", probe=True),
+    "oracle": Variant(DEFAULT_POLICY, "true"),
+    "before": Variant(DEFAULT_POLICY, "predictor", probe=True,
+                      options=(("order_by_work", "kv_scarce"), ("shorter_work_ratio", 0.0))),
+    "no_preempt": Variant(DEFAULT_POLICY, "predictor", probe=True, options=(("shorter_work_ratio", 0.0),)),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyBenchConfig:
+    """What `bench latency` runs.
+
+    Attributes:
+        num_requests, max_len, max_prompt_tokens: the held-out prompts (`build_natural_workload`).
+        loads: Poisson points, as fractions of our measured capacity in requests/s.
+        bursty_load: the bursty point's mean rate as a fraction of capacity (None: no bursty point).
+        settings: "kv_bound" and/or "default" (the module docstring).
+        policies: rows of `VARIANTS`; "fcfs" is what the ratios divide by.
+        rounds: interleaved rounds of every setting, point and policy.
+        kv_bound_slots: worst-case sequences (max_len tokens each) the kv_bound setting's KV holds.
+        max_num_seqs, max_num_batched_tokens: every engine's step limits (the service's defaults).
+        max_queue_wait_s: the starvation bound of every engine's queue (the service's setting).
+        preemption_mode, swap_space_bytes: every policy's preemption mechanism and host budget alike.
+        predictor, probe: what the default predicts with ("default": the shipped ones).
+        seed: which held-out prompts, and the Poisson arrivals.
+        dtype: the model's, as the service resolves it ("auto": bf16 on CPUs with bf16 instructions, fp32 over
+            bf16 linear weights on AVX2-only ones).
+    """
+
+    num_requests: int = 300
+    max_len: int = 512
+    max_prompt_tokens: int = 128
+    loads: tuple[float, ...] = (0.8, 0.95, 1.2)
+    bursty_load: float | None = 0.95
+    settings: tuple[str, ...] = SETTINGS
+    policies: tuple[str, ...] = ("fcfs", "default", "oracle")
+    rounds: int = 2
+    kv_bound_slots: int = 8
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
+    preemption_mode: str = "auto"
+    swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
+    predictor: str = "default"
+    probe: str = "default"
+    seed: int = 0
+    dtype: str = "auto"
+    labels_path: Path = HELD_OUT_LABELS
+    prompts_path: Path = DEFAULT_PROMPTS
+    trace_path: Path = DEFAULT_TRACE
+
+    def __post_init__(self) -> None:
+        if self.num_requests < 3:
+            raise ValueError(f"num_requests must be >= 3 (three length classes), got {self.num_requests}")
+        if not self.loads and self.bursty_load is None:
+            raise ValueError("no load point: give --loads or a bursty load")
+        if any(load <= 0 for load in self.loads) or (self.bursty_load is not None and self.bursty_load <= 0):
+            raise ValueError(f"loads must be positive fractions of capacity, got {list(self.loads)} and "
+                             f"{self.bursty_load}")
+        unknown = [s for s in self.settings if s not in SETTINGS] + [p for p in self.policies if p not in VARIANTS]
+        if unknown or not self.settings or not self.policies:
+            raise ValueError(f"settings must be among {', '.join(SETTINGS)} and policies among "
+                             f"{', '.join(VARIANTS)}; got {list(self.settings)} and {list(self.policies)}")
+        if "fcfs" not in self.policies:
+            raise ValueError("policies must include fcfs: the ratios are against it")
+        if self.rounds < 1 or self.kv_bound_slots < 1:
+            raise ValueError(f"rounds and kv_bound_slots must be >= 1, got {self.rounds} and {self.kv_bound_slots}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}")
+
+    @property
+    def points(self) -> tuple[str, ...]:
+        return tuple(f"{load:g}" for load in self.loads) + ((BURSTY,) if self.bursty_load is not None else ())
+
+
+def quick_config(**overrides) -> LatencyBenchConfig:
+    """The KV-bound setting at 0.95 and 1.2 of capacity, 64 requests, FCFS against the default and the oracle."""
+    return LatencyBenchConfig(**{"num_requests": 64, "loads": (0.95, 1.2), "bursty_load": None,
+                                 "settings": ("kv_bound",), **overrides})
+
+
+def kv_tokens_of(config: LatencyBenchConfig, setting: str) -> int:
+    """The KV tokens of a setting's engines: `kv_bound_slots` worst-case sequences, or (the service's CPU default)
+    one max_len sequence per slot."""
+    slots = config.kv_bound_slots if setting == "kv_bound" else config.max_num_seqs
+    return slots * config.max_len
+
+
+def length_classes(lengths: dict[str, int]) -> dict[str, str]:
+    """Each request's class by its true output length: the shortest third "short", the longest third "long"."""
+    ordered = sorted(lengths, key=lambda rid: (lengths[rid], rid))
+    third = len(ordered) / 3
+    return {rid: LENGTH_CLASSES[min(2, int(index / third))] for index, rid in enumerate(ordered)}
+
+
+def bursty_arrivals(trace_path: Path, num_requests: int) -> list[float]:
+    """The trace's first arrival times, shifted to start at 0 and scaled to a mean rate of 1 request/s."""
+    rows = read_trace(trace_path, num_requests + 1)
+    if len(rows) < num_requests + 1:
+        raise ValueError(f"{trace_path} has {len(rows)} rows; the bursty point needs {num_requests + 1}")
+    times = [row.arrival_s - rows[0].arrival_s for row in rows]
+    span_s = times[-1]
+    if span_s <= 0:
+        raise ValueError(f"{trace_path}'s first {num_requests + 1} rows arrive at one instant")
+    return [t * num_requests / span_s for t in times[1:]]  # request i at t_i, the last one at num_requests s
+
+
+def capacity_of(run: PolicyRun, num_requests: int) -> float:
+    """Requests/s of a run with every request at t=0, until 90% of them finished."""
+    done_s = sorted(run.latency_s)
+    index = max(0, int(0.9 * num_requests) - 1)
+    return (index + 1) / done_s[index]
+
+
+def summarize(run: PolicyRun, classes: dict[str, str]) -> dict:
+    """What one run measured (seconds, tokens/s, counts)."""
+    latency, queue = run.latency_s, run.queue_s
+    by_class = {name: [s for rid, s in run.latency_by_request.items() if classes[rid] == name]
+                for name in LENGTH_CLASSES}
+    return {"policy": run.policy, "wall_s": run.wall_s, "tokens_per_s": run.output_tokens / run.wall_s,
+            "latency_mean_s": sum(latency) / len(latency), "latency_p50_s": percentile(latency, 0.5),
+            "latency_p99_s": percentile(latency, 0.99), "ttft_p50_s": percentile(run.ttft_s, 0.5),
+            "ttft_p99_s": percentile(run.ttft_s, 0.99), "num_waited": sum(q > WAITED_S for q in queue),
+            "queue_mean_s": sum(queue) / len(queue) if queue else None, "queue_p99_s": percentile(queue, 0.99),
+            "preemptions": run.num_preemptions, "preemptions_by_cause": run.preemptions_by_cause,
+            "recomputed_tokens": run.num_recomputed_tokens, "swapped_bytes": run.swapped_bytes,
+            "latency_mean_by_class_s": {name: sum(v) / len(v) if v else None for name, v in by_class.items()},
+            "outputs_exact": run.outputs_ok, "probe_reads": run.num_probe_reads}
+
+
+def median_and_spread(values: list[float]) -> tuple[float, float]:
+    """The median of a round's values and their spread, (max - min) / median (0 for one round)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return median, (ordered[-1] - ordered[0]) / median if median else 0.0
+
+
+def round_ratios(fcfs: dict, ours: dict, oracle: dict | None) -> dict:
+    """One round's ratios of `ours` to FCFS paging, and the share of the oracle's mean-latency gain it reached."""
+    ratios = {name: ours[key] / fcfs[key] for name, key in (
+        ("latency_mean_vs_fcfs", "latency_mean_s"), ("latency_p99_vs_fcfs", "latency_p99_s"),
+        ("ttft_p50_vs_fcfs", "ttft_p50_s"), ("ttft_p99_vs_fcfs", "ttft_p99_s"),
+        ("tokens_per_s_vs_fcfs", "tokens_per_s"))}
+    short = "short"
+    ratios["short_latency_mean_vs_fcfs"] = (ours["latency_mean_by_class_s"][short]
+                                            / fcfs["latency_mean_by_class_s"][short])
+    if oracle is not None:
+        gain = fcfs["latency_mean_s"] - oracle["latency_mean_s"]
+        ratios["oracle_share"] = (fcfs["latency_mean_s"] - ours["latency_mean_s"]) / gain if gain > 0 else None
+    return ratios
+
+
+def run(config: LatencyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None,
+        json_path: Path | None = None, labeler: Labeler | None = None) -> dict:
+    """Measure each setting's capacity, then every round of every setting, point and policy; print the tables."""
+    parse_predictor(config.predictor, {}, config.max_len, config.seed)  # a bad spec fails before anything loads
+    model_dir = resolve_model_dir(model_name, model_cache_dir)
+    tokenizer = load_tokenizer(model_dir)
+    workload = build_natural_workload(tokenizer, model_name, config.num_requests, config.max_len,
+                                      config.max_prompt_tokens, "offline", 1.0, config.trace_path,
+                                      config.labels_path, config.prompts_path, config.seed, labeler)
+    requests, info = workload.requests, workload.describe()
+    true_lengths = {r.request_id: r.output_tokens for r in requests}
+    classes = length_classes(true_lengths)
+    model = as_served(load_model(model_dir, dtype=resolve_dtype(config.dtype, "cpu")), "cpu", config.dtype)
+    precision = precision_label(model.dtype, has_bf16_linear_weights(model))
+    bytes_per_token = pool_shape_for(model.config, 1, 1, model.dtype).bytes_per_block
+    estimates = _estimates(config, requests, workload.texts)
+    probe = None
+    if any(VARIANTS[p].probe for p in config.policies):
+        probe = load_length_probe(config.probe, model.config.hidden_size)
+        probe.reads_forced = True  # every forced length here is the model's own greedy one
+    print(f"latency bench: {len(requests)} held-out prompts (seed {config.seed}), mean prompt "
+          f"{info['mean_prompt_tokens']:.0f} tokens, answers forced to the model's own greedy lengths (mean "
+          f"{info['mean_output_tokens']:.0f}, {info['hit_length_limit_fraction']:.0%} at max_tokens); model "
+          f"{model_name} ({precision}); points {', '.join(config.points)} of our capacity; settings "
+          f"{', '.join(config.settings)}; {config.rounds} interleaved rounds")
+    units = unit_arrivals(len(requests), config.seed)
+    bursty = bursty_arrivals(config.trace_path, len(requests)) if config.bursty_load is not None else None
+    capacity: dict[str, dict] = {}
+    for setting in config.settings:
+        bench = _bench_config(config, setting)
+        at_once = [dataclasses.replace(r, arrival_s=0.0) for r in requests]
+        with tqdm(total=len(requests), desc=f"capacity ({setting}: fcfs, all at t=0)", unit="req") as progress:
+            result = run_policy(copy.deepcopy(model), "paged_greedy", at_once, {}, bench,
+                                kv_tokens_of(config, setting) * bytes_per_token, progress)
+        capacity[setting] = {"requests_per_s": capacity_of(result, len(requests)),
+                             "tokens_per_s": result.output_tokens / result.wall_s,
+                             "kv_tokens": kv_tokens_of(config, setting)}
+        print(f"  {setting}: {capacity[setting]['requests_per_s']:.3f} requests/s until 90% done, "
+              f"{capacity[setting]['tokens_per_s']:.0f} tokens/s in all, {kv_tokens_of(config, setting)} KV tokens")
+    plan = [(r, s, p, v) for r in range(config.rounds) for s in config.settings for p in config.points
+            for v in config.policies]
+    runs: list[dict] = []
+    digests: dict[str, dict[str, str]] = {}
+    with tqdm(total=len(plan), desc="runs (all rounds)", unit="run") as progress:
+        for round_index, setting, point, name in plan:
+            progress.set_postfix_str(f"round {round_index + 1} {setting} {point} {name}")
+            rate = (config.bursty_load if point == BURSTY else float(point)) * capacity[setting]["requests_per_s"]
+            times = bursty if point == BURSTY else units
+            timed = [dataclasses.replace(r, arrival_s=t / rate) for r, t in zip(requests, times)]
+            result = _run_variant(model, name, timed, estimates, true_lengths, config, setting, bytes_per_token,
+                                  probe)
+            digests[f"{round_index}/{setting}/{point}/{name}"] = result.digests
+            runs.append({"round": round_index + 1, "setting": setting, "point": point, "rate_requests_per_s": rate,
+                         **summarize(result, classes)})
+            progress.update(1)
+    return _report(config, runs, capacity, info, precision, compare_outputs(digests), json_path)
+
+
+def _bench_config(config: LatencyBenchConfig, setting: str) -> PolicyBenchConfig:
+    # workload "trace": outputs forced to each request's output_tokens (the labelled greedy length) with ignore_eos
+    return PolicyBenchConfig(max_len=config.max_len, max_num_seqs=config.max_num_seqs,
+                             max_num_batched_tokens=config.max_num_batched_tokens,
+                             preemption_mode=config.preemption_mode, swap_space_bytes=config.swap_space_bytes,
+                             max_queue_wait_s=config.max_queue_wait_s, workload="trace")
+
+
+def _estimates(config: LatencyBenchConfig, requests, texts: dict[str, str]) -> dict[str, tuple[int, int]]:
+    """(point, upper bound) per request from the configured predictor, reading each prompt's message text."""
+    true_lengths = {r.request_id: r.output_tokens for r in requests}
+    predictor = parse_predictor(config.predictor, true_lengths, config.max_len, config.seed,
+                                lambda query: texts[query.prompt_id])
+    queries = [LengthQuery(r.request_id, r.prompt_token_ids, config.max_len - len(r.prompt_token_ids))
+               for r in requests]
+    return {q.prompt_id: (p.point_tokens, p.upper_bound_tokens) for q, p in zip(queries, predictor.predict(queries))}
+
+
+def _run_variant(model, name: str, requests, estimates, true_lengths: dict[str, int], config: LatencyBenchConfig,
+                 setting: str, bytes_per_token: int, probe) -> PolicyRun:
+    variant = VARIANTS[name]
+    chosen = {"none": {}, "predictor": estimates,
+              "true": {rid: (n, n) for rid, n in true_lengths.items()}}[variant.estimates]
+    with tqdm(total=len(requests), desc=f"  {setting} {name}", unit="req", leave=False) as inner:
+        return run_policy(copy.deepcopy(model), variant.policy, requests, chosen, _bench_config(config, setting),
+                          kv_tokens_of(config, setting) * bytes_per_token, inner,
+                          probe=probe if variant.probe else None, policy_options=dict(variant.options), label=name)
+
+
+def _medians(config: LatencyBenchConfig, runs: list[dict]) -> dict:
+    """setting -> point -> policy -> {metric: (median, spread)} over the rounds."""
+    keys = ("latency_mean_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "num_waited",
+            "queue_mean_s", "queue_p99_s", "tokens_per_s", "preemptions", "recomputed_tokens")
+    medians: dict = {}
+    for setting in config.settings:
+        for point in config.points:
+            for name in config.policies:
+                mine = [r for r in runs if (r["setting"], r["point"], r["policy"]) == (setting, point, name)]
+                values = {key: median_and_spread([r[key] or 0.0 for r in mine]) for key in keys}
+                for cause in ("kv", "priority", "shorter_work"):
+                    values[f"preemptions_{cause}"] = median_and_spread(
+                        [r["preemptions_by_cause"].get(cause, 0) for r in mine])
+                for cls in LENGTH_CLASSES:
+                    values[f"latency_mean_{cls}_s"] = median_and_spread(
+                        [r["latency_mean_by_class_s"][cls] or 0.0 for r in mine])
+                medians.setdefault(setting, {}).setdefault(point, {})[name] = values
+    return medians
+
+
+def _ratios(config: LatencyBenchConfig, runs: list[dict], ours: str) -> dict:
+    """setting -> point -> ratio name -> {"median", "min", "max"} over the rounds, for policy `ours` against fcfs."""
+    ratios: dict = {}
+    for setting in config.settings:
+        for point in config.points:
+            per_round = []
+            for round_index in range(1, config.rounds + 1):
+                found = {r["policy"]: r for r in runs
+                         if (r["round"], r["setting"], r["point"]) == (round_index, setting, point)}
+                per_round.append(round_ratios(found["fcfs"], found[ours], found.get("oracle")))
+            summary = {}
+            for name in per_round[0]:
+                values = [r[name] for r in per_round if r[name] is not None]
+                if values:
+                    summary[name] = {"median": median_and_spread(values)[0], "min": min(values), "max": max(values)}
+            ratios.setdefault(setting, {})[point] = summary
+    return ratios
+
+
+def _report(config: LatencyBenchConfig, runs: list[dict], capacity: dict, info: dict, precision: str,
+            token_check: dict, json_path: Path | None) -> dict:
+    medians = _medians(config, runs)
+
+    def cell(values: dict, key: str, spread: bool = False) -> str:
+        median, spread_share = values[key]
+        return f"{median:.2f} ±{spread_share:.0%}" if spread else f"{median:.2f}"
+
+    headers = ["point", "policy", "lat_mean", "lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "waited", "wait_mean",
+               "wait_p99", "tok/s", "pre_kv", "pre_short", "lat_short", "lat_med", "lat_long"]
+    for setting in config.settings:
+        rows = [[point, name, cell(v, "latency_mean_s", True), cell(v, "latency_p50_s"), cell(v, "latency_p99_s"),
+                 cell(v, "ttft_p50_s"), cell(v, "ttft_p99_s"), f"{v['num_waited'][0]:.0f}", cell(v, "queue_mean_s"),
+                 cell(v, "queue_p99_s"), f"{v['tokens_per_s'][0]:.0f} ±{v['tokens_per_s'][1]:.0%}",
+                 f"{v['preemptions_kv'][0]:.0f}", f"{v['preemptions_shorter_work'][0]:.0f}",
+                 cell(v, "latency_mean_short_s"), cell(v, "latency_mean_medium_s"), cell(v, "latency_mean_long_s")]
+                for point, by_policy in medians[setting].items() for name, v in by_policy.items()]
+        print(f"\n{setting} ({capacity[setting]['kv_tokens']} KV tokens, capacity "
+              f"{capacity[setting]['requests_per_s']:.3f} requests/s): seconds, medians of {config.rounds} rounds "
+              f"(±: spread); waited: requests more than {WAITED_S} s in the queue")
+        print(format_table(headers, rows))
+    ratios_by_policy = {name: _ratios(config, runs, name) for name in config.policies if name != "fcfs"}
+    ratio_rows = []
+    for name, by_setting in ratios_by_policy.items():
+        for setting, by_point in by_setting.items():
+            for point, values in by_point.items():
+                ratio_rows.append([setting, point, name, *(
+                    f"{values[key]['median']:.2f} [{values[key]['min']:.2f}-{values[key]['max']:.2f}]"
+                    if key in values else "n/a" for key in (
+                        "latency_mean_vs_fcfs", "ttft_p50_vs_fcfs", "latency_p99_vs_fcfs", "tokens_per_s_vs_fcfs",
+                        "short_latency_mean_vs_fcfs", "oracle_share"))])
+    print("\nagainst fcfs paging: median of the rounds' ratios [min-max]")
+    print(format_table(["setting", "point", "policy", "lat_mean", "ttft_p50", "lat_p99", "tok/s", "short_lat_mean",
+                        "oracle_share"], ratio_rows))
+    print(f"every engine: {config.max_num_seqs} slots, {config.max_num_batched_tokens} tokens per step, preemption "
+          f"{config.preemption_mode} (swap within {config.swap_space_bytes / 1e6:.0f} MB, recompute beyond), "
+          f"starvation bound {config.max_queue_wait_s:g} s, the same {WARMUP_REQUESTS} warm-up requests untimed; "
+          f"the default predicts with {config.predictor!r} and the probe {config.probe!r}; oracle: the true lengths "
+          f"(the ceiling); tokens per request "
+          + ("identical under every run" if token_check["identical"] else
+             f"DIFFER in {len(token_check['differing'])} runs"))
+    headline = ratios_by_policy.get("default", {})
+    first = config.settings[0]
+    result = {"benchmark": "latency", "model_precision": precision,
+              "workload": {"name": "natural", **info, "num_requests": config.num_requests, "max_len": config.max_len,
+                           "arrivals": "Poisson", "seed": config.seed,
+                           "bursty_trace": str(config.trace_path) if config.bursty_load is not None else None},
+              "config": {key: (str(value) if isinstance(value, Path) else value)
+                         for key, value in dataclasses.asdict(config).items()},
+              "capacity": capacity, "runs": runs, "medians": medians,
+              "ratios": headline.get(first, {}), "ratios_by_setting": headline,
+              "ratios_by_policy": ratios_by_policy, "identical_tokens": token_check, "environment": environment()}
+    write_json(json_path, result)
+    return result
