@@ -16,9 +16,9 @@ bench loads one engine where a queue forms and measures who waits:
 - Policies in one invocation, on equal footing (the same requests, arrival times, KV tokens, step limits, preemption
   mechanism and host budget, warm-up and number of runs): `fcfs` (paged_greedy, first come first served: vLLM's
   behaviour), `default` (the service's: s3_peak with the shipped predictor and probe), `oracle` (s3_peak on the true
-  lengths), and on request `before` (s3_peak with the predictor and probe as the service ran it until 2026-11:
-  shortest work first only while KV was scarce, no preemption for shorter work) and `no_preempt` (the default
-  without preemption for shorter work).
+  lengths), and on request `before` (the default with its order and preemption as they were before
+  2026-11-29: shortest work first only while KV was scarce, none for shorter work; today's aging and starvation
+  bound) and `no_preempt` (the default without preemption for shorter work).
 - Rounds are interleaved: round 1 runs every setting, point and policy, then round 2 again. The tables give each
   value's median over the rounds and its spread ((max - min) / median); ratios are taken within a round and then
   their median is reported.
@@ -185,7 +185,7 @@ def capacity_of(run: PolicyRun, num_requests: int) -> float:
 def summarize(run: PolicyRun, classes: dict[str, str]) -> dict:
     """What one run measured (seconds, tokens/s, counts)."""
     latency, queue = run.latency_s, run.queue_s
-    by_class = {name: [s for rid, s in run.latency_by_request.items() if classes[rid] == name]
+    by_class = {name: [s for rid, s in run.latency_s_by_request.items() if classes[rid] == name]
                 for name in LENGTH_CLASSES}
     return {"policy": run.policy, "wall_s": run.wall_s, "tokens_per_s": run.output_tokens / run.wall_s,
             "latency_mean_s": sum(latency) / len(latency), "latency_p50_s": percentile(latency, 0.5),

@@ -41,7 +41,7 @@ class PolicyRun:
     ttft_s: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
-    latency_by_request: dict[str, float] = field(default_factory=dict)
+    latency_s_by_request: dict[str, float] = field(default_factory=dict)
     queue_s: list[float] = field(default_factory=list)  # each request's wait in the engine's queue before admission
     num_preemptions: int = 0
     preemptions_by_cause: dict[str, int] = field(default_factory=dict)  # `SchedulerStats.preemptions_by_cause`
@@ -96,8 +96,7 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
                                 PreemptionRule.can_swap(config.preemption_mode, config.swap_space_bytes))
     if name == "oracle" and natural:
         kwargs = {"from_prediction": True}  # `estimates` hold the labelled lengths; nothing is forced
-    policy = make_policy(name, max_model_len=config.max_len, max_queue_wait_s=config.max_queue_wait_s,
-                         **{**kwargs, **(policy_options or {})})
+    policy = make_policy(name, max_model_len=config.max_len, **{**kwargs, **(policy_options or {})})
     engine = Engine(
         model,
         EngineConfig.of(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
@@ -148,7 +147,7 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
                 run.digests[out.seq_id] = output_digest(out.output_token_ids)
                 run.ttft_s.append(metrics.ttft_s)
                 run.latency_s.append(metrics.latency_s)
-                run.latency_by_request[out.seq_id] = metrics.latency_s
+                run.latency_s_by_request[out.seq_id] = metrics.latency_s
                 if metrics.queue_s is not None:
                     run.queue_s.append(metrics.queue_s)
                 if metrics.tpot_s is not None:

@@ -60,9 +60,9 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-def _build_key(march: str, sources: tuple[Path, ...]) -> str:
+def _build_key(march: str) -> str:
     digest = hashlib.sha256()
-    for path in sources + HEADERS:
+    for path in SOURCES + HEADERS:
         digest.update(path.read_bytes())
     digest.update(" ".join((*FLAGS, f"-march={march}")).encode())
     digest.update(torch.__version__.encode())
@@ -75,17 +75,16 @@ def _build_key(march: str, sources: tuple[Path, ...]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _compile_commands(build_dir: Path, out_path: Path, march: str,
-                      sources: tuple[Path, ...]) -> tuple[list[list[str]], list[str]]:
+def _compile_commands(build_dir: Path, out_path: Path, march: str) -> tuple[list[list[str]], list[str]]:
     """One `-c` command per source (objects in build_dir), and the link of those objects into out_path."""
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     lib_dirs = cpp_extension.library_paths()
-    objects = [build_dir / f"{source.stem}.o" for source in sources]
+    objects = [build_dir / f"{source.stem}.o" for source in SOURCES]
     compiles = [[_compiler(), *FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, "-c",
-                 str(source), "-o", str(obj)] for source, obj in zip(sources, objects)]
+                 str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects)]
     link = [_compiler(), "-shared", "-fopenmp", *map(str, objects), "-o", str(out_path),
             *[f"-L{d}" for d in lib_dirs], *[f"-Wl,-rpath,{d}" for d in lib_dirs], "-lc10", "-ltorch_cpu", "-lgomp"]
     return compiles, link
@@ -99,28 +98,26 @@ def _run_compiler(command: list[str]) -> None:
         raise RuntimeError(f"building {CSRC} failed ({_compiler()} exit {result.returncode}): {first_error.strip()}")
 
 
-def _compile(build_dir: Path, out_path: Path, march: str, sources: tuple[Path, ...]) -> None:
+def _compile(build_dir: Path, out_path: Path, march: str) -> None:
     """Compiles the sources side by side (one per core), then links them."""
-    compiles, link = _compile_commands(build_dir, out_path, march, sources)
+    compiles, link = _compile_commands(build_dir, out_path, march)
     with ThreadPoolExecutor(max_workers=max(1, min(len(compiles), os.cpu_count() or 1))) as pool:
         list(pool.map(_run_compiler, compiles))
     _run_compiler(link)
 
 
-def library_path(cache_dir: Path | None = None, march: str = "native",
-                 sources: tuple[Path, ...] | None = None) -> Path:
-    """Where the library of `sources` (default: every source) for this torch, compiler and CPU lives (built or not)."""
-    return Path(cache_dir or default_cache_dir()) / f"s3_cpu-{_build_key(march, sources or SOURCES)}.so"
+def library_path(cache_dir: Path | None = None, march: str = "native") -> Path:
+    """Where the library for this source, torch, compiler, CPU and `march` lives (built or not)."""
+    return Path(cache_dir or default_cache_dir()) / f"s3_cpu-{_build_key(march)}.so"
 
 
-def build(cache_dir: Path | None = None, quiet: bool = False, march: str = "native",
-          sources: tuple[Path, ...] | None = None) -> Path:
+def build(cache_dir: Path | None = None, quiet: bool = False, march: str = "native") -> Path:
     """Compile the library unless a matching build exists; returns its path. Race-safe across processes.
 
-    The engine loads the whole library built for this machine (`march` native). A build for another x86 level
-    (`march` x86-64-v3: AVX2 and FMA, no AVX-512) of some `sources` lets a test run another CPU kind's code paths
-    on a machine whose instructions include that kind's (in a process of its own: the ops share one namespace)."""
-    path = library_path(cache_dir, march, sources)
+    The engine loads the library built for this machine (`march` native). One built for another x86 level
+    (`march` x86-64-v3: AVX2 and FMA, no AVX-512) lets a test run another CPU kind's code paths on a machine whose
+    instructions include that kind's (`pytest --cpu-kind`, in a process of its own: the ops share one namespace)."""
+    path = library_path(cache_dir, march)
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,7 +130,7 @@ def build(cache_dir: Path | None = None, quiet: bool = False, march: str = "nati
         start_s = time.monotonic()
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             tmp_path = Path(tmp) / path.name
-            _compile(Path(tmp), tmp_path, march, sources or SOURCES)
+            _compile(Path(tmp), tmp_path, march)
             os.replace(tmp_path, path)
         if not quiet:
             print(f"built the CPU kernels in {time.monotonic() - start_s:.0f} s", file=sys.stderr, flush=True)

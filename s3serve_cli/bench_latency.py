@@ -46,7 +46,8 @@ def add_latency_parser(benches) -> None:
                     "worst-case sequences, the S3 regime) and the service's default one (the slots bind). "
                     "Policies: fcfs (paged_greedy, vLLM's behaviour), default (s3_peak with the shipped predictor "
                     "and probe, as the service runs), oracle (s3_peak on the true lengths: the ceiling), and on "
-                    "request before (the default as it was until 2026-11) and no_preempt. Rounds interleave every "
+                    "request before (the default's order and preemption as before 2026-11-29: by work only while "
+                    "KV was scarce, none for shorter work) and no_preempt. Rounds interleave every "
                     "setting, point and policy; tables give medians with their spread, ratios against fcfs per "
                     "round, and the share of the oracle's gain the default reaches.")
     add_model_args(latency)

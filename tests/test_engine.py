@@ -276,12 +276,14 @@ def test_a_swap_out_that_fails_is_recomputed_instead_and_answers_are_unchanged(t
 def _large_request_wait_steps(tiny_model, max_overtaken_steps: int, max_steps: int = 600) -> tuple[int | None, bool]:
     """An engine (tiny model, s3_peak, 30 blocks of 4 tokens) running a 60-token answer, a 100-token one waiting,
     and a 60-token one queued behind it whenever fewer than two wait: (the step the large one starts, if it does;
-    whether it then finished while the short ones kept arriving)."""
+    whether it then finished while the short ones kept arriving). The bound in seconds, and the aging of the order
+    by it, are out of reach (`max_queue_wait_s`): the steps are what is tested."""
     from workers.scheduling.policies import make_policy
 
     engine = Engine(copy.deepcopy(tiny_model),
                     EngineConfig.of(kv_cache_bytes=30 * BYTES_PER_BLOCK, block_size=BLOCK_SIZE, max_num_seqs=16,
-                                 max_num_batched_tokens=64, max_overtaken_steps=max_overtaken_steps),
+                                 max_num_batched_tokens=64, max_overtaken_steps=max_overtaken_steps,
+                                 max_queue_wait_s=1e9),
                     policy=make_policy("s3_peak", bucket_tokens=16, overcommit_step=0.0))
 
     def add(seq_id: str, num_output_tokens: int, seed: int) -> None:

@@ -102,7 +102,7 @@ def _admitted_at(policy: SchedulingPolicy, max_queue_wait_s: float, num_steps: i
 def test_a_long_request_starts_within_the_starvation_bound_while_short_ones_keep_arriving(bound_s):
     # shorts arrive faster than one slot serves them, so the queue of shorter work never empties
     # (lengths aged over a 40-token range: the long one is three fourths of it, each short one a twentieth)
-    policy = S3PeakPolicy(max_queue_wait_s=bound_s, length_range_tokens=40, shorter_work_ratio=0.0)
+    policy = S3PeakPolicy(length_range_tokens=40, shorter_work_ratio=0.0)  # its scheduler hands it the bound
     started = _admitted_at(policy, bound_s)
     assert started is not None and bound_s / 2 <= started <= bound_s + 3  # shorter work first, until the bound
     # The bound is the scheduler's, whatever the policy's order: one that always takes the newest still lets the
@@ -110,8 +110,7 @@ def test_a_long_request_starts_within_the_starvation_bound_while_short_ones_keep
     started = _admitted_at(_NewestFirst(), bound_s)
     assert started is not None and bound_s <= started <= bound_s + 3
     # Without it (a bound longer than the run), shortest first never gets to the long one.
-    assert _admitted_at(S3PeakPolicy(max_queue_wait_s=1e6, length_range_tokens=40, shorter_work_ratio=0.0),
-                        1e6) is None
+    assert _admitted_at(S3PeakPolicy(length_range_tokens=40, shorter_work_ratio=0.0), 1e6) is None
 
 
 def test_preemption_for_shorter_work_swaps_the_longest_expected_protects_one_near_its_end_and_loses_no_token(model):
@@ -171,3 +170,51 @@ def test_shorter_work_preemption_is_bounded_in_rate_and_needs_work_far_shorter()
     assert S3PeakPolicy(shorter_work_ratio=0.0).shorter_work_victim(short, [long_one]) is None
     with pytest.raises(ValueError, match="shorter_work"):
         S3PeakPolicy(shorter_work_gap_steps=0)
+
+
+def _step(scheduler: Scheduler, now_s: float) -> list[str]:
+    """One step at `now_s`: the ids it ran (the engine's part done, as `run_step` does it)."""
+    out = scheduler.schedule(now_s)
+    ran = [chunk.seq.seq_id for chunk in out.chunks]
+    run_step(scheduler, out)
+    return ran
+
+
+def test_a_request_let_in_this_step_is_not_preempted_for_shorter_work_in_the_same_step():
+    # Two slots: a protected one near its end holds one. The long request that has waited out the 30 s bound
+    # takes the other; the short one behind it then finds no slot, and the only unprotected running one is the
+    # request just let in: it stays.
+    policy = S3PeakPolicy()
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), BlockAllocator(1024, 4),
+                          policy, PreemptionRule("swap", 1024))
+    near_end = _seq("near_end", 0.0, 190)
+    near_end.predicted_center_tokens = 100  # predicted 100, it has run past half its expected length
+    scheduler.add(near_end)
+    now_s = 0
+    while now_s < 36 or not policy.is_protected(near_end):
+        _step(scheduler, float(now_s))
+        now_s += 1
+    assert near_end.num_preemptions == 0 and near_end.num_output_tokens < 190
+    scheduler.add(_seq("long", 1.0, 180))
+    scheduler.add(_seq("short", now_s - 0.5, 2))
+    assert _step(scheduler, float(now_s)) == ["near_end", "long"]  # waited over 30 s: ahead of the shorter work
+    assert scheduler.stats.preemptions_by_cause["shorter_work"] == 0
+    assert [s.seq_id for s in scheduler.waiting] == ["short"]
+
+
+def test_the_starvation_bound_counts_the_wait_since_a_request_last_joined_the_queue():
+    # One slot, newest first. "old" runs from t=1 until a more urgent request takes its slot at t=40; "newer" has
+    # waited since t=35. Back in the queue, "old" has waited 2 s, not 42: the newest-first order holds.
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_queue_wait_s=30.0),
+                          BlockAllocator(1024, 4), _NewestFirst(), PreemptionRule("swap", 1024))
+    scheduler.add(_seq("old", 0.0, 100))
+    for now_s in range(1, 40):
+        if now_s == 35:
+            scheduler.add(_seq("newer", 35.0, 5))
+        assert _step(scheduler, float(now_s)) == ["old"]
+    urgent = _seq("urgent", 40.0, 2)
+    urgent.priority = -1
+    scheduler.add(urgent)
+    assert _step(scheduler, 40.0) == ["urgent"] and scheduler.stats.preemptions_by_cause["priority"] == 1
+    assert _step(scheduler, 41.0) == ["urgent"]  # its second token: done
+    assert _step(scheduler, 42.0) == ["newer"]  # not "old", whose 42 s since arrival include 39 s of running

@@ -100,7 +100,7 @@ def _kv_scarce(policy: S3PeakPolicy) -> S3PeakPolicy:
 
 
 def test_s3_peak_admits_the_shortest_predicted_remaining_first_and_ages_the_long_ones():
-    policy = S3PeakPolicy(max_queue_wait_s=30.0, length_range_tokens=500)
+    policy = S3PeakPolicy(length_range_tokens=500)  # the scheduler's bound: 30 s until one hands over another
     long_old = waiting_seq("long_old", arrival_s=0.0, predicted=400)
     short_new = waiting_seq("short_new", arrival_s=5.0, predicted=20)
     mostly_done = waiting_seq("mostly_done", arrival_s=8.0, predicted=40, decoded=36)  # a few to go (preempted)
@@ -114,16 +114,21 @@ def test_s3_peak_admits_the_shortest_predicted_remaining_first_and_ages_the_long
     short_late = waiting_seq("short_late", arrival_s=30.5, predicted=1)
     assert [s.seq_id for s in policy.admission_order([short_late, long_old])] == ["long_old", "short_late"]
     # At a 0 s bound it is first come first served.
-    assert [s.seq_id for s in S3PeakPolicy(max_queue_wait_s=0.0).admission_order([long_old, short_new])] == [
-        "long_old", "short_new"]
-    for options in ({"max_queue_wait_s": -1.0}, {"length_range_tokens": 0}, {"order_by_work": "never"}):
+    policy.set_max_queue_wait(0.0)
+    assert [s.seq_id for s in policy.admission_order([long_old, short_new])] == ["long_old", "short_new"]
+    with pytest.raises(ValueError, match="max_queue_wait_s"):
+        policy.set_max_queue_wait(-1.0)
+    for options in ({"length_range_tokens": 0}, {"order_by_work": "never"}):
         with pytest.raises(ValueError, match=next(iter(options))):
             S3PeakPolicy(**options)
 
 
 def test_the_service_bound_and_length_range_reach_the_policy():
-    policy = WorkerSettings.of(max_queue_wait_s=12.0, max_model_len=1024).make_policy()
-    assert policy.max_queue_wait_s == 12.0 and policy.length_range_tokens == 1024
+    settings = WorkerSettings.of(max_queue_wait_s=12.0, max_model_len=1024)
+    policy = settings.make_policy()
+    assert policy.length_range_tokens == 1024
+    Scheduler(settings.engine.scheduler, BlockAllocator(8, 4), policy)  # as the engine builds its own
+    assert policy.max_queue_wait_s == 12.0
     assert WorkerSettings.of(max_model_len=8192).make_policy().length_range_tokens == 2048  # the buckets' range
 
 

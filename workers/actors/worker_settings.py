@@ -38,8 +38,9 @@ class WorkerSettings(SettingsTree):
         None, "where bundled models and GGUF files are kept once converted (default: ~/.cache/s3serve/models)")
     policy: str = setting(
         DEFAULT_POLICY, "KV reservation policy of placement and workers: s3_peak (the default: blocks on demand, "
-                        "admission by the predicted future peak of KV use, shortest expected remaining first while KV "
-                        "is scarce; it measured fastest with the shipped predictor, see docs/features.md), s3 (the "
+                        "admission by the predicted future peak of KV use, its queue shortest expected remaining work "
+                        "first, preemption for much shorter work; it measured fastest with the shipped predictor, see "
+                        "docs/features.md), s3 (the "
                         "paper's whole reservations, for reproduction), paged_greedy (vLLM-style blocks on demand), "
                         "sglang_ratio or max_reserve (the worst case, every request at max_tokens)", choices=tuple(POLICIES))
     overcommit_step: float | None = setting(
@@ -117,5 +118,4 @@ class WorkerSettings(SettingsTree):
         cache = self.engine.cache
         can_swap = PreemptionRule.can_swap(cache.preemption_mode, cache.swap_space_bytes)
         return make_policy(self.policy, max_model_len=self.engine.max_model_len,
-                           max_queue_wait_s=self.engine.scheduler.max_queue_wait_s,
                            **kwargs, **overcommit_options(self.policy, self.overcommit_step, can_swap))

@@ -11,8 +11,10 @@ Every CPU-dependent choice of the engine follows from a few of the CPU's feature
 
 (`workers.engine.runtime.resolve_dtype`, `workers.engine.linear_weights.reads_bf16_weights`,
 `workers.engine.fast_linear.few_token_kernel`, `workers.engine.fused_layers.fuses_layers`.) The C++ kernels are
-built with -march=native, so a kernel a kind names runs natively where the build has it; where the build lacks
-it (AMX tile state refused by the kernel, an old compiler) the engine takes the next kernel down.
+built with -march=native, so a kernel a kind names runs natively where the build has it. Where the build lacks a
+few-token bf16 kernel (AMX tile state refused by Linux, an old compiler) the engine takes the next one down; the
+widening linear and the fused layer op follow the kind alone, and a build without AVX2 lanes (a `CXX` that
+cannot target them) runs them on its portable loop: the same results, slower.
 
 Callers read the CPU through this module, `cpu_kind.this_cpu()`, at the moment they decide (never a copy taken
 at import, never `from ... import this_cpu`): a test that fakes a kind (the tests' `fake_cpu` fixture) then

@@ -28,16 +28,16 @@ from workers.engine.huge_page_arena import HugePageArena
 # (Zen 3, SmolLM2's linears, in one process) 3.6x at 1 token, 2.4-2.7x at 4-32, 1.4x at 128; against the
 # per-part `F.linear` and concatenation it replaces, 1.06x at 256, 1.2-1.3x at 384-4096 (2026-11-28): no limit.
 FEW_TOKEN_KERNELS = {"amx_linear": 32, "small_linear": 1, "bf16_weight_linear": 1 << 62}
+BF16_FEW_TOKEN_KERNELS = ("amx_linear", "small_linear")  # the bf16 ones, fastest first
 
 
 def few_token_kernel(below: str | None = None) -> str | None:
-    """The fastest few-token bf16 kernel this CPU's kind runs (`CpuKind.bf16_few_token_kernels`, see
-    FEW_TOKEN_KERNELS) that the CPU kernels' build runs natively here (AMX tile state granted, the instructions
-    compiled in), or None; with `below`, the fastest one slower than that kernel."""
-    kernels = cpu_kind.this_cpu().bf16_few_token_kernels
-    if below is not None:
-        kernels = kernels[kernels.index(below) + 1:] if below in kernels else ()
-    return next((name for name in kernels if getattr(torch.ops.s3_cpu, f"{name}_native")()), None)
+    """The fastest few-token bf16 kernel (of BF16_FEW_TOKEN_KERNELS; with `below`, of those slower than it) that
+    this CPU's kind runs (`CpuKind.bf16_few_token_kernels`) and the CPU kernels' build runs natively here (AMX tile
+    state granted, the instructions compiled in), or None."""
+    kernels = BF16_FEW_TOKEN_KERNELS[BF16_FEW_TOKEN_KERNELS.index(below) + 1:] if below else BF16_FEW_TOKEN_KERNELS
+    runs = cpu_kind.this_cpu().bf16_few_token_kernels
+    return next((name for name in kernels if name in runs and getattr(torch.ops.s3_cpu, f"{name}_native")()), None)
 
 
 def onednn_packs_bf16() -> bool:

@@ -230,9 +230,10 @@ class S3PeakPolicy(S3Policy):
     recomputed at 0.01 against 9 and 960 without the stretch, which ran 1.19x
     the tokens/s, so `overcommit_options` turns it off there.
 
+    The aging bound is the scheduler's `max_queue_wait_s` (`set_max_queue_wait`; 30 s until a scheduler hands
+    over its own).
+
     Args:
-        max_queue_wait_s: the starvation bound (the service's `max_queue_wait_s`): the most arrival time a
-            request's expected remaining work outweighs in the admission order, reached at `length_range_tokens`.
         length_range_tokens: the output lengths the order's aging spans (`length_range_tokens(max_model_len)`).
         order_by_work: "queue" (shortest remaining work first whenever a queue forms) or "kv_scarce" (only
             within `pressure_window_steps` steps of a refusal or a preemption for want of blocks; first come first
@@ -255,19 +256,18 @@ class S3PeakPolicy(S3Policy):
     holds_plan = False
     admits_at_worker = True
 
-    def __init__(self, bucket_tokens: int = 102, max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S,
-                 length_range_tokens: int = BUCKET_RANGE_TOKENS, order_by_work: str = "queue",
-                 pressure_window_steps: int = 64, overcommit_step: float = 0.01, max_overcommit: float = 1.0,
-                 length_sigma: float = 1.0, protect_fraction: float = 0.5, shorter_work_ratio: float = 4.0,
-                 shorter_work_gap_steps: int = 16) -> None:
+    def __init__(self, bucket_tokens: int = 102, length_range_tokens: int = BUCKET_RANGE_TOKENS,
+                 order_by_work: str = "queue", pressure_window_steps: int = 64, overcommit_step: float = 0.01,
+                 max_overcommit: float = 1.0, length_sigma: float = 1.0, protect_fraction: float = 0.5,
+                 shorter_work_ratio: float = 4.0, shorter_work_gap_steps: int = 16) -> None:
         super().__init__(bucket_tokens)
         if protect_fraction <= 0:
             raise ValueError(f"protect_fraction must be > 0, got {protect_fraction}")
         self.lengths = LengthDistribution(default_sigma=length_sigma)
         self.protect_fraction = protect_fraction
-        if max_queue_wait_s < 0 or length_range_tokens < 1 or pressure_window_steps < 1:
-            raise ValueError(f"need max_queue_wait_s >= 0, length_range_tokens >= 1 and pressure_window_steps >= 1, "
-                             f"got {max_queue_wait_s}, {length_range_tokens} and {pressure_window_steps}")
+        if length_range_tokens < 1 or pressure_window_steps < 1:
+            raise ValueError(f"need length_range_tokens >= 1 and pressure_window_steps >= 1, got "
+                             f"{length_range_tokens} and {pressure_window_steps}")
         if order_by_work not in ORDERS_BY_WORK:
             raise ValueError(f"order_by_work must be one of {', '.join(ORDERS_BY_WORK)}, got {order_by_work!r}")
         if overcommit_step < 0 or max_overcommit < 0:
@@ -276,7 +276,7 @@ class S3PeakPolicy(S3Policy):
         if shorter_work_ratio < 0 or shorter_work_gap_steps < 1:
             raise ValueError(f"need shorter_work_ratio >= 0 and shorter_work_gap_steps >= 1, got "
                              f"{shorter_work_ratio} and {shorter_work_gap_steps}")
-        self.max_queue_wait_s = max_queue_wait_s
+        self.max_queue_wait_s = DEFAULT_MAX_QUEUE_WAIT_S
         self.length_range_tokens = length_range_tokens
         self.order_by_work = order_by_work
         self.pressure_window_steps = pressure_window_steps
@@ -324,6 +324,11 @@ class S3PeakPolicy(S3Policy):
         """It has decoded `protect_fraction` of its expected length: preempted only if every candidate is."""
         decoded = seq.num_output_tokens
         return decoded > 0 and decoded >= self.protect_fraction * (decoded + self.remaining_tokens(seq))
+
+    def set_max_queue_wait(self, max_queue_wait_s: float) -> None:
+        if not max_queue_wait_s >= 0:
+            raise ValueError(f"max_queue_wait_s must be >= 0, got {max_queue_wait_s}")
+        self.max_queue_wait_s = max_queue_wait_s
 
     def order_key(self, seq: Sequence) -> float:
         """Its place in the admission order (smallest first): arrival plus `max_queue_wait_s` times its expected
@@ -418,12 +423,10 @@ def make_rule(name: str, max_model_len: int | None = None, **kwargs) -> Planning
     return make_policy(name, max_model_len, **kwargs)
 
 
-def make_policy(name: str, max_model_len: int | None = None, max_queue_wait_s: float | None = None,
-                **kwargs) -> SchedulingPolicy:
+def make_policy(name: str, max_model_len: int | None = None, **kwargs) -> SchedulingPolicy:
     """Build a policy by registry name. With `max_model_len`, the s3 family's length buckets are a tenth of
     `length_range_tokens(max_model_len)` wide (the paper's max_len / 10), unless `bucket_tokens` is given, and
-    s3_peak's order ages over that range; `max_queue_wait_s` (the service's starvation bound) reaches the policies
-    whose order it ages (s3_peak)."""
+    s3_peak's order ages over that range (by the bound its scheduler hands it)."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
     cls = POLICIES[name]
@@ -431,6 +434,4 @@ def make_policy(name: str, max_model_len: int | None = None, max_queue_wait_s: f
         kwargs.setdefault("bucket_tokens", max(1, length_range_tokens(max_model_len) // 10))
     if issubclass(cls, S3PeakPolicy):
         kwargs.setdefault("length_range_tokens", length_range_tokens(max_model_len))
-        if max_queue_wait_s is not None:
-            kwargs.setdefault("max_queue_wait_s", max_queue_wait_s)
     return cls(**kwargs)

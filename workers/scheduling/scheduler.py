@@ -5,7 +5,8 @@ sequences are swapped out or back in, and keeps the allocator in step with
 those decisions. The engine carries them out.
 
 Within a class, waiting sequences go in the policy's order, except that one that has waited
-`max_queue_wait_s` (on the clock `schedule(now_s)` is given) goes ahead of every newer one, and
+`max_queue_wait_s` since it last joined the queue (on the clock `schedule(now_s)` is given) goes
+ahead of every newer one, and
 under a first-fit policy one passed for `max_overtaken_steps` steps is passed no more. When a
 waiting sequence cannot start (no slot or no room), the policy may name a running one of its
 class or a less urgent one to preempt for it, because its work is much shorter
@@ -14,8 +15,9 @@ start); the scheduler does it only if the waiting one then fits.
 
 Priority classes (`Sequence.priority`, lower is more urgent) come before the policy:
 waiting sequences are considered class by class (the policy's order within a class); a
-victim is always taken from the least urgent class present (the policy's choice within it),
-so a sequence never loses its blocks to a less urgent one; and a sequence that does not fit
+victim for want of blocks is always taken from the least urgent class present (the policy's
+choice within it), one for shorter work from the waiting one's class or a less urgent one, so
+a sequence never loses its blocks to a less urgent one; and a sequence that does not fit
 at admission, for want of blocks or of a slot (`max_num_seqs`), preempts running sequences of
 less urgent classes until it does.
 
@@ -103,12 +105,14 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.policy = policy or PagedGreedyPolicy()
+        self.policy.set_max_queue_wait(config.max_queue_wait_s)  # the bound its order may age by
         self.preemption = preemption or PreemptionRule(mode="recompute")
         self.swap_space = SwapSpace(self.preemption.swap_space_blocks)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
         self.num_steps = 0
+        self._now_s: float | None = None  # the clock of the step being scheduled
         self._first_block: dict[str, int] = {}  # running sequence -> hash of its first full block
         # waiting sequence -> (its known tokens, the block hashes it could share): hashed once while it waits
         self._prefix_hashes: dict[str, tuple[int, list[int]]] = {}
@@ -130,6 +134,7 @@ class Scheduler:
         """Pick the chunks of the next step, reserving the blocks they write. `now_s`, on the clock of the
         sequences' `arrival_s`, lets one that has waited `max_queue_wait_s` go first; None: no such bound."""
         self.num_steps += 1
+        self._now_s = now_s
         self.policy.on_step(self.running)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -199,21 +204,22 @@ class Scheduler:
         in_progress = None  # _first_blocks_in_progress(), computed again after the running set changes
         refusals: list[tuple[object, int]] = []  # (policy's plan, blocks) refused beside the running ones or fewer
         asked_shorter_work = False  # the policy is asked once a step, for the first one that cannot start
+        admitted: set[str] = set()  # this step's: never preempted for shorter work in the step that let them in
         for seq in order:
             if budget <= 0:
                 break
-            slot_victim = None
-            if len(self.running) >= self.config.max_num_seqs and not self._has_less_urgent(seq):
-                if not asked_shorter_work:
-                    asked_shorter_work = True
-                    slot_victim = self._shorter_work_victim(seq)
-                if slot_victim is None:
-                    break  # no slot, and nobody running gives up theirs for it
+            no_slot = len(self.running) >= self.config.max_num_seqs and not self._has_less_urgent(seq)
+            if no_slot and asked_shorter_work:
+                break  # no slot, and nobody running gives up theirs
             if in_progress is None:
                 in_progress = self._first_blocks_in_progress()
             if self._first_block_in_progress(seq, in_progress):
                 continue
-            if slot_victim is not None:
+            if no_slot:
+                asked_shorter_work = True
+                slot_victim = self._shorter_work_victim(seq, admitted)
+                if slot_victim is None:
+                    break
                 budget += self._preempt_for(seq, slot_victim, out)
                 in_progress, refusals = None, []
             blocks = self._try_allocate(seq, refusals)
@@ -223,7 +229,7 @@ class Scheduler:
                 blocks = self._try_allocate(seq, refusals)
             if blocks is None and not asked_shorter_work:
                 asked_shorter_work = True
-                victim = self._shorter_work_victim(seq)
+                victim = self._shorter_work_victim(seq, admitted)
                 if victim is not None:
                     budget += self._preempt_for(seq, victim, out)
                     in_progress, refusals = None, []
@@ -237,6 +243,7 @@ class Scheduler:
                 budget += self._preempt_less_urgent(seq, out)
                 refusals = []
             in_progress = None
+            admitted.add(seq.seq_id)
             self.waiting.remove(seq)
             if seq.admitted_s is None:
                 seq.admitted_s = now_s
@@ -278,10 +285,11 @@ class Scheduler:
                 seq.first_passed_step = self.num_steps
 
     def _urgency(self, seq: Sequence, now_s: float | None) -> tuple[int, float]:
-        """Where `seq` goes within its class: (0, arrival) once it has waited `max_queue_wait_s` (oldest first),
-        (1, 0) once passed for `max_overtaken_steps` steps, else (2, 0): the policy's order."""
-        if now_s is not None and now_s - seq.arrival_s >= self.config.max_queue_wait_s:
-            return 0, seq.arrival_s
+        """Where `seq` goes within its class: (0, since) once it has waited `max_queue_wait_s` since it last joined the
+        queue (oldest first), (1, 0) once passed for `max_overtaken_steps` steps, else (2, 0): the policy's order."""
+        since_s = seq.arrival_s if seq.queued_s is None else seq.queued_s
+        if now_s is not None and now_s - since_s >= self.config.max_queue_wait_s:
+            return 0, since_s
         return (1, 0.0) if self._passed_enough(seq) else (2, 0.0)
 
     def _passed_enough(self, seq: Sequence) -> bool:
@@ -406,10 +414,10 @@ class Scheduler:
         self._preempt(victim, out, "priority")
         return freed
 
-    def _shorter_work_victim(self, seq: Sequence) -> Sequence | None:
-        """The running sequence (none more urgent than waiting `seq`) the policy would preempt for `seq`'s shorter
-        work, if `seq` then has a slot, its blocks and the policy's admission; else None."""
-        pool = [s for s in self.running if s.priority >= seq.priority]
+    def _shorter_work_victim(self, seq: Sequence, admitted: set[str]) -> Sequence | None:
+        """The running sequence (none more urgent than waiting `seq`, none `admitted` this step) the policy would
+        preempt for `seq`'s shorter work, if `seq` then has a slot, its blocks and the policy's admission; else None."""
+        pool = [s for s in self.running if s.priority >= seq.priority and s.seq_id not in admitted]
         victim = self.policy.shorter_work_victim(seq, pool) if pool else None
         if victim is None or victim not in pool:
             return None
@@ -449,6 +457,7 @@ class Scheduler:
         self._first_block.pop(seq.seq_id, None)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
+        seq.queued_s = self._now_s  # its wait for the starvation bound starts again (None: no clock)
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.stats.preemptions_by_cause[cause] += 1

@@ -30,6 +30,10 @@ class SchedulingPolicy(PlanningRule):
         """Order in which waiting sequences are considered; arrival order by default."""
         return list(waiting)
 
+    def set_max_queue_wait(self, max_queue_wait_s: float) -> None:
+        """The scheduler's starvation bound (`SchedulerConfig.max_queue_wait_s`), handed over once when the scheduler
+        is built: a policy whose order ages keeps it; the scheduler enforces the bound itself whatever the order."""
+
     def can_admit(
         self, seq: Sequence, running: list[Sequence], num_blocks: int, block_size: int, step_token_budget: int
     ) -> bool:

@@ -41,6 +41,7 @@ class Sequence:
     priority: int = 0  # class: lower is more urgent; admitted first, preempted last
     first_passed_step: int | None = None  # scheduler step a later one was first admitted past it, waiting
     admitted_s: float | None = None  # when the scheduler first admitted it, on the clock of `arrival_s`
+    queued_s: float | None = None  # when it last went back to the queue (preempted); None: its arrival
     first_token_s: float | None = None
     finish_s: float | None = None
     # Scored prompt tokens (from the second) while SamplingParams.prompt_logprobs asks for them; None when it
