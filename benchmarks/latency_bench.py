@@ -272,11 +272,13 @@ def run(config: LatencyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache
             timed = [dataclasses.replace(r, arrival_s=t / rate) for r, t in zip(requests, times)]
             result = _run_variant(model, name, timed, estimates, true_lengths, config, setting, bytes_per_token,
                                   probe)
-            digests[f"{round_index}/{setting}/{point}/{name}"] = result.digests
+            digests[f"{round_index + 1}/{setting}/{point}/{name}"] = result.digests
             runs.append({"round": round_index + 1, "setting": setting, "point": point, "rate_requests_per_s": rate,
                          **summarize(result, classes)})
             progress.update(1)
-    return _report(config, runs, capacity, info, precision, compare_outputs(digests), json_path)
+    token_check = compare_outputs(digests)
+    token_check["num_requests_differing"] = len({rid for ids in token_check["differing"].values() for rid in ids})
+    return _report(config, runs, capacity, info, precision, token_check, json_path)
 
 
 def _bench_config(config: LatencyBenchConfig, setting: str) -> PolicyBenchConfig:
@@ -387,7 +389,9 @@ def _report(config: LatencyBenchConfig, runs: list[dict], capacity: dict, info: 
           f"the default predicts with {config.predictor!r} and the probe {config.probe!r}; oracle: the true lengths "
           f"(the ceiling); tokens per request "
           + ("identical under every run" if token_check["identical"] else
-             f"DIFFER in {len(token_check['differing'])} runs"))
+             f"DIFFER in {len(token_check['differing'])} runs, for {token_check['num_requests_differing']} of "
+             f"{config.num_requests} requests (a batch's make-up moves {precision} rounding, and a near tie can "
+             f"flip a greedy token)"))
     headline = ratios_by_policy.get("default", {})
     first = config.settings[0]
     result = {"benchmark": "latency", "model_precision": precision,

