@@ -256,6 +256,7 @@ class ClusterSimulation:
         self.reserved[worker_id] += num_blocks
         self._refresh_room(worker_id)
         worker = self.workers[worker_id]
+        seq.queued_s = now_s  # the worker's starvation bound counts from here, as a worker's from its add_request
         worker.add(seq)
         self._wake(worker, now_s)
 
@@ -347,6 +348,7 @@ class ClusterSimulation:
         self.result.num_migrations += 1
         self._refresh_room(source.worker_id)
         self._refresh_room(target_id)
+        moved.queued_s = now_s  # as Engine.add_request on the target: its wait there starts now
         target = self.workers[target_id]
         target.add(moved)
         self._wake(target, now_s)

@@ -4,9 +4,10 @@ Prediction can only shorten waiting (a running sequence gets one token per step 
 bench loads one engine where a queue forms and measures who waits:
 
 - Work: held-out pool prompts (`benchmarks.natural_workload`: none the shipped predictor trained on), each answered
-  for exactly the served model's own greedy length, forced with ignore_eos: every policy does the same work and
-  writes the same tokens (checked). The shipped predictor reads each prompt's text, the shipped probe re-predicts
-  from the engine's hidden states as the service does; the oracle plans by the true lengths (the labelled ceiling).
+  for exactly the served model's own greedy length, forced with ignore_eos: every policy does the same work (the
+  tokens too, where the CPU's kernels are batch-invariant; the report says which differ). The shipped predictor
+  reads each prompt's text, the shipped probe re-predicts from the engine's hidden states as the service does; the
+  oracle plans by the true lengths (the labelled ceiling).
 - Load: our own capacity, measured first in each setting: FCFS paging with every request at t=0, requests finished
   per second until 90% of them are (the drain of the last long answers left out). Each point offers Poisson
   arrivals (seeded) at a fraction of it; the bursty point replays the Azure conv trace's arrival times, scaled to
@@ -16,9 +17,10 @@ bench loads one engine where a queue forms and measures who waits:
 - Policies in one invocation, on equal footing (the same requests, arrival times, KV tokens, step limits, preemption
   mechanism and host budget, warm-up and number of runs): `fcfs` (paged_greedy, first come first served: vLLM's
   behaviour), `default` (the service's: s3_peak with the shipped predictor and probe), `oracle` (s3_peak on the true
-  lengths), and on request `before` (the default with its order and preemption as they were before
-  2026-11-29: shortest work first only while KV was scarce, none for shorter work; today's aging and starvation
-  bound) and `no_preempt` (the default without preemption for shorter work).
+  lengths, spread as s3_peak spreads any point: the ceiling of this policy with exact points), and on request
+  `before` (the default with its order and preemption as they were before 2026-11-29: shortest work first only
+  while KV was scarce, none for shorter work; today's aging and starvation bound) and `no_preempt` (the default
+  without preemption for shorter work).
 - Rounds are interleaved: round 1 runs every setting, point and policy, then round 2 again. The tables give each
   value's median over the rounds and its spread ((max - min) / median); ratios are taken within a round and then
   their median is reported.

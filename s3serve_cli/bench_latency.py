@@ -47,9 +47,9 @@ def add_latency_parser(benches) -> None:
                     "Policies: fcfs (paged_greedy, vLLM's behaviour), default (s3_peak with the shipped predictor "
                     "and probe, as the service runs), oracle (s3_peak on the true lengths: the ceiling), and on "
                     "request before (the default's order and preemption as before 2026-11-29: by work only while "
-                    "KV was scarce, none for shorter work) and no_preempt. Rounds interleave every "
-                    "setting, point and policy; tables give medians with their spread, ratios against fcfs per "
-                    "round, and the share of the oracle's gain the default reaches.")
+                    "KV was scarce, none for shorter work; with today's aging and starvation bound) and "
+                    "no_preempt. Rounds interleave every setting, point and policy; tables give medians with their "
+                    "spread, ratios against fcfs per round, and the share of the oracle's gain the default reaches.")
     add_model_args(latency)
     latency.add_argument("--num-requests", type=int, default=None, help="requests per point (default 300; 64 with "
                                                                        "--quick)")

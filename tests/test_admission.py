@@ -118,3 +118,12 @@ def test_an_urgent_request_takes_a_slot_from_a_less_urgent_one_when_slots_are_th
 def test_a_negative_guard_is_refused():
     with pytest.raises(ValueError, match="max_overtaken_steps must be >= 0"):
         SchedulerConfig(4, 64, -1)
+
+
+@pytest.mark.parametrize("bound_s", [-1.0, float("inf"), float("nan")])
+def test_a_starvation_bound_that_is_negative_or_not_finite_is_refused(bound_s):
+    # an infinite bound would age nobody: s3_peak's order would silently become arrival order
+    with pytest.raises(ValueError, match="max_queue_wait_s must be finite and >= 0"):
+        SchedulerConfig(4, 64, max_queue_wait_s=bound_s)
+    with pytest.raises(ValueError, match="max_queue_wait_s must be finite and >= 0"):
+        S3PeakPolicy().set_max_queue_wait(bound_s)

@@ -57,9 +57,13 @@ def test_a_short_request_overtakes_queued_long_ones_when_slots_bind(model):
     policy = S3PeakPolicy(shorter_work_ratio=0.0)  # the order alone (preemption for shorter work: below)
     order, _ = _finish_order(_engine(model, policy, max_num_seqs=1), ARRIVALS)
     assert order == ["running", "short", "long_a", "long_b"]
-    assert not policy.kv_scarce  # KV never ran short: the slot held the queue back
     paged, _ = _finish_order(_engine(model, PagedGreedyPolicy(), max_num_seqs=1), ARRIVALS)
     assert paged == ["running", "long_a", "long_b", "short"]  # first come, first served
+    # ordered only while KV is scarce (s3_peak before), it served this queue first come, first served: KV never ran
+    # short, the slot held the queue back
+    scarce_only = S3PeakPolicy(shorter_work_ratio=0.0, order_by_work="kv_scarce")
+    order, _ = _finish_order(_engine(model, scarce_only, max_num_seqs=1), ARRIVALS)
+    assert order == paged
 
 
 class _NewestFirst(SchedulingPolicy):
@@ -218,3 +222,32 @@ def test_the_starvation_bound_counts_the_wait_since_a_request_last_joined_the_qu
     assert _step(scheduler, 40.0) == ["urgent"] and scheduler.stats.preemptions_by_cause["priority"] == 1
     assert _step(scheduler, 41.0) == ["urgent"]  # its second token: done
     assert _step(scheduler, 42.0) == ["newer"]  # not "old", whose 42 s since arrival include 39 s of running
+
+
+class _OfferedVictims(PagedGreedyPolicy):
+    """Paging that records whom the scheduler offers it to preempt for shorter work, and preempts nobody."""
+
+    def __init__(self):
+        super().__init__()
+        self.offered: list[list[str]] = []
+
+    def shorter_work_victim(self, seq, running):
+        self.offered.append(sorted(s.seq_id for s in running))
+        return None
+
+
+def test_shorter_work_victims_come_from_the_least_urgent_class_running():
+    # 8 blocks of 4 tokens: "same" (class 0) holds 5, "lower" (class 1) 1; "waiting" (class 0) needs 4. Preempting
+    # "lower" would not make room, and "same" is not offered while a less urgent class runs.
+    policy = _OfferedVictims()
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64), BlockAllocator(8, 4), policy,
+                          PreemptionRule("swap", 1024))
+    for seq_id, prompt_tokens, priority in (("same", 20, 0), ("lower", 4, 1)):
+        scheduler.add(Sequence(seq_id, list(range(prompt_tokens)), SamplingParams(max_tokens=50, ignore_eos=True),
+                               priority=priority, predicted_output_tokens=50))
+    run_step(scheduler, scheduler.schedule(0.0))
+    scheduler.add(Sequence("waiting", list(range(16)), SamplingParams(max_tokens=2, ignore_eos=True),
+                           arrival_s=1.0, predicted_output_tokens=2))
+    out = scheduler.schedule(1.0)
+    assert policy.offered == [["lower"]]
+    assert {chunk.seq.seq_id for chunk in out.chunks} == {"same", "lower"}  # nobody preempted, "waiting" waits

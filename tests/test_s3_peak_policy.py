@@ -77,9 +77,10 @@ def test_s3_peak_overcommit_runs_more_at_once_and_every_request_still_finishes()
 
 
 def test_s3_peak_does_not_stretch_where_victims_are_only_recomputed():
-    assert overcommit_options("s3_peak", None, can_swap=False) == {"overcommit_step": 0.0}
+    assert overcommit_options("s3_peak", None, can_swap=False) == {"overcommit_step": 0.0, "shorter_work_ratio": 0.0}
     assert overcommit_options("s3_peak", None, can_swap=True) == {}  # the policy's own default
-    assert overcommit_options("s3_peak", 0.05, can_swap=False) == {"overcommit_step": 0.05}  # a set one wins
+    assert overcommit_options("s3_peak", 0.05, can_swap=False) == {"overcommit_step": 0.05,  # a set one wins
+                                                                  "shorter_work_ratio": 0.0}
     assert overcommit_options("paged_greedy", None, can_swap=False) == {}
     # The worker reads its own preemption settings: recompute, or no host room to swap into.
     for changes, step in (({}, 0.01), ({"preemption_mode": "recompute"}, 0.0), ({"swap_space_bytes": 0}, 0.0),

@@ -5,6 +5,7 @@
 Worker settings validate them in the caller's process.
 """
 
+import math
 from dataclasses import dataclass
 
 from workers.scheduling.preemption import PREEMPTION_MODES
@@ -28,18 +29,19 @@ class SchedulerConfig(SettingsTree):
               "request is not starved by a stream of smaller ones", unit="steps")
     max_queue_wait_s: float = setting(
         DEFAULT_MAX_QUEUE_WAIT_S, "the starvation bound of both queues a request can wait in, the controller's (for "
-                                  "a worker) and a worker's (for a slot and KV): a request that has waited this long "
-                                  "goes ahead of every newer one. Under s3_peak both queues otherwise go shortest "
-                                  "predicted remaining work first, aged so that a request is passed only by ones that "
-                                  "arrived less than this long after it", unit="seconds")
+                                  "a worker) and a worker's (for a slot and KV), each counting its own wait: a request "
+                                  "that has waited this long goes ahead of every newer one. Under s3_peak the "
+                                  "controller's queue otherwise goes shortest predicted work first, and a worker's "
+                                  "shortest predicted remaining work first, aged so that a request is passed only by "
+                                  "ones that arrived less than this long after it", unit="seconds")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_overtaken_steps < 0:
             raise ValueError(f"max_overtaken_steps must be >= 0, got {self.max_overtaken_steps}")
-        if not self.max_queue_wait_s >= 0:
-            raise ValueError(f"max_queue_wait_s must be >= 0, got {self.max_queue_wait_s}")
+        if not 0 <= self.max_queue_wait_s < math.inf:  # inf would age nobody: s3_peak's order would be arrival's
+            raise ValueError(f"max_queue_wait_s must be finite and >= 0, got {self.max_queue_wait_s}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -27,6 +27,8 @@ A policy chooses whom to preempt, never how: every victim gives up its KV by the
 `workers.scheduling.preemption.PreemptionRule` (swap within a host budget, or recompute), the same for all.
 """
 
+import math
+
 from workers.scheduling.engine_config import DEFAULT_MAX_QUEUE_WAIT_S
 from workers.scheduling.kv_peak import Plan, holds_at_least, peak_fits
 from workers.scheduling.length_distribution import LengthDistribution
@@ -198,9 +200,10 @@ class S3PeakPolicy(S3Policy):
     at most 1 / `shorter_work_ratio` of a running sequence's, that running
     one (the longest expected, never one protected so, nor one preempted
     before) is preempted for it (`shorter_work_victim`), at most one every
-    `shorter_work_gap_steps` steps: the victim swaps out within the host
-    budget (recomputes beyond it, as every preemption does) and waits by its
-    own remaining work.
+    `shorter_work_gap_steps` steps: the victim swaps out (where victims can
+    only be recomputed, `overcommit_options` turns this off, as the stretch
+    below) and waits again under `order_key`, which keeps its arrival: one
+    that arrived long ago comes back soon.
 
     The future peak needs every running sequence's progress, which only the
     worker sees, so the controller charges a request only its prompt
@@ -326,8 +329,8 @@ class S3PeakPolicy(S3Policy):
         return decoded > 0 and decoded >= self.protect_fraction * (decoded + self.remaining_tokens(seq))
 
     def set_max_queue_wait(self, max_queue_wait_s: float) -> None:
-        if not max_queue_wait_s >= 0:
-            raise ValueError(f"max_queue_wait_s must be >= 0, got {max_queue_wait_s}")
+        if not 0 <= max_queue_wait_s < math.inf:
+            raise ValueError(f"max_queue_wait_s must be finite and >= 0, got {max_queue_wait_s}")
         self.max_queue_wait_s = max_queue_wait_s
 
     def order_key(self, seq: Sequence) -> float:
@@ -357,6 +360,7 @@ class S3PeakPolicy(S3Policy):
 
     def on_preempted_for(self, victim: Sequence, seq: Sequence) -> None:
         self._steps_since_shorter_work = 0
+        self._refused = False  # the refusal that asked for it was resolved: no stretch, no scarcity from it
 
     def choose_victim(self, seq: Sequence, running: list[Sequence]) -> Sequence:
         # Unprotected first (TRAIL); then the one expected to hold its blocks longest, among those preempted least
@@ -402,13 +406,15 @@ DEFAULT_POLICY = "s3_peak"
 
 
 def overcommit_options(name: str, overcommit_step: float | None, can_swap: bool = True) -> dict:
-    """make_policy's keyword for s3_peak's `overcommit_step`: the one set; else none (the policy's default) where
-    preempted sequences may be swapped, 0 where they are only recomputed (`can_swap` False, see S3PeakPolicy)."""
+    """make_policy's keywords for s3_peak's bets on cheap preemption: `overcommit_step` the one set, else the
+    policy's default where preempted sequences may be swapped and 0 where they are only recomputed (`can_swap`
+    False, see S3PeakPolicy); there `shorter_work_ratio` 0 too (no preemption for shorter work)."""
     if name != "s3_peak":
         return {}
+    options = {} if can_swap else {"overcommit_step": 0.0, "shorter_work_ratio": 0.0}
     if overcommit_step is not None:
-        return {"overcommit_step": overcommit_step}
-    return {} if can_swap else {"overcommit_step": 0.0}
+        options["overcommit_step"] = overcommit_step
+    return options
 
 
 def length_range_tokens(max_model_len: int | None) -> int:

@@ -416,8 +416,11 @@ class Scheduler:
 
     def _shorter_work_victim(self, seq: Sequence, admitted: set[str]) -> Sequence | None:
         """The running sequence (none more urgent than waiting `seq`, none `admitted` this step) the policy would
-        preempt for `seq`'s shorter work, if `seq` then has a slot, its blocks and the policy's admission; else None."""
+        preempt for `seq`'s shorter work, if `seq` then has a slot, its blocks and the policy's admission; else None.
+        Only the least urgent class running is asked about: a class keeps its sequences while a less urgent one runs."""
         pool = [s for s in self.running if s.priority >= seq.priority and s.seq_id not in admitted]
+        least_urgent = max((s.priority for s in pool), default=None)
+        pool = [s for s in pool if s.priority == least_urgent]
         victim = self.policy.shorter_work_victim(seq, pool) if pool else None
         if victim is None or victim not in pool:
             return None
