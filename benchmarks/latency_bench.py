@@ -33,13 +33,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.latency_runs import (LENGTH_CLASSES, WAITED_S, capacity_of, length_classes, median_and_spread,
+                                     round_ratios, summarize)
 from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload, compare_outputs
 from benchmarks.peers_online import unit_arrivals
 from benchmarks.policy_bench import parse_predictor
 from benchmarks.policy_bench_config import DEFAULT_TRACE, PolicyBenchConfig
 from benchmarks.policy_replay import WARMUP_REQUESTS, PolicyRun, run_policy
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
-from benchmarks.report import environment, format_table, percentile, write_json
+from benchmarks.report import environment, format_table, write_json
 from benchmarks.traces import read_trace
 from cluster.control.worker_probe import load_length_probe
 from predictor_service.length_predictor import LengthQuery
@@ -53,8 +55,6 @@ from workers.scheduling.preemption import PREEMPTION_MODES
 
 SETTINGS = ("kv_bound", "default")
 BURSTY = "bursty"
-WAITED_S = 0.1  # a request that spent longer than this in the engine's queue counts as one that waited
-LENGTH_CLASSES = ("short", "medium", "long")  # thirds of the workload's true output lengths
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,13 +158,6 @@ def kv_tokens_of(config: LatencyBenchConfig, setting: str) -> int:
     return slots * config.max_len
 
 
-def length_classes(lengths: dict[str, int]) -> dict[str, str]:
-    """Each request's class by its true output length: the shortest third "short", the longest third "long"."""
-    ordered = sorted(lengths, key=lambda rid: (lengths[rid], rid))
-    third = len(ordered) / 3
-    return {rid: LENGTH_CLASSES[min(2, int(index / third))] for index, rid in enumerate(ordered)}
-
-
 def bursty_arrivals(trace_path: Path, num_requests: int) -> list[float]:
     """The trace's first arrival times, shifted to start at 0 and scaled to a mean rate of 1 request/s."""
     rows = read_trace(trace_path, num_requests + 1)
@@ -175,52 +168,6 @@ def bursty_arrivals(trace_path: Path, num_requests: int) -> list[float]:
     if span_s <= 0:
         raise ValueError(f"{trace_path}'s first {num_requests + 1} rows arrive at one instant")
     return [t * num_requests / span_s for t in times[1:]]  # request i at t_i, the last one at num_requests s
-
-
-def capacity_of(run: PolicyRun, num_requests: int) -> float:
-    """Requests/s of a run with every request at t=0, until 90% of them finished."""
-    done_s = sorted(run.latency_s)
-    index = max(0, int(0.9 * num_requests) - 1)
-    return (index + 1) / done_s[index]
-
-
-def summarize(run: PolicyRun, classes: dict[str, str]) -> dict:
-    """What one run measured (seconds, tokens/s, counts)."""
-    latency, queue = run.latency_s, run.queue_s
-    by_class = {name: [s for rid, s in run.latency_s_by_request.items() if classes[rid] == name]
-                for name in LENGTH_CLASSES}
-    return {"policy": run.policy, "wall_s": run.wall_s, "tokens_per_s": run.output_tokens / run.wall_s,
-            "latency_mean_s": sum(latency) / len(latency), "latency_p50_s": percentile(latency, 0.5),
-            "latency_p99_s": percentile(latency, 0.99), "ttft_p50_s": percentile(run.ttft_s, 0.5),
-            "ttft_p99_s": percentile(run.ttft_s, 0.99), "num_waited": sum(q > WAITED_S for q in queue),
-            "queue_mean_s": sum(queue) / len(queue) if queue else None, "queue_p99_s": percentile(queue, 0.99),
-            "preemptions": run.num_preemptions, "preemptions_by_cause": run.preemptions_by_cause,
-            "recomputed_tokens": run.num_recomputed_tokens, "swapped_bytes": run.swapped_bytes,
-            "latency_mean_by_class_s": {name: sum(v) / len(v) if v else None for name, v in by_class.items()},
-            "outputs_exact": run.outputs_ok, "probe_reads": run.num_probe_reads}
-
-
-def median_and_spread(values: list[float]) -> tuple[float, float]:
-    """The median of a round's values and their spread, (max - min) / median (0 for one round)."""
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-    return median, (ordered[-1] - ordered[0]) / median if median else 0.0
-
-
-def round_ratios(fcfs: dict, ours: dict, oracle: dict | None) -> dict:
-    """One round's ratios of `ours` to FCFS paging, and the share of the oracle's mean-latency gain it reached."""
-    ratios = {name: ours[key] / fcfs[key] for name, key in (
-        ("latency_mean_vs_fcfs", "latency_mean_s"), ("latency_p99_vs_fcfs", "latency_p99_s"),
-        ("ttft_p50_vs_fcfs", "ttft_p50_s"), ("ttft_p99_vs_fcfs", "ttft_p99_s"),
-        ("tokens_per_s_vs_fcfs", "tokens_per_s"))}
-    short = "short"
-    ratios["short_latency_mean_vs_fcfs"] = (ours["latency_mean_by_class_s"][short]
-                                            / fcfs["latency_mean_by_class_s"][short])
-    if oracle is not None:
-        gain = fcfs["latency_mean_s"] - oracle["latency_mean_s"]
-        ratios["oracle_share"] = (fcfs["latency_mean_s"] - ours["latency_mean_s"]) / gain if gain > 0 else None
-    return ratios
 
 
 def run(config: LatencyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None,

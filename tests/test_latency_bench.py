@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from benchmarks.latency_bench import (LatencyBenchConfig, bursty_arrivals, capacity_of, length_classes,
-                                      median_and_spread, round_ratios)
+from benchmarks.latency_bench import LatencyBenchConfig, bursty_arrivals
+from benchmarks.latency_runs import capacity_of, length_classes, median_and_spread, round_ratios
 from benchmarks.policy_replay import PolicyRun
 
 

@@ -1,0 +1,60 @@
+"""One latency-bench run's measures, and the rounds' medians and ratios against FCFS paging."""
+
+import statistics
+
+from benchmarks.policy_replay import PolicyRun
+from benchmarks.report import percentile
+
+WAITED_S = 0.1  # a request that spent longer than this in the engine's queue counts as one that waited
+LENGTH_CLASSES = ("short", "medium", "long")  # thirds of the workload's true output lengths
+
+
+def length_classes(lengths: dict[str, int]) -> dict[str, str]:
+    """Each request's class by its true output length: the shortest third "short", the longest third "long"."""
+    ordered = sorted(lengths, key=lambda rid: (lengths[rid], rid))
+    third = len(ordered) / 3
+    return {rid: LENGTH_CLASSES[min(2, int(index / third))] for index, rid in enumerate(ordered)}
+
+
+def capacity_of(run: PolicyRun, num_requests: int) -> float:
+    """Requests/s of a run with every request at t=0, until 90% of them finished."""
+    done_s = sorted(run.latency_s)
+    index = max(0, int(0.9 * num_requests) - 1)
+    return (index + 1) / done_s[index]
+
+
+def summarize(run: PolicyRun, classes: dict[str, str]) -> dict:
+    """What one run measured (seconds, tokens/s, counts)."""
+    latency, queue = run.latency_s, run.queue_s
+    by_class = {name: [s for rid, s in run.latency_s_by_request.items() if classes[rid] == name]
+                for name in LENGTH_CLASSES}
+    return {"policy": run.policy, "wall_s": run.wall_s, "tokens_per_s": run.output_tokens / run.wall_s,
+            "latency_mean_s": sum(latency) / len(latency), "latency_p50_s": percentile(latency, 0.5),
+            "latency_p99_s": percentile(latency, 0.99), "ttft_p50_s": percentile(run.ttft_s, 0.5),
+            "ttft_p99_s": percentile(run.ttft_s, 0.99), "num_waited": sum(q > WAITED_S for q in queue),
+            "queue_mean_s": sum(queue) / len(queue) if queue else None, "queue_p99_s": percentile(queue, 0.99),
+            "preemptions": run.num_preemptions, "preemptions_by_cause": run.preemptions_by_cause,
+            "recomputed_tokens": run.num_recomputed_tokens, "swapped_bytes": run.swapped_bytes,
+            "latency_mean_by_class_s": {name: sum(v) / len(v) if v else None for name, v in by_class.items()},
+            "outputs_exact": run.outputs_ok, "probe_reads": run.num_probe_reads}
+
+
+def median_and_spread(values: list[float]) -> tuple[float, float]:
+    """The median of a round's values and their spread, (max - min) / median (0 for one round)."""
+    median = statistics.median(values)
+    return median, (max(values) - min(values)) / median if median else 0.0
+
+
+def round_ratios(fcfs: dict, ours: dict, oracle: dict | None) -> dict:
+    """One round's ratios of `ours` to FCFS paging, and the share of the oracle's mean-latency gain it reached."""
+    ratios = {name: ours[key] / fcfs[key] for name, key in (
+        ("latency_mean_vs_fcfs", "latency_mean_s"), ("latency_p99_vs_fcfs", "latency_p99_s"),
+        ("ttft_p50_vs_fcfs", "ttft_p50_s"), ("ttft_p99_vs_fcfs", "ttft_p99_s"),
+        ("tokens_per_s_vs_fcfs", "tokens_per_s"))}
+    short = "short"
+    ratios["short_latency_mean_vs_fcfs"] = (ours["latency_mean_by_class_s"][short]
+                                            / fcfs["latency_mean_by_class_s"][short])
+    if oracle is not None:
+        gain = fcfs["latency_mean_s"] - oracle["latency_mean_s"]
+        ratios["oracle_share"] = (fcfs["latency_mean_s"] - ours["latency_mean_s"]) / gain if gain > 0 else None
+    return ratios
