@@ -5,7 +5,8 @@ import pytest
 
 from policy_driver import run_step
 from workers.scheduling.kv_cache_manager import BlockAllocator
-from workers.scheduling.policies import S3PeakPolicy, S3Policy
+from workers.scheduling.s3_peak import S3PeakPolicy
+from workers.scheduling.s3_policy import S3Policy
 from workers.scheduling.scheduler import Scheduler, SchedulerConfig
 from workers.values.sampling_params import SamplingParams
 from workers.values.sequence import Sequence, SequenceStatus

@@ -8,7 +8,8 @@ from cluster.config import ServiceConfig
 from cluster.context_length import (default_max_model_len, kv_bytes_per_token, resolve_max_model_len,
                                     workers_on_cpu)
 from workers.engine.models import tiny_llama_config
-from workers.scheduling.policies import BUCKET_RANGE_TOKENS, length_range_tokens, make_policy
+from workers.scheduling.policies import length_range_tokens, make_policy
+from workers.scheduling.s3_policy import BUCKET_RANGE_TOKENS
 
 
 def test_the_models_limit_unless_the_kv_room_is_smaller():

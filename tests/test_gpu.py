@@ -122,7 +122,7 @@ def test_the_length_probe_reads_hidden_states_where_the_engine_runs(device, synt
     """The engine's rows stay on the device; the probe (a host model) takes them from there."""
     from cluster.control.worker_probe import PredictorLengthProbe
     from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
-    from workers.scheduling.policies import S3PeakPolicy
+    from workers.scheduling.s3_peak import S3PeakPolicy
 
     model = make_tiny_model(seed=9, init_std=0.2).to(device)
     probe = HiddenStateProbe(ProbeConfig(max_len=128, hidden_units=8, num_epochs=1, interval_tokens=4),

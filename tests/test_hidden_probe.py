@@ -18,7 +18,9 @@ from workers.engine.engine import Engine, EngineConfig
 from workers.engine.models import make_tiny_model
 from workers.engine.worker_snapshot import LoopCounters, snapshot
 from workers.scheduling.length_probe import LengthProbe, ProbeQuery, RemainingEstimate, refined_bound, remaining_for
-from workers.scheduling.policies import PagedGreedyPolicy, S3PeakPolicy, S3Policy
+from workers.scheduling.policies import PagedGreedyPolicy
+from workers.scheduling.s3_peak import S3PeakPolicy
+from workers.scheduling.s3_policy import S3Policy
 from workers.values.sampling_params import SamplingParams
 from workers.values.work_types import BoundReport
 

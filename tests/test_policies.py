@@ -9,18 +9,12 @@ import pytest
 
 from policy_driver import BLOCK_SIZE, MAX_LEN, make_requests, simulate
 from workers.scheduling.kv_cache_manager import BlockAllocator
-from workers.scheduling.policies import (
-    MaxReservePolicy,
-    OraclePolicy,
-    PagedGreedyPolicy,
-    S3PeakPolicy,
-    S3Policy,
-    SGLangRatioPolicy,
-    make_policy,
-    next_bound,
-)
+from workers.scheduling.policies import MaxReservePolicy, OraclePolicy, PagedGreedyPolicy, make_policy
 from workers.scheduling.preemption import PreemptionCostModel, PreemptionMode, PreemptionRule
+from workers.scheduling.s3_peak import S3PeakPolicy
+from workers.scheduling.s3_policy import S3Policy, next_bound
 from workers.scheduling.scheduler import Scheduler, SchedulerConfig
+from workers.scheduling.sglang_ratio import SGLangRatioPolicy
 from workers.values.sampling_params import SamplingParams
 from workers.values.sequence import Sequence, SequenceStatus
 

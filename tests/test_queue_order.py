@@ -10,7 +10,8 @@ from engine_driver import BLOCK_SIZE, BYTES_PER_BLOCK, greedy, make_model, make_
 from policy_driver import run_step
 from workers.engine.engine import Engine, EngineConfig
 from workers.scheduling.kv_cache_manager import BlockAllocator
-from workers.scheduling.policies import PagedGreedyPolicy, S3PeakPolicy
+from workers.scheduling.policies import PagedGreedyPolicy
+from workers.scheduling.s3_peak import S3PeakPolicy
 from workers.scheduling.preemption import PreemptionRule
 from workers.scheduling.scheduler import Scheduler, SchedulerConfig
 from workers.scheduling.scheduling_policy import SchedulingPolicy

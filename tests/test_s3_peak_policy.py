@@ -5,7 +5,9 @@ import pytest
 from policy_driver import BLOCK_SIZE, MAX_LEN, make_requests, simulate, waiting_seq
 from workers.actors.worker_settings import WorkerSettings
 from workers.scheduling.kv_cache_manager import BlockAllocator
-from workers.scheduling.policies import S3PeakPolicy, S3Policy, overcommit_options
+from workers.scheduling.policies import overcommit_options
+from workers.scheduling.s3_peak import S3PeakPolicy
+from workers.scheduling.s3_policy import S3Policy
 from workers.scheduling.scheduler import Scheduler, SchedulerConfig
 from workers.values.sampling_params import SamplingParams
 from workers.values.sequence import Sequence, SequenceStatus

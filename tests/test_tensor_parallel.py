@@ -12,7 +12,7 @@ from workers.actors.ports import free_port
 from workers.engine.engine import Engine, EngineConfig
 from workers.engine.model_runner import pool_shape_for
 from workers.engine.models import make_tiny_model, tiny_llama_config
-from workers.scheduling.policies import S3Policy
+from workers.scheduling.s3_policy import S3Policy
 from workers.values.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

@@ -9,7 +9,8 @@ from workers.engine.device import check_device
 from workers.engine.models import DEFAULT_MODEL
 from workers.engine.runtime import DTYPE_CHOICES
 from workers.scheduling.engine_config import EngineConfig
-from workers.scheduling.policies import DEFAULT_POLICY, POLICIES, S3Policy, make_policy, overcommit_options
+from workers.scheduling.policies import DEFAULT_POLICY, POLICIES, make_policy, overcommit_options
+from workers.scheduling.s3_policy import S3Policy
 from workers.scheduling.preemption import PreemptionRule
 from workers.scheduling.prefix_cache import prefix_cache_salt
 from workers.scheduling.scheduling_policy import SchedulingPolicy
