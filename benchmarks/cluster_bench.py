@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.cluster_bench_config import ClusterBenchConfig
+from benchmarks.cluster_bench_config import LATE, ClusterBenchConfig
 from benchmarks.cluster_plan import load_plan, predictor_artifact
-from benchmarks.cluster_ratios import ROUTING_MARK, ratios_of, routing_ratios
+from benchmarks.cluster_ratios import ROUTING_MARK, ratios_against, ratios_of, routing_ratios
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_results, write_plan
 from benchmarks.natural_workload import compare_outputs
 from benchmarks.policy_summary import PROBE_SUFFIX
@@ -121,8 +121,11 @@ def _cell(value):
 def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, model_cache_dir: Path | None,
                     data_dir: str, artifact: str | None = None, prefix_aware_placement: bool = True):
     from cluster.config import ServiceConfig
+    from cluster.control.placement import DEFAULT_LATE_BINDING
 
     policy, _, routing = policy.partition(ROUTING_MARK)
+    late_binding = policy.endswith(LATE)  # else the service's default
+    policy = policy.removesuffix(LATE)
     probe = None
     if policy.endswith(PROBE_SUFFIX):
         policy, probe = policy.removesuffix(PROBE_SUFFIX), config.probe
@@ -135,6 +138,7 @@ def _service_config(config: ClusterBenchConfig, policy: str, model_name: str, mo
         default_max_tokens=min(256, config.max_len - 1), data_dir=data_dir, num_cpus=config.num_cpus,
         num_torch_threads=config.num_torch_threads, prefix_aware_placement=prefix_aware_placement,
         rebalance_min_gap=config.rebalance_min_gap, dtype=config.dtype, routing=routing or config.routings[0],
+        late_binding=late_binding or DEFAULT_LATE_BINDING,
         # The bench measures throughput under a backlog: nothing may be refused or time out waiting for room.
         max_concurrent_requests=max(256, config.concurrency), max_pending_placements=max(128, config.concurrency),
         placement_timeout_s=24 * 3600.0)
@@ -149,7 +153,8 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
     from cluster.service import allow_slow_serve_proxy, start_service, stop_service
 
-    label = (policy if prefix_aware_placement else f"{policy}-ffd-only").replace(PROBE_SUFFIX, "-probe")
+    label = ((policy if prefix_aware_placement else f"{policy}-ffd-only").replace(PROBE_SUFFIX, "-probe")
+             .replace(LATE, "-late"))
     data_dir = work_dir / f"data-{label}"
     service_config = _service_config(config, policy, model_name, model_cache_dir, str(data_dir), artifact,
                                      prefix_aware_placement)
@@ -217,6 +222,8 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
     ratios = ratios_of({name.removesuffix(first_routing): s for name, s in summaries.items()
                         if ROUTING_MARK not in name or name.endswith(first_routing)})
     routing = routing_ratios(summaries)
+    against_paging = ratios_against(summaries, "paged_greedy")
+    late = ratios_against(summaries, LATE)
     headers = ["policy", "done", "failed", "tok/s", "req/s", "ttft_p50", "ttft_p99", "lat_mean", "lat_p50", "lat_p99",
                "balance", "migr", "rebal", "requeue", "preempt", "overrun", "ovh_p50_ms", "ovh_p99_ms", "prefix_hit",
                "probe_reads"]
@@ -228,6 +235,10 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
     if routing:
         print(format_table(["run", "vs room: tok/s", "lat_mean", "lat_p99", "ttft_p50"],
                            [[name, *(_cell(v) for v in values.values())] for name, values in routing.items()]))
+    for title, compared in (("vs paged_greedy", against_paging), ("late binding vs without", late)):
+        if compared:
+            print(format_table(["run", f"{title}: tok/s", "lat_mean", "lat_p99", "ttft_p50"],
+                               [[name, *(_cell(v) for v in values.values())] for name, values in compared.items()]))
     by_class = [[name, cls, c["completed"], _cell(c["ttft_p50_s"]), _cell(c["latency_p50_s"]),
                  _cell(c["latency_p99_s"])] for name, s in summaries.items() for cls, c in s["by_priority"].items()]
     if by_class:
@@ -263,7 +274,7 @@ def run(config: ClusterBenchConfig, model_name: str = "smollm2-135m-instruct", m
         ("natural" if config.is_natural else "capping"): workload,
         "outputs": outputs,
         "policies": summaries,
-        "ratios": {**ratios, "routing": routing},
+        "ratios": {**ratios, "routing": routing, "vs_paged_greedy": against_paging, "late_binding": late},
         "prefix_placement": ratios_extra,
         "environment": environment(),
     }

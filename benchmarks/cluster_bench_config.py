@@ -18,6 +18,7 @@ DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 # 256 blocks of 16 tokens of SmolLM2-135M (720 KiB each): 4 worst-case 1024-token sequences, as in bench policies.
 DEFAULT_KV_CACHE_BYTES = 188_743_680
 WORKLOADS = ("trace", "natural")
+LATE = "/late"  # "s3_peak/late": the policy with the service's late binding on (`ServiceConfig.late_binding`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,13 +90,14 @@ class ClusterBenchConfig:
         if self.workload not in WORKLOADS:
             raise ValueError(f"--workload {self.workload!r}: choose one of {', '.join(WORKLOADS)}")
         probed = [f"{name}{PROBE_SUFFIX}" for name in PROBED]
-        unknown = [p for p in self.policies if p not in (*POLICIES, *(probed if self.is_natural else ()))]
+        unknown = [p for p in self.policies
+                   if p.removesuffix(LATE) not in (*POLICIES, *(probed if self.is_natural else ()))]
         if unknown or not self.policies:
             extra = f", {', '.join(probed)}" if self.is_natural else f" ({', '.join(probed)} with --workload natural)"
             raise ValueError(f"--policy {list(self.policies)}: choose one or more of {', '.join(POLICIES)}{extra}")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError(f"--policy {list(self.policies)} names a policy twice")
-        if any(p.endswith(PROBE_SUFFIX) for p in self.policies) and self.probe != "default":
+        if any(p.removesuffix(LATE).endswith(PROBE_SUFFIX) for p in self.policies) and self.probe != "default":
             check_probe_folder(Path(self.probe).expanduser(), self.probe)
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype {self.dtype!r}: choose {', '.join(DTYPE_CHOICES)}")

@@ -1,4 +1,5 @@
-"""What `bench cluster` compares between its runs: length-aware policies against baselines, routings against room."""
+"""What `bench cluster` compares between its runs: length-aware policies against baselines, routings against room,
+every run against paging, late binding against binding on arrival."""
 
 from benchmarks.policy_summary import PROBE_SUFFIX, PROBED
 
@@ -28,3 +29,19 @@ def routing_ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float | No
         ratios[name] = {key: summary[key] / room[key] if summary[key] is not None and room[key] else None
                         for key in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")}
     return ratios
+
+
+def ratios_against(summaries: dict[str, dict], baseline: str) -> dict[str, dict[str, float | None]]:
+    """Runs against another run: tokens/s, mean and p99 latency and TTFT p50 as ratios (latency below 1 is better).
+
+    `baseline` names a run ("paged_greedy": every other run against it) or a suffix ("/late": each run so named
+    against the same run without it). Keyed by the compared run; empty when nothing pairs.
+    """
+    if baseline in summaries:
+        pairs = [(name, baseline) for name in summaries if name != baseline]
+    else:
+        pairs = [(name, name.removesuffix(baseline)) for name in summaries if name.endswith(baseline)]
+    keys = ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")
+    return {name: {key: summaries[name][key] / summaries[base][key]
+                   if summaries[name][key] is not None and summaries[base][key] else None for key in keys}
+            for name, base in pairs if base in summaries}

@@ -3,7 +3,8 @@
 Nothing here re-implements a decision. Every worker is a `benchmarks.sim_worker.SimWorker`: the
 engine's own `Scheduler` over its own `BlockAllocator` with the policy `make_policy` builds,
 stepped exactly as `Engine.step` steps it; the controller places with `placement.RoomIndex.roomiest`
-and `first_fit_decreasing` by the policy's `placement_tokens`, moves preempted overruns with `migration_target` and
+and `first_fit_decreasing` by the policy's `placement_tokens`, holding back what no worker can start yet
+(`placement.open_slots`, with late binding), moves preempted overruns with `migration_target` and
 rebalances load with `choose_rebalance`, as `ControlPlane.place`, `ControlPlane._move_overruns` and
 `ControlPlane._rebalance` do. What is modelled is only time: a
 step takes `StepModel.step_s` of its `StepShape` (plus swap copies), instead of running a
@@ -26,10 +27,10 @@ from dataclasses import replace
 
 from benchmarks.sim_worker import SimConfig, SimRequest, SimResult, SimWorker, new_sequence
 from benchmarks.step_time import StepModel
-from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, blocks_for, first_fit_decreasing,
-                                       migration_target)
+from cluster.control.placement import (WORKER_QUEUE_SEQS, PendingRequest, RoomIndex, WorkerBudget, blocks_for,
+                                       first_fit_decreasing, migration_target, open_slots)
 from cluster.control.rebalance import Rebalance, WorkerLoad, choose_rebalance
-from cluster.control.routing import LENGTHS, LiveWork, route
+from cluster.control.routing import LENGTHS, LeastWorkChooser, LiveWork, route
 from workers.values.sequence import Sequence
 
 STEADY_FRACTION = 0.9  # the steady rate counts until this share of the requests has finished
@@ -60,6 +61,7 @@ class ClusterSimulation:
             self.rooms.set(worker_id, config.num_blocks)
         self.ledger: dict[str, tuple[str, int]] = {}  # request id -> (worker id, reserved blocks)
         self.reserved: dict[str, int] = dict.fromkeys(self.workers, 0)
+        self.num_placed: dict[str, int] = dict.fromkeys(self.workers, 0)  # requests the ledger places there
         self.waiting: dict[str, tuple[PendingRequest, SimRequest, Sequence]] = {}
         self.backlog: deque[tuple[SimRequest, int, Sequence]] = deque()  # refused: clients retrying
         self.pending_move: Rebalance | None = None  # chosen, applied when its source's step ends
@@ -117,6 +119,7 @@ class ClusterSimulation:
                         result.steady_output_tokens = result.output_tokens
                     result.outputs_exact &= seq.num_output_tokens == expected[seq.seq_id]
                     result.latency_s.append(now_s - arrivals[seq.seq_id])
+                    result.finished_ids.append(seq.seq_id)
                     result.ttft_s.append(first_token[seq.seq_id] - arrivals[seq.seq_id])
                     self._release(seq.seq_id, now_s)
                     if progress is not None:
@@ -185,7 +188,9 @@ class ClusterSimulation:
         self._decided(started_s)
         if worker_id is not None:
             self._assign(request.request_id, worker_id, num_blocks, seq, now_s)
-        elif len(self.waiting) >= self.config.max_pending:
+            return
+        self.result.num_waited += 1
+        if len(self.waiting) >= self.config.max_pending:
             self.result.num_refused += 1
             self.backlog.append((request, num_blocks, seq))
         else:
@@ -193,10 +198,12 @@ class ClusterSimulation:
             self._place_waiting(now_s)
 
     def _pending(self, request: SimRequest, num_blocks: int, now_s: float) -> PendingRequest:
-        """`ControlPlane.place`'s queue entry: ranked by predicted work under a policy whose worker admits."""
+        """`ControlPlane.place`'s queue entry: ranked by predicted work under a policy whose worker admits, first
+        come first served under on-demand paging."""
         work = (LENGTHS.remaining_of(request.predicted_output_tokens, 0, request.max_tokens)
                 if self.policy.admits_at_worker else None)
-        return PendingRequest(request.request_id, num_blocks, now_s, work_tokens=work)
+        return PendingRequest(request.request_id, num_blocks, now_s, work_tokens=work,
+                              first_come=not self.policy.holds_plan and not self.policy.admits_at_worker)
 
     def _route(self, num_blocks: int, request: SimRequest) -> str | None:
         """`ControlPlane._route`: the configured routing among workers with room (each seen as of its latest step)."""
@@ -230,20 +237,31 @@ class ClusterSimulation:
         smallest = min(p.num_blocks for p, _, _ in self.waiting.values())
         if self.rooms.roomiest(smallest) is not None:
             # Workers too full for even the smallest request cannot take any; leaving them out saves work.
-            chosen = first_fit_decreasing([p for p, _, _ in self.waiting.values()], self._budgets(smallest),
-                                          now_s=now_s, max_wait_s=self.config.max_queue_wait_s)
+            budgets = self._budgets(smallest)
+            choose = (LeastWorkChooser({b.worker_id: self._live_work(b.worker_id) for b in budgets})
+                      if self.config.routing == "predicted_work" else None)
+            chosen = first_fit_decreasing([p for p, _, _ in self.waiting.values()], budgets, now_s=now_s,
+                                          max_wait_s=self.config.max_queue_wait_s, choose=choose)
         else:
             chosen = {}
         self._decided(started_s)
         for request_id, worker_id in chosen.items():
             pending, _, seq = self.waiting.pop(request_id)
+            self.result.controller_wait_s += now_s - seq.arrival_s  # from arrival: a refused one waited too
             self._assign(request_id, worker_id, pending.num_blocks, seq, now_s)
         if chosen and self.backlog:
             self._place_waiting(now_s)
 
     def _budgets(self, min_free_blocks: int = 0) -> list[WorkerBudget]:
-        budgets = (WorkerBudget(w, self.config.num_blocks, self._held(w)) for w in self.workers)
+        budgets = (WorkerBudget(w, self.config.num_blocks, self._held(w), num_open_slots=self._open_slots(w))
+                   for w in self.workers)
         return [b for b in budgets if b.num_free_blocks >= min_free_blocks]
+
+    def _open_slots(self, worker_id: str) -> int | None:
+        """`ControlPlane._open_slots`, from the worker's queues as its latest step's admission left them."""
+        worker = self.workers[worker_id]
+        return open_slots(self.config.max_num_seqs, WORKER_QUEUE_SEQS if self.config.late_binding else None,
+                          worker.num_seen_running, worker.num_seen_waiting, self.num_placed[worker_id])
 
     def _held(self, worker_id: str) -> int:
         """As `ControlPlane._refresh_room`: the ledger's reservations or the worker's own, whichever is more."""
@@ -254,6 +272,7 @@ class ClusterSimulation:
         self.result.num_placements += 1
         self.ledger[request_id] = (worker_id, num_blocks)
         self.reserved[worker_id] += num_blocks
+        self.num_placed[worker_id] += 1
         self._refresh_room(worker_id)
         worker = self.workers[worker_id]
         seq.queued_s = now_s  # the worker's starvation bound counts from here, as a worker's from its add_request
@@ -261,13 +280,15 @@ class ClusterSimulation:
         self._wake(worker, now_s)
 
     def _refresh_room(self, worker_id: str) -> None:
-        self.rooms.set(worker_id, max(0, self.config.num_blocks - self._held(worker_id)))
+        is_open = self._open_slots(worker_id) != 0
+        self.rooms.set(worker_id, max(0, self.config.num_blocks - self._held(worker_id)) if is_open else 0)
 
     def _release(self, request_id: str, now_s: float) -> None:
         worker_id, num_blocks = self.ledger.pop(request_id)
         self._work.pop(worker_id, None)
         self.rebalanced.discard(request_id)
         self.reserved[worker_id] -= num_blocks
+        self.num_placed[worker_id] -= 1
         self._refresh_room(worker_id)
         self._place_waiting(now_s)
 
@@ -336,8 +357,10 @@ class ClusterSimulation:
         source.scheduler.finish(seq)
         _, old_blocks = self.ledger[seq.seq_id]
         self.reserved[source.worker_id] -= old_blocks
+        self.num_placed[source.worker_id] -= 1
         self.ledger[seq.seq_id] = (target_id, num_blocks)
         self.reserved[target_id] += num_blocks
+        self.num_placed[target_id] += 1
         moved = Sequence(seq.seq_id, seq.prompt_token_ids, seq.params, arrival_s=seq.arrival_s,
                          output_token_ids=list(seq.output_token_ids),
                          predicted_output_tokens=seq.predicted_output_tokens,

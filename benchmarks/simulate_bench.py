@@ -21,6 +21,7 @@ admits everything at once would then be judged on its first prefills alone.) Wit
 columns (mean, p99, TTFT) say how each routing (`cluster.control.routing`) serves them.
 """
 
+import itertools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -33,6 +34,8 @@ from benchmarks.cluster_sim import SIMPLIFICATIONS, ClusterSimulation
 from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
+from benchmarks.sim_ratios import policy_ratios, ratios_against
+from cluster.control.placement import DEFAULT_LATE_BINDING
 from benchmarks.sim_worker import SimConfig, SimRequest
 from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
 from benchmarks.traces import read_trace
@@ -45,10 +48,9 @@ STATEMENT = ("SIMULATION: the service's scheduler, policies and placement code d
              "GPU step times are a datasheet roofline with assumed efficiencies, not measured on a GPU")
 DEFAULT_TRACE = Path("../shared/data/traces/AzureLLMInferenceTrace_conv.csv")
 DEFAULT_POLICIES = ("max_reserve", "paged_greedy", "s3", "s3_peak", "sglang_ratio")
-BASELINES = ("max_reserve", "paged_greedy", "sglang_ratio")
-LENGTH_AWARE = ("s3", "s3_peak")
 CPU_KIND = "cpu"
 WORKLOADS = ("trace", "paper")
+BINDINGS = ("late", "arrival")  # the service's late_binding on, off
 # (worker counts, requests per worker) for the paper workload: its answers are short, so each worker
 # needs several times max_num_seqs requests before the steady rate means anything
 PAPER_SIZES = {False: ((8, 64), 1000), True: ((8,), 600)}
@@ -75,6 +77,8 @@ class SimulateBenchConfig:
         rebalance_min_gap: the controller's `rebalance_min_gap` (0: no load rebalancing between workers).
         overcommit_step: s3_peak's budget stretch per refusing step (None: its default; 0: none).
         routings: the controller's routings to compare (`ServiceConfig.routing`), each with every policy.
+        bindings: "late" (the service's `late_binding`: requests wait in the controller's queue until a worker can
+            start them) and/or "arrival" (each goes to a worker with KV room on arrival), each with every routing.
         arrival_rate_per_worker: requests per second per worker, Poisson (seeded); None: all at t=0.
     """
 
@@ -103,6 +107,7 @@ class SimulateBenchConfig:
     rebalance_min_gap: int = 2
     overcommit_step: float | None = None
     routings: tuple[str, ...] = (DEFAULT_ROUTING,)
+    bindings: tuple[str, ...] = ("late" if DEFAULT_LATE_BINDING else "arrival",)  # the service's
     arrival_rate_per_worker: float | None = None
 
 
@@ -150,21 +155,6 @@ def poisson_arrivals(requests: list[SimRequest], rate_per_s: float, seed: int) -
         arrival_s += rng.expovariate(rate_per_s)
         timed.append(replace(request, arrival_s=arrival_s))
     return timed
-
-
-def routing_ratios(runs: list[dict]) -> dict[str, dict[str, float]]:
-    """Each non-room routing against room alone, per cluster size and policy: "<workers>/<policy>/<routing>" ->
-    tokens/s, mean and p99 latency and TTFT p50, as ratios (latency below 1 is better)."""
-    by = {(r["num_workers"], r["policy"], r["routing"]): r for r in runs}
-    ratios = {}
-    for (num_workers, policy, routing), run in by.items():
-        room = by.get((num_workers, policy, "room"))
-        if routing == "room" or room is None:
-            continue
-        ratios[f"{num_workers}/{policy}/{routing}"] = {
-            key: run[key] / room[key] if room[key] else None
-            for key in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")}
-    return ratios
 
 
 def _passes(rows: list, rng: random.Random) -> Iterator:
@@ -217,6 +207,8 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
     check_min_gap(config.rebalance_min_gap, "--rebalance-min-gap")
     for routing in config.routings:
         check_routing(routing)
+    if not config.bindings or any(b not in BINDINGS for b in config.bindings):
+        raise ValueError(f"bindings must be among {', '.join(BINDINGS)}, got {config.bindings}")
     if config.arrival_rate_per_worker is not None and config.arrival_rate_per_worker <= 0:
         raise ValueError(f"--arrival-rate must be > 0, got {config.arrival_rate_per_worker}")
     if config.kind != CPU_KIND:
@@ -254,18 +246,21 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
                                       config.max_prompt_tokens, config.sigma, config.seed)
         if config.arrival_rate_per_worker is not None:
             requests = poisson_arrivals(requests, config.arrival_rate_per_worker * num_workers, config.seed)
-        for routing, policy in ((r, p) for r in config.routings for p in config.policies):
+        for binding, routing, policy in itertools.product(config.bindings, config.routings, config.policies):
             sim_config = SimConfig(num_workers, num_blocks, config.block_size, config.max_num_seqs,
                                    config.max_num_batched_tokens, max_pending=config.max_pending,
-                                   rebalance_min_gap=config.rebalance_min_gap, routing=routing)
-            with tqdm(total=len(requests), desc=f"{num_workers} workers, {policy}, {routing}", unit="req",
-                      mininterval=2.0) as progress:
+                                   rebalance_min_gap=config.rebalance_min_gap, routing=routing,
+                                   late_binding=binding == "late")
+            with tqdm(total=len(requests), desc=f"{num_workers} workers, {policy}, {routing}, {binding} binding",
+                      unit="req", mininterval=2.0) as progress:
                 options = overcommit_options(policy, config.overcommit_step)
                 simulation = ClusterSimulation(
                     sim_config, lambda: make_policy(policy, max_model_len=config.max_len, **options), step_model)
                 result = simulation.run(requests, progress)
             runs.append({
-                "policy": policy, "routing": routing, "num_workers": num_workers, "num_requests": len(requests),
+                "policy": policy, "routing": routing, "binding": binding, "num_workers": num_workers,
+                "num_requests": len(requests), "waited_at_controller": result.num_waited,
+                "controller_wait_mean_s": result.controller_wait_s / max(1, result.num_waited),
                 "tokens_per_s": result.tokens_per_s, "tokens_per_s_per_worker": result.tokens_per_s / num_workers,
                 "steady_tokens_per_s": result.steady_tokens_per_s, "steady_s": result.steady_s,
                 "makespan_s": result.makespan_s, "latency_p50_s": percentile(result.latency_s, 0.5),
@@ -279,21 +274,28 @@ def run(config: SimulateBenchConfig, model_name: str = "smollm2-135m-instruct", 
                 "placement_decision_us": 1e6 * result.placement_wall_s / max(1, result.num_placement_decisions),
                 "all_outputs_exact_length": result.outputs_exact, "simulation_wall_s": result.simulation_wall_s,
             })
-    first_routing = [r for r in runs if r["routing"] == config.routings[0]]  # the policies' ratios: one routing
-    ratios = _ratios(first_routing, config, "tokens_per_s")
-    ratios["steady"] = _ratios(first_routing, config, "steady_tokens_per_s")
-    ratios["routing"] = routing_ratios(runs)
-    headers = ["workers", "policy", "routing", "tok/s", "tok/s/worker", "steady_tok/s", "lat_mean_s", "lat_p50_s",
-               "lat_p99_s", "ttft_p50_s", "migrations", "rebal", "preempt", "place/s", "us/decision", "sim_wall_s"]
-    print(format_table(headers, [[r["num_workers"], r["policy"], r["routing"], r["tokens_per_s"],
+    # the policies' ratios: one routing and binding
+    first = [r for r in runs if r["routing"] == config.routings[0] and r["binding"] == config.bindings[0]]
+    ratios = policy_ratios(first, config.worker_counts, "tokens_per_s")
+    ratios["steady"] = policy_ratios(first, config.worker_counts, "steady_tokens_per_s")
+    ratios["routing"] = ratios_against([r for r in runs if r["binding"] == config.bindings[0]], "routing", "room")
+    ratios["binding"] = ratios_against(runs, "binding", "arrival")
+    headers = ["workers", "policy", "routing", "binding", "tok/s", "tok/s/worker", "steady_tok/s", "lat_mean_s",
+               "lat_p50_s", "lat_p99_s", "ttft_p50_s", "waited", "migrations", "rebal", "preempt", "place/s",
+               "us/decision", "sim_wall_s"]
+    print(format_table(headers, [[r["num_workers"], r["policy"], r["routing"], r["binding"], r["tokens_per_s"],
                                   r["tokens_per_s_per_worker"], r["steady_tokens_per_s"], r["latency_mean_s"],
-                                  r["latency_p50_s"], r["latency_p99_s"], r["ttft_p50_s"], r["migrations"],
+                                  r["latency_p50_s"], r["latency_p99_s"], r["ttft_p50_s"],
+                                  r["waited_at_controller"], r["migrations"],
                                   r["rebalances"], r["preemptions"], r["placements_per_s"],
                                   r["placement_decision_us"], r["simulation_wall_s"]] for r in runs]))
     if ratios["routing"]:
         print(format_table(["workers", "policy", "routing vs room", "tok/s", "lat_mean", "lat_p99", "ttft_p50"],
                            [[k.split("/")[0], k.split("/")[1], k.split("/")[2], *v.values()]
                             for k, v in ratios["routing"].items()]))
+    if ratios["binding"]:
+        print(format_table(["workers", "policy", "routing", "late/arrival tok/s", "lat_mean", "lat_p99", "ttft_p50"],
+                           [[*k.split("/"), *v.values()] for k, v in ratios["binding"].items()]))
     print(format_table(["ratio", "whole run (tok/s)", "steady (steady_tok/s)"],
                        [[k, v, ratios["steady"].get(k, "n/a")] for k, v in ratios.items()
                         if not isinstance(v, dict)]))
@@ -344,30 +346,6 @@ def _workload_rows(config: SimulateBenchConfig, model_name: str, model_cache_dir
     answer = sum(r.generated_tokens for r in rows) / len(rows)
     return rows, (f"paper: {len(rows)} instructions with text-davinci-003's answers ({config.answers_path}), "
                   f"mean {prompt:.0f} prompt + {answer:.0f} answer tokens ({model_name}'s tokenizer)")
-
-
-def _ratios(runs: list[dict], config: SimulateBenchConfig, key: str) -> dict:
-    """Best length-aware policy by `key` over each baseline that ran, at the largest cluster and per size."""
-    by = {(r["num_workers"], r["policy"]): r[key] for r in runs}
-    ratios: dict = {}
-    per_size: dict = {}
-    for num_workers in config.worker_counts:
-        ours = [(by[(num_workers, p)], p) for p in LENGTH_AWARE if (num_workers, p) in by]
-        if not ours:
-            continue
-        best, name = max(ours)
-        row = {"best_length_aware": name}
-        for other in BASELINES:
-            if (num_workers, other) in by and by[(num_workers, other)]:
-                row[f"s3_vs_{other}"] = best / by[(num_workers, other)]
-        per_size[str(num_workers)] = row
-    if per_size:
-        largest = per_size[str(max(int(n) for n in per_size))]
-        ratios.update({k: v for k, v in largest.items()})
-        ratios["at_num_workers"] = max(int(n) for n in per_size)
-        ratios["paper_s3_vs_max_reserve"] = 6.49
-        ratios["by_num_workers"] = per_size
-    return ratios
 
 
 def _plot(runs: list[dict], path: Path, clock: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from cluster.control.placement import DEFAULT_LATE_BINDING, WORKER_QUEUE_SEQS
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS, check_routing
 from predictor_service.probe_files import check_probe_folder
@@ -58,6 +59,11 @@ class ServiceSettings(BaseModel):
                                       "(where it is predicted to finish soonest: the expected remaining tokens of "
                                       "each worker's live requests, from their length predictions), room (the most "
                                       "free KV blocks) or least_requests", json_schema_extra={"choices": ROUTINGS})
+    late_binding: bool = Field(
+        DEFAULT_LATE_BINDING, description="a request waits in the controller's queue (its policy's order: shortest predicted work "
+                          "first for s3_peak) until a worker can start it (a free slot, and at most "
+                          f"{WORKER_QUEUE_SEQS} waiting in the worker's own queue), then goes to the worker the "
+                          "routing picks; off: every request goes to a worker on arrival and waits there")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request does not set it")
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(
@@ -86,9 +92,11 @@ class ServiceSettings(BaseModel):
     max_concurrent_requests: int = Field(
         256, ge=1, description="requests a router replica holds at once; beyond it clients get 429")
     max_pending_placements: int = Field(
-        128, ge=1, description="requests waiting for KV room on any worker; beyond it clients get 429")
+        128, ge=1, description="requests waiting in the controller's queue (for KV room, or with late_binding for a "
+                               "worker that can start them); beyond it clients get 429")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest accepted HTTP body")
-    placement_timeout_s: float = Field(300.0, gt=0, description="how long a request may wait for KV room")
+    placement_timeout_s: float = Field(300.0, gt=0, description="how long a request may wait in the controller's "
+                                                                "queue")
     num_cpus: int | None = Field(None, ge=1, description="logical CPUs of the local Ray cluster (default: 2 x cores)")
     worker_num_cpus: float = Field(0.5, gt=0, description="Ray CPUs each worker actor asks for")
     worker_num_gpus: float = Field(

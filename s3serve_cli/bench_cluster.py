@@ -46,7 +46,10 @@ def add_cluster_parser(benches) -> None:
     cluster.add_argument("--policy", nargs="+", default=None, metavar="POLICY",
                          help="policies to run, in order: s3 s3_peak sglang_ratio max_reserve paged_greedy, and "
                               "with --workload natural also s3+probe s3_peak+probe (the workers' hidden-state "
-                              "probe on, see --probe) (default: s3 max_reserve)")
+                              "probe on, see --probe); any of them followed by /late runs it with the "
+                              "service's --late-binding on (a request waits in the controller's queue until a "
+                              "worker can start it) "
+                              "(default: s3 max_reserve)")
     cluster.add_argument("--routing", nargs="+", default=None, choices=ROUTINGS, metavar="ROUTING",
                          help="the services' routing; with several, every policy runs once with each (reported as "
                               "POLICY@ROUTING): predicted_work, room or least_requests "

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.step_time import GPU_KINDS
+from cluster.control.placement import DEFAULT_LATE_BINDING
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS
 from s3serve_cli.args import add_model_args, add_rebalance_arg, given
 from s3serve_cli.config_flags import add_setting_flags
@@ -23,7 +24,8 @@ def _bench_simulate(args: argparse.Namespace) -> int:
                  "calibration_device": args.calibration_device}
     overrides |= given((name, getattr(args, name)) for name in (
         "worker_counts", "requests_per_worker", "max_len", "max_prompt_tokens", "sigma", "policies",
-        "calibration_requests", "rebalance_min_gap", "overcommit_step", "routings", "arrival_rate_per_worker"))
+        "calibration_requests", "rebalance_min_gap", "overcommit_step", "routings", "bindings",
+        "arrival_rate_per_worker"))
     simulate_bench.run(replace(base, **overrides), args.model, args.model_cache_dir, args.json, args.plot)
     return 0
 
@@ -87,6 +89,12 @@ def add_simulate_parser(benches) -> None:
                           help="the controller's routing, several to compare each with every policy: predicted_work "
                                "(where a request is predicted to finish soonest), room (most free KV) or "
                                f"least_requests (default: {DEFAULT_ROUTING})")
+    simulate.add_argument("--binding", dest="bindings", nargs="+", default=None, choices=("late", "arrival"),
+                          metavar="BINDING",
+                          help="when a request is bound to a worker, several to compare: late (the service's "
+                               "late_binding: it waits in the controller's queue until a worker can start it) or "
+                               "arrival (to a worker with KV room as it arrives) (default: the service's, "
+                               f"{'late' if DEFAULT_LATE_BINDING else 'arrival'})")
     simulate.add_argument("--arrival-rate", dest="arrival_rate_per_worker", type=float, default=None, metavar="R",
                           help="requests arrive online, R per second per worker (Poisson, seeded) instead of all at "
                                "t=0: latency under load rather than capacity")

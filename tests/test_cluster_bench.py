@@ -18,7 +18,7 @@ from starlette.routing import Route
 from benchmarks import cluster_bench, http_load
 from benchmarks.cluster_bench import summarize_cluster, summarize_results
 from benchmarks.cluster_bench_config import ClusterBenchConfig
-from benchmarks.cluster_ratios import ratios_of, routing_ratios
+from benchmarks.cluster_ratios import ratios_against, ratios_of, routing_ratios
 from benchmarks.cluster_plan import build_load_requests
 from benchmarks.http_load import LoadPlan, LoadRequest, RequestResult, read_plan, write_plan
 from benchmarks.report import percentile
@@ -101,10 +101,12 @@ def test_ratios_compare_s3_with_each_baseline_that_ran():
     assert probed == {"s3_peak+probe_vs_sglang_ratio_tokens_per_s": 1.2}
 
 
-def test_routing_runs_are_compared_with_the_same_policys_room_run():
-    def run(tokens_per_s, mean, p99, ttft):
-        return {"tokens_per_s": tokens_per_s, "latency_mean_s": mean, "latency_p99_s": p99, "ttft_p50_s": ttft}
+def run(tokens_per_s, mean, p99, ttft):
+    """A run's summary as the ratios read it."""
+    return {"tokens_per_s": tokens_per_s, "latency_mean_s": mean, "latency_p99_s": p99, "ttft_p50_s": ttft}
 
+
+def test_routing_runs_are_compared_with_the_same_policys_room_run():
     summaries = {"s3_peak@room": run(100.0, 10.0, 20.0, 0.5), "s3_peak@predicted_work": run(110.0, 9.0, 16.0, 0.25),
                  "paged_greedy@predicted_work": run(90.0, 9.0, 18.0, 0.5)}  # no room run to compare with
     assert routing_ratios(summaries) == {"s3_peak@predicted_work": {"tokens_per_s": 1.1, "latency_mean_s": 0.9,
@@ -360,3 +362,16 @@ def test_urgent_share_spreads_priority_0_evenly_and_latency_is_reported_per_clas
     assert summarize_results(results[:1], plan[:1])["by_priority"] == {}  # one class: nothing per class
     with pytest.raises(ValueError, match="urgent-share"):
         ClusterBenchConfig(urgent_share=1.5).check()
+
+
+def test_runs_are_compared_with_paging_and_late_binding_with_binding_on_arrival():
+    summaries = {"paged_greedy": run(10.0, 4.0, 8.0, 1.0), "s3_peak/late": run(11.0, 3.0, 8.0, 0.5),
+                 "s3_peak": run(11.0, 3.6, 9.6, 1.0), "s3/late": run(1.0, 1.0, 1.0, 1.0)}  # no s3 run to pair
+    against = ratios_against(summaries, "paged_greedy")
+    assert set(against) == {"s3_peak/late", "s3_peak", "s3/late"}
+    assert against["s3_peak/late"] == pytest.approx({"tokens_per_s": 1.1, "latency_mean_s": 0.75,
+                                                     "latency_p99_s": 1.0, "ttft_p50_s": 0.5})
+    late = ratios_against(summaries, "/late")
+    assert list(late) == ["s3_peak/late"]
+    assert late["s3_peak/late"]["latency_mean_s"] == pytest.approx(3.0 / 3.6)
+    assert ratios_against({"s3_peak": run(1.0, 1.0, 1.0, 1.0)}, "paged_greedy") == {}

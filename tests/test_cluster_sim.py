@@ -231,3 +231,19 @@ def test_by_predicted_work_the_worker_with_the_long_answers_gives_one_away():
     _, room = _simulate("paged_greedy", requests, model=per_seq, tick_s=0.05, routing="room", rebalance_min_gap=0)
     assert routed.outputs_exact and routed.output_tokens == room.output_tokens == 310
     assert routed.makespan_s < 0.8 * room.makespan_s
+
+
+@pytest.mark.parametrize("late_binding", [True, False])
+def test_with_late_binding_what_no_worker_can_start_waits_at_the_controller_and_the_short_ones_go_first(late_binding):
+    # Two workers of one slot each: while nothing waits on a worker it is sent its slot plus 2 (its own queue), so
+    # the six long requests at t=0 fill both; the two short ones that come next wait at the controller, and each
+    # takes the first place a long one frees, ahead of the longs still queued.
+    requests = [SimRequest(f"long{i}", 0.0, 8, 50, MAX_LEN - 8, 50) for i in range(6)]
+    requests += [SimRequest(f"short{i}", 0.001, 8, 3, MAX_LEN - 8, 3) for i in range(2)]
+    config = SimConfig(2, 64, block_size=16, max_num_seqs=1, max_num_batched_tokens=128, late_binding=late_binding)
+    result = ClusterSimulation(config, lambda: make_policy("s3_peak", max_model_len=MAX_LEN), CONSTANT).run(requests)
+    assert result.outputs_exact and len(result.latency_s) == 8
+    assert result.num_waited == (2 if late_binding else 0)
+    assert (result.controller_wait_s > 0.4) == late_binding  # until the first long answers end (50 steps of 10 ms)
+    latency = dict(zip(result.finished_ids, result.latency_s))
+    assert max(latency["short0"], latency["short1"]) < min(latency[f"long{i}"] for i in range(2, 6))

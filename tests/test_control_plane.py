@@ -58,7 +58,7 @@ def test_a_full_queue_is_refused_and_a_timeout_leaves_nothing_behind(run):
             await plane.place(f"big{i}", 20, 200, 140)
         waiters = [asyncio.get_running_loop().create_task(plane.place(f"w{i}", 20, 200, 40)) for i in range(4)]
         await asyncio.sleep(0.05)
-        with pytest.raises(QueueFullError, match="4 requests already wait"):
+        with pytest.raises(QueueFullError, match="4 requests already wait for a worker"):
             await plane.place("one-too-many", 20, 200, 40)
         with pytest.raises(PlacementTimeoutError, match="no worker had 4 free KV blocks within 0 s"):
             await asyncio.gather(*waiters)

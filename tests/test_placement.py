@@ -6,7 +6,8 @@ import random
 import pytest
 
 from cluster.control.placement import (PendingRequest, RoomIndex, WorkerBudget, blocks_for, first_fit_decreasing,
-                                       longest_cached_prefix, migration_target, prefix_affinity, roomiest_fit)
+                                       longest_cached_prefix, migration_target, open_slots, prefix_affinity,
+                                       roomiest_fit)
 from cluster.control.scaling import ScalingPolicy
 
 
@@ -120,6 +121,46 @@ def test_requests_ranked_by_predicted_work_go_shortest_first_until_one_starves()
     # Without work_tokens the same queue is largest reservation first.
     plain = [dataclasses.replace(r, work_tokens=None) for r in requests]
     assert first_fit_decreasing(plain, make_workers(6), now_s=3.0, max_wait_s=30.0) == {"long": "w0"}
+
+
+def test_a_worker_is_sent_its_free_slots_while_nothing_waits_there_then_only_what_it_runs_plus_its_queue():
+    # max_num_seqs 8, a worker queue of 2: an idle worker (nothing waiting) takes 8 + 2.
+    assert open_slots(8, 2, num_running=0, num_waiting=0, num_placed=0) == 10
+    assert open_slots(8, 2, num_running=3, num_waiting=0, num_placed=7) == 3
+    # Something waits there (its KV test refused it): what it runs plus 2, less what it was sent already.
+    assert open_slots(8, 2, num_running=3, num_waiting=1, num_placed=4) == 1
+    assert open_slots(8, 2, num_running=3, num_waiting=2, num_placed=5) == 0
+    assert open_slots(8, 2, num_running=3, num_waiting=4, num_placed=7) == 0  # never negative
+    # Slots bind: it runs 8 and 2 wait; a release (placed 9) opens one place.
+    assert open_slots(8, 2, num_running=8, num_waiting=2, num_placed=9) == 1
+    assert open_slots(8, None, num_running=8, num_waiting=50, num_placed=58) is None  # late binding off
+
+
+def test_open_slots_accumulate_within_one_call_and_the_rest_wait():
+    workers = [dataclasses.replace(w, num_open_slots=n) for w, n in zip(make_workers(50, 50), (1, 2))]
+    requests = make_requests(1, 1, 1, 1)
+    placed = first_fit_decreasing(requests, workers)
+    assert sorted(placed.values()) == ["w0", "w1", "w1"] and len(placed) == 3  # one left to wait
+
+
+def test_a_chooser_picks_among_the_workers_that_fit_in_the_placement_order():
+    seen = []
+
+    def choose(request, fitting):
+        seen.append((request.request_id, list(fitting)))
+        return fitting[-1]
+
+    workers = make_workers(3, 10, 6)
+    placed = first_fit_decreasing(make_requests(5, 2), workers, choose=choose)
+    # Most free first; after r0 took 5 of w2's 6 blocks, r1 (2 blocks) no longer fits there.
+    assert seen == [("r0", ["w1", "w2"]), ("r1", ["w1", "w0"])]
+    assert placed == {"r0": "w2", "r1": "w0"}
+
+
+def test_first_come_requests_wait_in_order_of_arrival_whatever_their_size_or_work():
+    requests = [PendingRequest("big", 6, 2.0, first_come=True), PendingRequest("small", 2, 1.0, first_come=True),
+                PendingRequest("mid", 4, 0.0, work_tokens=5.0, first_come=True)]
+    assert first_fit_decreasing(requests, make_workers(6)) == {"mid": "w0", "small": "w0"}
 
 
 def test_starved_requests_among_themselves_go_oldest_first():

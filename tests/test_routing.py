@@ -3,8 +3,9 @@
 import pytest
 
 from cluster.control.messages import RequestRecord
-from cluster.control.routing import (LiveWork, completion_cost, expected_tokens, least_requests_fit, least_work_fit,
-                                     live_work, live_work_by_worker, route)
+from cluster.control.placement import PendingRequest, WorkerBudget, first_fit_decreasing
+from cluster.control.routing import (LeastWorkChooser, LiveWork, completion_cost, expected_tokens, least_requests_fit,
+                                     least_work_fit, live_work, live_work_by_worker, route)
 
 
 def test_a_request_goes_where_the_work_ahead_of_it_ends_soonest_not_where_there_are_fewer_requests():
@@ -15,6 +16,17 @@ def test_a_request_goes_where_the_work_ahead_of_it_ends_soonest_not_where_there_
     assert route("predicted_work", 4, 200.0, free, live) == "w1"
     assert route("least_requests", 4, 200.0, free, live) == "w0"
     assert route("room", 4, 200.0, free, live) == "w0"
+
+
+def test_waiting_requests_go_where_they_finish_soonest_counting_those_placed_before_them_in_the_call():
+    workers = [WorkerBudget("w0", 100, 0), WorkerBudget("w1", 100, 50)]  # w0 the roomiest
+    chooser = LeastWorkChooser({"w0": LiveWork([400.0, 400.0]), "w1": LiveWork([20.0])})
+    requests = [PendingRequest(f"r{i}", 1, float(i), work_tokens=100.0) for i in range(3)]
+    placed = first_fit_decreasing(requests, workers, choose=chooser)
+    # r0 and r1 join w1's short work (100+20, then 100+20+100); r2 costs 300 on w0, 320 on w1 by then.
+    assert placed == {"r0": "w1", "r1": "w1", "r2": "w0"}
+    # A request without a prediction to weigh takes the first that fits (the roomiest).
+    assert LeastWorkChooser({})(PendingRequest("x", 1, 0.0), ["w0", "w1"]) == "w0"
 
 
 def test_completion_cost_counts_each_request_ahead_only_while_it_shares_the_new_ones_steps():

@@ -6,7 +6,9 @@ pure function (`placement`, `rebalance`, `scaling`, the policy's `placement_toke
 data between them, the ledger, the worker pool and Redis, and never blocks its loop:
 
     router --place()--> ledger (memory) --prefix, else `routing`--> Placement  one Redis write
-                        (no room: wait in `waiting`; placed first-fit-decreasing as releases free blocks)
+                        (no room, or with late binding no worker that can start it now: wait in
+                         `waiting`, in the policy's order, placed as releases and stats open room:
+                         `placement.first_fit_decreasing`, `WorkerRooms`, `routing.LeastWorkChooser`)
     router --finish()-> ledger.remove + counter + training sample            one Redis round trip
     run(): every stats_interval_s
         poll stats --no answer--> requeue its requests (the routers re-place them), replace it
@@ -30,14 +32,15 @@ from cluster.control.ledger import Ledger
 from cluster.control.messages import (ClusterStatus, Placement, PlacementTimeoutError, QueueFullError, RequestOutcome,
                                       RequestRecord)
 from cluster.control.affinity import Affinity
-from cluster.control.placement import PendingRequest, RoomIndex, blocks_for, first_fit_decreasing
+from cluster.control.placement import PendingRequest, blocks_for, first_fit_decreasing
 from cluster.control.mover import Mover
 from cluster.control.rebound import rebounded_records
-from cluster.control.routing import expected_tokens, route_among
+from cluster.control.routing import LeastWorkChooser, expected_tokens, live_work_by_worker, route_among
 from cluster.control.scaling import ScalingPolicy
 from cluster.control.store import ControllerStore
 from cluster.control.store_resync import StoreResync
 from cluster.control.worker_pool import WorkerBackend, WorkerPool
+from cluster.control.worker_rooms import WorkerRooms
 from predictor_service.sample_stream import DEFAULT_STREAM_KEY, TrainingSample, sample_fields
 from workers.scheduling.policies import make_rule
 from workers.values.work_types import WorkerStats
@@ -70,9 +73,9 @@ class ControlPlane:
                  health_store: ControllerStore | None = None) -> None:
         self.store = store
         self.health_store = health_store or store
-        self.rooms = RoomIndex()  # free blocks per ready worker, for the one-request fast path
-        self.ledger = Ledger(store, on_change=self._refresh_room)
+        self.ledger = Ledger(store, on_change=lambda worker_id: self.rooms.refresh(worker_id))
         self.pool = WorkerPool(backend, store, config.block_size, on_ready=self._worker_ready)
+        self.rooms = WorkerRooms(self.ledger, self.pool, config.max_num_seqs, config.late_binding)
         self.resync = StoreResync(store, self.ledger, self.pool)
         self.waiting: dict[str, _Waiting] = {}
         self.mover = Mover(self.ledger, self.pool, self._incr)
@@ -87,6 +90,7 @@ class ControlPlane:
     def adopt(self, config: ServiceConfig) -> None:
         """Plan with `config` from now on (running workers keep their engine settings)."""
         self.config = config
+        self.rooms.configure(config.max_num_seqs, config.late_binding)
         self.policy = make_rule(config.policy, max_model_len=config.max_model_len)  # the workers' planning rule
         self.scaling = ScalingPolicy(config.min_workers_resolved, config.max_workers_resolved,
                                      config.scale_up_queue_depth, config.scale_down_idle_s)
@@ -137,7 +141,7 @@ class ControlPlane:
                 # re-placement is the request's requeue, which the tick will no longer find
                 await self._incr("requeues", 1)
         if request_id not in self.waiting and len(self.waiting) >= self.config.max_pending_placements:
-            raise QueueFullError(f"{len(self.waiting)} requests already wait for KV room")
+            raise QueueFullError(f"{len(self.waiting)} requests already wait for a worker with room")
         tokens = self.policy.placement_tokens(num_prompt_tokens, num_resumed_tokens, max_tokens,
                                               predicted_output_tokens)
         num_blocks = blocks_for(tokens, self.config.block_size)
@@ -147,9 +151,11 @@ class ControlPlane:
         record = RequestRecord(request_id, None, num_prompt_tokens, max_tokens, predicted_output_tokens or 0,
                                num_blocks, "pending", attempts, time.time())
         # Where the worker admits by its own test (s3_peak) only the prompt is charged; the queue ranks by work.
+        # On-demand paging ranks nothing: its queue is first come, first served (vLLM's).
         expected = expected_tokens(record)
         pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority,
-                                 expected if self.policy.admits_at_worker else None)
+                                 expected if self.policy.admits_at_worker else None,
+                                 first_come=not self.policy.holds_plan and not self.policy.admits_at_worker)
         if not self.waiting:  # fast path: nobody queued ahead, one write if it fits now
             worker_id = (self.affinity.target(sibling_of, prefix_hashes if self.config.prefix_aware_placement else (),
                                               num_blocks, exclude_worker_id)
@@ -171,7 +177,8 @@ class ControlPlane:
             if self.waiting.pop(request_id, None) is not None:
                 await self.ledger.remove(request_id)
             raise PlacementTimeoutError(
-                f"no worker had {num_blocks} free KV blocks within {self.config.placement_timeout_s:.0f} s") from None
+                f"no worker had {num_blocks} free KV blocks" + (" and a free place" if self.config.late_binding else "")
+                + f" within {self.config.placement_timeout_s:.0f} s") from None
 
     def _placement(self, record: RequestRecord, queued_s: float) -> Placement:
         self._placed_s[record.request_id] = time.monotonic()
@@ -184,8 +191,13 @@ class ControlPlane:
         if not self.waiting:
             return
         pending = [w.request for w in self.waiting.values() if not w.future.done()]
-        chosen = first_fit_decreasing(pending, self.pool.budgets(self.ledger.reserved_blocks), now_s=time.monotonic(),
-                                      max_wait_s=self.config.max_queue_wait_s)
+        budgets = self.rooms.budgets()
+        choose = None
+        if self.config.routing == "predicted_work":
+            choose = LeastWorkChooser(live_work_by_worker([b.worker_id for b in budgets], self.ledger.records(),
+                                                          self.pool.latest))
+        chosen = first_fit_decreasing(pending, budgets, now_s=time.monotonic(),
+                                      max_wait_s=self.config.max_queue_wait_s, choose=choose)
         staged = []
         for request_id, worker_id in chosen.items():
             waiting = self.waiting.pop(request_id)
@@ -201,21 +213,8 @@ class ControlPlane:
             else:
                 waiting.future.set_result(self._placement(placed, time.monotonic() - waiting.request.arrival_s))
 
-    def _refresh_room(self, worker_id: str) -> None:
-        """Keep a worker's free-block count in the room index (a ledger change or new stats)."""
-        stats = self.pool.latest.get(worker_id)
-        if stats is None or not self.pool.is_ready(worker_id):
-            self.rooms.remove(worker_id)
-            return
-        held = max(self.ledger.reserved_blocks(worker_id), stats.num_reserved_blocks)
-        self.rooms.set(worker_id, max(0, stats.num_total_blocks - held))
-
-    def _refresh_rooms(self) -> None:
-        for worker_id in set(self.rooms.free()) | set(self.pool.latest):
-            self._refresh_room(worker_id)
-
     def _worker_ready(self, worker_id: str) -> None:
-        self._refresh_room(worker_id)
+        self.rooms.refresh(worker_id)
         task = asyncio.get_running_loop().create_task(self._place_waiting())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -263,7 +262,7 @@ class ControlPlane:
         previous, failed = await self.pool.poll()
         for worker_id in failed:
             await self._worker_died(worker_id)
-        self._refresh_rooms()
+        self.rooms.refresh_all()
         await asyncio.sleep(0)
         await self._count_worker_events(previous)
         await self._replace_missing_workers()

@@ -12,6 +12,7 @@ from Redis with `load()`.
 
     records:  request_id -> RequestRecord          (pending and placed)
     reserved: worker_id  -> sum of num_reserved_blocks of its placed requests
+    placed:   worker_id  -> how many requests are placed there
 """
 
 import asyncio
@@ -42,6 +43,7 @@ class Ledger:
         self.on_change = on_change
         self._records: dict[str, RequestRecord] = {}
         self._reserved: dict[str, int] = {}
+        self._placed: dict[str, int] = {}
         self._unwritten_removals: dict[str, tuple[str | None, tuple | None]] = {}  # id -> (counter, stream)
         self.needs_sync = False  # a write failed: Redis may differ from memory until `sync()`
 
@@ -50,6 +52,7 @@ class Ledger:
         records = await self.store.requests()
         self._records = {}
         self._reserved = {}
+        self._placed = {}
         for record in records:
             self._apply(None, record)
 
@@ -66,6 +69,10 @@ class Ledger:
 
     def reserved_blocks(self, worker_id: str) -> int:
         return self._reserved.get(worker_id, 0)
+
+    def num_placed(self, worker_id: str) -> int:
+        """Requests placed on `worker_id` (running, waiting there, or on their way)."""
+        return self._placed.get(worker_id, 0)
 
     def reserved_by_worker(self) -> dict[str, int]:
         return {worker_id: blocks for worker_id, blocks in self._reserved.items() if blocks}
@@ -178,10 +185,12 @@ class Ledger:
         if old is not None:
             if old.state == "placed":
                 self._reserved[old.worker_id] = self._reserved.get(old.worker_id, 0) - old.num_reserved_blocks
+                self._placed[old.worker_id] = self._placed.get(old.worker_id, 0) - 1
                 self.on_change(old.worker_id)
             self._records.pop(old.request_id, None)
         if new is not None:
             if new.state == "placed":
                 self._reserved[new.worker_id] = self._reserved.get(new.worker_id, 0) + new.num_reserved_blocks
+                self._placed[new.worker_id] = self._placed.get(new.worker_id, 0) + 1
                 self.on_change(new.worker_id)
             self._records[new.request_id] = new

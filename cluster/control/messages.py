@@ -13,7 +13,7 @@ REQUEST_STATES = ("pending", "placed")
 
 
 class QueueFullError(Exception):
-    """Too many requests already wait for KV room: the router answers 429."""
+    """Too many requests already wait in the controller's queue: the router answers 429."""
 
 
 class PlacementTimeoutError(Exception):

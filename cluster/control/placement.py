@@ -6,7 +6,7 @@ the answer. Sizes are KV blocks throughout; `blocks_for` converts tokens.
 """
 
 import heapq
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from workers.scheduling.engine_config import DEFAULT_MAX_QUEUE_WAIT_S
@@ -31,12 +31,14 @@ class WorkerBudget:
         num_reserved_blocks: sum of the reservations placed there; may exceed the total after
             overruns were extended, in which case the worker has no free blocks.
         is_ready: only ready workers take new requests.
+        num_open_slots: how many more requests it may be sent now (`open_slots`); None: no bound.
     """
 
     worker_id: str
     num_total_blocks: int
     num_reserved_blocks: int
     is_ready: bool = True
+    num_open_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_total_blocks < 0:
@@ -63,6 +65,8 @@ class PendingRequest:
         work_tokens: its predicted remaining output tokens, when the policy ranks by them (one whose
             worker admits by its own test, so its reservation says nothing of how long it runs):
             within a class it is then placed shortest predicted work first, not largest reservation first.
+        first_come: placed in order of arrival within its class (on-demand paging ranks nothing: vLLM's order);
+            `work_tokens` then only chooses its worker.
     """
 
     request_id: str
@@ -70,28 +74,59 @@ class PendingRequest:
     arrival_s: float
     priority: int = 0
     work_tokens: float | None = None
+    first_come: bool = False
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1:
             raise ValueError(f"request {self.request_id!r}: num_blocks must be >= 1, got {self.num_blocks}")
 
 
+#: With late binding, the most requests a worker is left holding in its own queue beyond those it runs: one to
+#: start at once when a sequence ends, one more for a step that frees two; the rest wait in the controller's queue.
+WORKER_QUEUE_SEQS = 2
+#: Whether the service binds late by default (`ServiceConfig.late_binding`; the simulator follows it). Off: on 2 CPU
+#: workers (bench cluster, natural workload, 4 rounds, 2026-11-29) late binding measured 0.97x-1.10x the mean latency
+#: of binding on arrival under s3_peak, and in the 64-worker simulation 1.00x (docs/benchmarks.md).
+DEFAULT_LATE_BINDING = False
+
+
+def open_slots(max_num_seqs: int, max_queue_seqs: int | None, num_running: int, num_waiting: int,
+               num_placed: int) -> int | None:
+    """How many more requests a worker may be sent now, so that what cannot start there waits in the controller's
+    queue instead (late binding): the worker may hold what it runs plus `max_queue_seqs` waiting, and, while its
+    latest stats show nothing waiting (no admission limit bound it then), its free slots plus those.
+
+    Args:
+        max_num_seqs: the most sequences a worker runs at once.
+        max_queue_seqs: the most requests left waiting in the worker's own queue; None: no bound (None returned).
+        num_running, num_waiting: from the worker's latest stats.
+        num_placed: requests the ledger places there now (running, waiting there, or on their way).
+    """
+    if max_queue_seqs is None:
+        return None
+    holds = (max_num_seqs if num_waiting == 0 else min(num_running, max_num_seqs)) + max_queue_seqs
+    return max(0, holds - num_placed)
+
+
 def first_fit_decreasing(pending: Sequence[PendingRequest], workers: Sequence[WorkerBudget],
-                         now_s: float | None = None, max_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S) -> dict[str, str]:
+                         now_s: float | None = None, max_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S,
+                         choose: Callable[[PendingRequest, list[str]], str] | None = None) -> dict[str, str]:
     """Place pending requests on workers by first-fit-decreasing of their reservations.
 
     Order of requests: first those *starved* (waiting at least `max_wait_s` at `now_s`),
     oldest first; then the rest, largest reservation first (or, for requests that carry
-    `work_tokens`, shortest predicted work first), ties by arrival, then id. Both groups go
-    class by class (`priority`, most urgent first).
+    `work_tokens`, shortest predicted work first; `first_come` ones by arrival), ties by arrival,
+    then id. Both groups go class by class (`priority`, most urgent first).
 
     Order of workers: ready workers only, sorted once per call by free blocks at the start of
     the call (most first), ties by worker id. The order is fixed during the call, so this is
     true first fit: it packs the roomiest worker before opening the next, and since each call
     re-sorts, successive calls still spread load.
 
-    Reservations accumulate within the call, so no worker is promised more than its free
-    blocks. A request that fits nowhere is left out of the result.
+    Reservations and slots accumulate within the call, so no worker is promised more than its free
+    blocks or its open slots. A request that fits nowhere is left out of the result. `choose`, when
+    given, picks among the workers that fit (in the order above) instead of the first
+    (`routing.LeastWorkChooser`: where the request is predicted to finish soonest).
 
     Starvation guard: a starved request that does not fit now *holds* the worker with the most
     free blocks among those large enough to ever take it; no later request is placed there in
@@ -116,14 +151,22 @@ def first_fit_decreasing(pending: Sequence[PendingRequest], workers: Sequence[Wo
 
     ready = sorted((w for w in workers if w.is_ready), key=lambda w: (-w.num_free_blocks, w.worker_id))
     num_free = {w.worker_id: w.num_free_blocks for w in ready}
+    num_slots = {w.worker_id: w.num_open_slots for w in ready if w.num_open_slots is not None}
     held: set[str] = set()
     placements: dict[str, str] = {}
     for request in _placement_order(pending, now_s, max_wait_s):
-        target = next((w.worker_id for w in ready
-                       if w.worker_id not in held and num_free[w.worker_id] >= request.num_blocks), None)
+        fitting = (w.worker_id for w in ready if w.worker_id not in held
+                   and num_free[w.worker_id] >= request.num_blocks and num_slots.get(w.worker_id, 1) > 0)
+        if choose is None:
+            target = next(fitting, None)
+        else:
+            candidates = list(fitting)
+            target = choose(request, candidates) if candidates else None
         if target is not None:
             placements[request.request_id] = target
             num_free[target] -= request.num_blocks
+            if target in num_slots:
+                num_slots[target] -= 1
         elif _is_starved(request, now_s, max_wait_s):
             holdable = [w for w in ready if w.worker_id not in held and w.num_total_blocks >= request.num_blocks]
             if holdable:
@@ -252,9 +295,14 @@ def _placement_order(pending: Sequence[PendingRequest], now_s: float | None,
     starved = sorted((r for r in pending if _is_starved(r, now_s, max_wait_s)),
                      key=lambda r: (r.priority, r.arrival_s, r.request_id))
     fresh = sorted((r for r in pending if not _is_starved(r, now_s, max_wait_s)),
-                   key=lambda r: (r.priority, -r.num_blocks if r.work_tokens is None else r.work_tokens, r.arrival_s,
-                                  r.request_id))
+                   key=lambda r: (r.priority, _rank(r), r.arrival_s, r.request_id))
     return starved + fresh
+
+
+def _rank(request: PendingRequest) -> float:
+    if request.first_come:
+        return 0.0
+    return -request.num_blocks if request.work_tokens is None else request.work_tokens
 
 
 def _is_starved(request: PendingRequest, now_s: float | None, max_wait_s: float) -> bool:

@@ -23,7 +23,7 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping
 
 from cluster.control.messages import RequestRecord
-from cluster.control.placement import RoomIndex, roomiest_fit
+from cluster.control.placement import PendingRequest, RoomIndex, roomiest_fit
 from workers.scheduling.length_distribution import LengthDistribution
 from workers.values.work_types import WorkerStats
 
@@ -63,6 +63,10 @@ class LiveWork:
         shorter = bisect.bisect_left(self._sorted, own_tokens)  # these end first; the rest share all its steps
         return own_tokens + self._prefix[shorter] + own_tokens * (len(self._sorted) - shorter)
 
+    def added(self, tokens: float) -> "LiveWork":
+        """This work with one more live request of `tokens` (O(n))."""
+        return LiveWork([*self._sorted, tokens])
+
 
 NO_WORK = LiveWork()
 
@@ -86,6 +90,27 @@ def least_work_fit(num_blocks: int, own_tokens: float, free_blocks: Mapping[str,
         if best_key is None or key < best_key:
             best, best_key = worker_id, key
     return best
+
+
+class LeastWorkChooser:
+    """For `placement.first_fit_decreasing`'s `choose`: among the workers a waiting request fits, the one where it is
+    predicted to finish soonest (`completion_cost`; ties as listed, roomiest first), counting the requests this call
+    placed before it; a request without `work_tokens` takes the first that fits.
+
+    Args:
+        live: worker id -> its live requests' work (`live_work_by_worker`); missing: none.
+    """
+
+    def __init__(self, live: Mapping[str, LiveWork]) -> None:
+        self._live = dict(live)
+
+    def __call__(self, request: PendingRequest, fitting: list[str]) -> str:
+        own = request.work_tokens
+        if own is None:
+            return fitting[0]
+        best = min(fitting, key=lambda w: self._live.get(w, NO_WORK).cost(own))  # min keeps the first of equals
+        self._live[best] = self._live.get(best, NO_WORK).added(own)
+        return best
 
 
 def least_requests_fit(num_blocks: int, free_blocks: Mapping[str, int], num_live: Mapping[str, int]) -> str | None:
