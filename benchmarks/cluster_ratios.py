@@ -34,13 +34,17 @@ def routing_ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float | No
 def ratios_against(summaries: dict[str, dict], baseline: str) -> dict[str, dict[str, float | None]]:
     """Runs against another run: tokens/s, mean and p99 latency and TTFT p50 as ratios (latency below 1 is better).
 
-    `baseline` names a run ("paged_greedy": every other run against it) or a suffix ("/late": each run so named
-    against the same run without it). Keyed by the compared run; empty when nothing pairs.
+    `baseline` names a policy ("paged_greedy": every other run against its run) or a suffix ("/late": each run so
+    named against the same run without it); with several routings ("s3_peak/late@room") runs pair within one
+    routing. Keyed by the compared run; empty when nothing pairs.
     """
-    if baseline in summaries:
-        pairs = [(name, baseline) for name in summaries if name != baseline]
-    else:
-        pairs = [(name, name.removesuffix(baseline)) for name in summaries if name.endswith(baseline)]
+    pairs = []
+    for name in summaries:
+        policy, mark, routing = name.partition(ROUTING_MARK)
+        if policy.endswith(baseline):
+            pairs.append((name, f"{policy.removesuffix(baseline)}{mark}{routing}"))
+        elif policy != baseline and not baseline.startswith("/"):
+            pairs.append((name, f"{baseline}{mark}{routing}"))
     keys = ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")
     return {name: {key: summaries[name][key] / summaries[base][key]
                    if summaries[name][key] is not None and summaries[base][key] else None for key in keys}

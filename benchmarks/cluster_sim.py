@@ -239,7 +239,7 @@ class ClusterSimulation:
             # Workers too full for even the smallest request cannot take any; leaving them out saves work.
             budgets = self._budgets(smallest)
             choose = (LeastWorkChooser({b.worker_id: self._live_work(b.worker_id) for b in budgets})
-                      if self.config.routing == "predicted_work" else None)
+                      if self.config.late_binding and self.config.routing == "predicted_work" else None)
             chosen = first_fit_decreasing([p for p, _, _ in self.waiting.values()], budgets, now_s=now_s,
                                           max_wait_s=self.config.max_queue_wait_s, choose=choose)
         else:
@@ -258,13 +258,13 @@ class ClusterSimulation:
         return [b for b in budgets if b.num_free_blocks >= min_free_blocks]
 
     def _open_slots(self, worker_id: str) -> int | None:
-        """`ControlPlane._open_slots`, from the worker's queues as its latest step's admission left them."""
+        """`WorkerRooms.open_slots`, from the worker's queues as its latest step's admission left them."""
         worker = self.workers[worker_id]
         return open_slots(self.config.max_num_seqs, WORKER_QUEUE_SEQS if self.config.late_binding else None,
                           worker.num_seen_running, worker.num_seen_waiting, self.num_placed[worker_id])
 
     def _held(self, worker_id: str) -> int:
-        """As `ControlPlane._refresh_room`: the ledger's reservations or the worker's own, whichever is more."""
+        """As `WorkerRooms.refresh`: the ledger's reservations or the worker's own, whichever is more."""
         return max(self.reserved[worker_id], self.workers[worker_id].allocator.num_reserved_blocks)
 
     def _assign(self, request_id: str, worker_id: str, num_blocks: int, seq: Sequence, now_s: float) -> None:

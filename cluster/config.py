@@ -62,8 +62,9 @@ class ServiceSettings(BaseModel):
     late_binding: bool = Field(
         DEFAULT_LATE_BINDING, description="a request waits in the controller's queue (its policy's order: shortest predicted work "
                           "first for s3_peak) until a worker can start it (a free slot, and at most "
-                          f"{WORKER_QUEUE_SEQS} waiting in the worker's own queue), then goes to the worker the "
-                          "routing picks; off: every request goes to a worker on arrival and waits there")
+                          f"{WORKER_QUEUE_SEQS} waiting in the worker's own queue), then, under s3_peak with "
+                          "predicted_work routing, to the worker where it is predicted to finish soonest, else to "
+                          "the roomiest; off: every request goes to a worker on arrival and waits there")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request does not set it")
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(

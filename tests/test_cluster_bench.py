@@ -375,3 +375,7 @@ def test_runs_are_compared_with_paging_and_late_binding_with_binding_on_arrival(
     assert list(late) == ["s3_peak/late"]
     assert late["s3_peak/late"]["latency_mean_s"] == pytest.approx(3.0 / 3.6)
     assert ratios_against({"s3_peak": run(1.0, 1.0, 1.0, 1.0)}, "paged_greedy") == {}
+    routed = {"paged_greedy@room": run(10.0, 4.0, 8.0, 1.0), "s3_peak/late@room": run(11.0, 3.0, 8.0, 0.5),
+              "s3_peak@room": run(11.0, 3.6, 9.6, 1.0), "s3_peak@predicted_work": run(9.0, 9.0, 9.0, 9.0)}
+    assert set(ratios_against(routed, "paged_greedy")) == {"s3_peak/late@room", "s3_peak@room"}
+    assert ratios_against(routed, "/late")["s3_peak/late@room"]["tokens_per_s"] == pytest.approx(1.0)

@@ -37,7 +37,7 @@ def test_a_request_waits_at_the_controller_when_no_worker_can_start_it_and_the_s
         await asyncio.sleep(0.05)
         assert not long.done() and not short.done()
         assert (await plane.store.get_request("long")).state == "pending"  # waiting in Redis, not on a worker
-        assert plane.ledger.reserved_by_worker() == {"w1": 6, "w2": 6}  # 2 free blocks each, yet not placed
+        assert plane.ledger.reserved_by_worker() == {"w1": 6, "w2": 6}  # 4 free blocks each, yet not placed
         await plane.finish(filled[0].request_id, outcome())
         placement = await asyncio.wait_for(short, 2.0)
         assert placement.worker_id == filled[0].worker_id and placement.queued_s > 0
@@ -101,3 +101,21 @@ def test_a_request_no_worker_could_start_in_time_is_refused_with_the_reason_and_
             await plane.place("late", 20, 1000, 10)
         assert plane.ledger.get("late") is None and not plane.waiting
     run(check, **{**SETTINGS, "placement_timeout_s": 0.2})
+
+
+@pytest.mark.parametrize("late_binding, chosen", [(False, "w1"), (True, "w2")])
+def test_a_waiting_request_goes_to_the_roomiest_unless_late_binding_weighs_the_work_ahead(run, late_binding, chosen):
+    async def check(plane, sim):
+        assert (await plane.place("long", 20, 1000, 900)).worker_id == "w1"
+        assert (await plane.place("short", 20, 1000, 10)).worker_id == "w2"  # where it ends soonest
+        for worker_id in ("w1", "w2"):  # both full (what they report holding)
+            sim.workers[worker_id].held["other"] = 10
+        await plane.tick()
+        waiter = asyncio.get_running_loop().create_task(plane.place("queued", 20, 1000, 100))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        sim.workers["w1"].held["other"] = 0  # w1 the roomier (8 free against 7), but its long answer runs on
+        sim.workers["w2"].held["other"] = 3
+        await plane.tick()
+        return (await asyncio.wait_for(waiter, 2.0)).worker_id
+    assert run(check, **{**SETTINGS, "max_num_seqs": 8, "late_binding": late_binding}) == chosen

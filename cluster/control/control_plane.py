@@ -91,6 +91,7 @@ class ControlPlane:
         """Plan with `config` from now on (running workers keep their engine settings)."""
         self.config = config
         self.rooms.configure(config.max_num_seqs, config.late_binding)
+        self.rooms.refresh_all()
         self.policy = make_rule(config.policy, max_model_len=config.max_model_len)  # the workers' planning rule
         self.scaling = ScalingPolicy(config.min_workers_resolved, config.max_workers_resolved,
                                      config.scale_up_queue_depth, config.scale_down_idle_s)
@@ -192,8 +193,8 @@ class ControlPlane:
             return
         pending = [w.request for w in self.waiting.values() if not w.future.done()]
         budgets = self.rooms.budgets()
-        choose = None
-        if self.config.routing == "predicted_work":
+        choose = None  # first fit on the roomiest, as before late binding
+        if self.config.late_binding and self.config.routing == "predicted_work":
             choose = LeastWorkChooser(live_work_by_worker([b.worker_id for b in budgets], self.ledger.records(),
                                                           self.pool.latest))
         chosen = first_fit_decreasing(pending, budgets, now_s=time.monotonic(),

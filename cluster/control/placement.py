@@ -65,8 +65,9 @@ class PendingRequest:
         work_tokens: its predicted remaining output tokens, when the policy ranks by them (one whose
             worker admits by its own test, so its reservation says nothing of how long it runs):
             within a class it is then placed shortest predicted work first, not largest reservation first.
-        first_come: placed in order of arrival within its class (on-demand paging ranks nothing: vLLM's order);
-            `work_tokens` then only chooses its worker.
+        first_come: placed in order of arrival within its class (on-demand paging ranks nothing: vLLM's order),
+            first fit: a later one that fits may pass one that does not yet; `work_tokens` then only chooses
+            its worker.
     """
 
     request_id: str
@@ -86,7 +87,7 @@ class PendingRequest:
 WORKER_QUEUE_SEQS = 2
 #: Whether the service binds late by default (`ServiceConfig.late_binding`; the simulator follows it). Off: on 2 CPU
 #: workers (bench cluster, natural workload, 4 rounds, 2026-11-29) late binding measured 0.97x-1.10x the mean latency
-#: of binding on arrival under s3_peak, and in the 64-worker simulation 1.00x (docs/benchmarks.md).
+#: of binding on arrival under s3_peak, and in the 64-worker simulation 1.01x (docs/benchmarks.md).
 DEFAULT_LATE_BINDING = False
 
 
