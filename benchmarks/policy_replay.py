@@ -19,7 +19,7 @@ from workers.scheduling.engine_config import EngineConfig
 from workers.scheduling.length_probe import LengthProbe
 from workers.scheduling.policies import make_policy, overcommit_options
 from workers.scheduling.preemption import PreemptionRule
-from workers.scheduling.scheduler import SchedulerStats
+from workers.scheduling.scheduler_output import SchedulerStats
 from workers.values.sampling_params import SamplingParams
 
 MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON

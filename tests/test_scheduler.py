@@ -5,7 +5,8 @@ import random
 import pytest
 
 from workers.scheduling.kv_cache_manager import BlockAllocator
-from workers.scheduling.scheduler import Scheduler, ScheduledChunk, SchedulerConfig
+from workers.scheduling.scheduler import Scheduler, SchedulerConfig
+from workers.scheduling.scheduler_output import ScheduledChunk
 from workers.values.sampling_params import SamplingParams
 from workers.values.sequence import Sequence, SequenceStatus
 

@@ -23,7 +23,7 @@ import torch
 from kv_kernels import BlockPoolShape, CpuKVKernels, KVKernelBackend, allocate_block_pool, build_attention_metadata
 from workers.engine.attention import StepAttention, register_paged_attention
 from workers.engine.logprobs import PromptScores, scored_positions, split_scores
-from workers.scheduling.scheduler import ScheduledChunk
+from workers.scheduling.scheduler_output import ScheduledChunk
 from workers.values.model_support import check_servable
 from workers.values.sequence import Sequence
 

@@ -36,7 +36,7 @@ from kv_kernels import BlockPoolShape, KVKernelBackend, backend_for_device
 from workers.engine.logprobs import split_scores
 from workers.engine.model_runner import ModelRunner
 from workers.scheduling.engine_config import EngineConfig
-from workers.scheduling.scheduler import ScheduledChunk
+from workers.scheduling.scheduler_output import ScheduledChunk
 
 STOP = "stop"
 # Runner calls the other ranks repeat; anything else changes rank 0's state only (or is refused).

@@ -29,65 +29,14 @@ How a victim gives up its KV (swap or recompute) is the scheduler's `PreemptionR
 under every policy, with swapped copies held in a bounded `SwapSpace` (`workers.scheduling.preemption`).
 """
 
-from dataclasses import dataclass, field
-
 from workers.scheduling.engine_config import SchedulerConfig
 from workers.scheduling.kv_cache_manager import BlockAllocator
 from workers.scheduling.policies import PagedGreedyPolicy
 from workers.scheduling.preemption import PreemptionRule, SwapSpace
+from workers.scheduling.prefix_sharing import PrefixSharing
+from workers.scheduling.scheduler_output import MispredictionEvent, ScheduledChunk, SchedulerOutput, SchedulerStats
 from workers.scheduling.scheduling_policy import SchedulingPolicy
 from workers.values.sequence import Sequence, SequenceStatus
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """Compute `num_tokens` of `seq`, starting at its first uncomputed token, in the blocks of `block_table` (the
-    sequence's, in token order, as the step's schedule left them: the model runner reads them from here)."""
-
-    seq: Sequence
-    num_tokens: int
-    block_table: list[int] = field(default_factory=list)
-
-    @property
-    def completes_sequence_tokens(self) -> bool:
-        """After this chunk every known token has KV, so the step samples a new one."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One step's decisions. Swaps run before the forward, swap-outs first."""
-
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # blocks to copy to host
-    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # new blocks to copy back into
-
-
-@dataclass(frozen=True, slots=True)
-class MispredictionEvent:
-    """A sequence outran the reservation its predicted bound bought."""
-
-    seq_id: str
-    predicted_output_tokens: int | None
-    num_output_tokens: int
-    step: int
-
-
-# why a sequence was preempted: a running one could not grow; for a more urgent class; for much shorter work
-PREEMPTION_CAUSES = ("kv", "priority", "shorter_work")
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_preemptions: int = 0
-    preemptions_by_cause: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PREEMPTION_CAUSES, 0))
-    num_swaps: int = 0
-    num_swapped_blocks: int = 0
-    num_swaps_over_budget: int = 0  # victims the rule would have swapped, recomputed for want of swap space
-    num_recomputed_tokens: int = 0
-    num_prompt_tokens_admitted: int = 0  # prompts at their first admission
-    num_prefix_hit_tokens: int = 0  # of those, found in the prefix cache (not computed again)
-    mispredictions: list[MispredictionEvent] = field(default_factory=list)
 
 
 class Scheduler:
@@ -113,9 +62,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.num_steps = 0
         self._now_s: float | None = None  # the clock of the step being scheduled
-        self._first_block: dict[str, int] = {}  # running sequence -> hash of its first full block
-        # waiting sequence -> (its known tokens, the block hashes it could share): hashed once while it waits
-        self._prefix_hashes: dict[str, tuple[int, list[int]]] = {}
+        self.prefixes = PrefixSharing(allocator)
 
     @property
     def num_preemptions(self) -> int:
@@ -188,8 +135,7 @@ class Scheduler:
         """Free a finished or aborted sequence's blocks."""
         self.allocator.release(seq.seq_id)
         self.swap_space.release(seq.seq_id)
-        self._first_block.pop(seq.seq_id, None)
-        self._prefix_hashes.pop(seq.seq_id, None)
+        self.prefixes.forget(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -201,7 +147,7 @@ class Scheduler:
         # sorted() is stable: the policy's order holds within each class, after those that waited or were passed
         # long enough.
         order = sorted(self.policy.admission_order(self.waiting), key=lambda s: (s.priority, *self._urgency(s, now_s)))
-        in_progress = None  # _first_blocks_in_progress(), computed again after the running set changes
+        in_progress = None  # prefixes.blocks_in_progress(), computed again after the running set changes
         refusals: list[tuple[object, int]] = []  # (policy's plan, blocks) refused beside the running ones or fewer
         asked_shorter_work = False  # the policy is asked once a step, for the first one that cannot start
         admitted: set[str] = set()  # this step's: never preempted for shorter work in the step that let them in
@@ -212,8 +158,8 @@ class Scheduler:
             if no_slot and asked_shorter_work:
                 break  # no slot, and nobody running gives up theirs
             if in_progress is None:
-                in_progress = self._first_blocks_in_progress()
-            if self._first_block_in_progress(seq, in_progress):
+                in_progress = self.prefixes.blocks_in_progress(self.running)
+            if self.prefixes.waits_for_first_block(seq, in_progress):
                 continue
             if no_slot:
                 asked_shorter_work = True
@@ -248,12 +194,9 @@ class Scheduler:
             if seq.admitted_s is None:
                 seq.admitted_s = now_s
             seq.first_passed_step = None
-            self._prefix_hashes.pop(seq.seq_id, None)
+            self.prefixes.started(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            first = None if seq.is_swapped else self.allocator.first_block_hash(seq.prompt_token_ids)
-            if first is not None:
-                self._first_block[seq.seq_id] = first
             num_cached = self.allocator.num_cached_tokens(seq.seq_id)
             if seq.num_preemptions == 0 and not seq.is_swapped:
                 self.stats.num_prompt_tokens_admitted += seq.num_prompt_tokens
@@ -334,23 +277,10 @@ class Scheduler:
                 return chunk.num_tokens
         return 0
 
-    def _first_block_in_progress(self, seq: Sequence, in_progress: set[int]) -> bool:
-        """A running sequence is computing the (uncached) first block `seq` would share (a sequence that scores its
-        prompt shares nothing, so never waits). `in_progress`: `_first_blocks_in_progress()` of the running ones."""
-        if seq.is_swapped or seq.prompt_logprobs is not None:
-            return False
-        first = self.allocator.first_block_hash(seq.prompt_token_ids)
-        return first is not None and not self.allocator.is_cached(first) and first in in_progress
-
-    def _first_blocks_in_progress(self) -> set[int]:
-        """Hashes of the first blocks running sequences are computing still."""
-        return {self._first_block[s.seq_id] for s in self.running
-                if s.seq_id in self._first_block and s.num_computed_tokens < self.allocator.block_size}
-
     def _try_allocate(self, seq: Sequence, refusals: list[tuple[object, int]]) -> list[int] | None:
         """The blocks admitting `seq` takes now, if the policy admits it and they are free; else None. `refusals`:
         this step's, beside the running sequences or fewer (see `SchedulingPolicy.refused_too`); a new one joins."""
-        hashes = self._shareable_hashes(seq)
+        hashes = self.prefixes.shareable_hashes(seq)
         # Policies plan per sequence; a block several running sequences hold (now, or once `seq` shares
         # it) is in several plans but in the pool once. An approximation: the credit is today's sharing,
         # applied to the whole horizon of the plan (s3_peak may admit a little early; overruns still
@@ -372,18 +302,6 @@ class Scheduler:
             return None
         return self.allocator.allocate(seq.seq_id, self.policy.reservation_tokens(seq), hashes)
 
-    def _shareable_hashes(self, seq: Sequence) -> list[int] | None:
-        """The block hashes waiting `seq` could share; None when it brings its own KV back (swapped in), must
-        compute its prompt to score it (`prompt_logprobs`) or caching is off. Hashed once per length while it
-        waits, not at every admission attempt."""
-        if seq.is_swapped or seq.prompt_logprobs is not None or not self.allocator.enable_prefix_caching:
-            return None
-        known = self._prefix_hashes.get(seq.seq_id)
-        if known is None or known[0] != seq.num_tokens:
-            hashes = self.allocator.prefix_hashes(seq.tokens_between(0, seq.num_tokens))
-            known = self._prefix_hashes[seq.seq_id] = (seq.num_tokens, hashes)
-        return known[1]
-
     def _choose_victim(self, seq: Sequence, pool: list[Sequence]) -> Sequence:
         """From the least urgent class in `pool`, whom the policy picks (the newest if it picks outside it)."""
         worst = max(s.priority for s in pool)
@@ -397,13 +315,16 @@ class Scheduler:
         Conservative: only blocks no more urgent sequence also holds count as reclaimable, and
         the policy must admit `seq` beside the sequences that would stay.
         """
-        less_urgent = [s.seq_id for s in self.running if s.priority > seq.priority]
-        if not less_urgent:
-            return False
-        reclaimable = self.allocator.num_free_blocks + self.allocator.num_blocks_freed_by(less_urgent)
+        less_urgent = [s for s in self.running if s.priority > seq.priority]
+        return bool(less_urgent) and self._fits_without(seq, less_urgent)
+
+    def _fits_without(self, seq: Sequence, leaving: list[Sequence]) -> bool:
+        """Waiting `seq` would have its blocks and the policy's admission once running `leaving` gave up theirs."""
+        leaving_ids = [s.seq_id for s in leaving]
+        reclaimable = self.allocator.num_free_blocks + self.allocator.num_blocks_freed_by(leaving_ids)
         if self.allocator.blocks_for(self.policy.reservation_tokens(seq)) > reclaimable:
             return False
-        staying = [s for s in self.running if s.priority <= seq.priority]
+        staying = [s for s in self.running if s.seq_id not in leaving_ids]
         return self.policy.can_admit(seq, staying, self.allocator.num_blocks, self.allocator.block_size,
                                      self.config.max_num_batched_tokens)
 
@@ -422,14 +343,7 @@ class Scheduler:
         least_urgent = max((s.priority for s in pool), default=None)
         pool = [s for s in pool if s.priority == least_urgent]
         victim = self.policy.shorter_work_victim(seq, pool) if pool else None
-        if victim is None or victim not in pool:
-            return None
-        reclaimable = self.allocator.num_free_blocks + self.allocator.num_blocks_freed_by([victim.seq_id])
-        if self.allocator.blocks_for(self.policy.reservation_tokens(seq)) > reclaimable:
-            return None
-        staying = [s for s in self.running if s is not victim]
-        if not self.policy.can_admit(seq, staying, self.allocator.num_blocks, self.allocator.block_size,
-                                     self.config.max_num_batched_tokens):
+        if victim is None or victim not in pool or not self._fits_without(seq, [victim]):
             return None
         return victim
 
@@ -457,7 +371,7 @@ class Scheduler:
             self.stats.num_recomputed_tokens += seq.num_computed_tokens
             seq.num_computed_tokens = 0
         self.allocator.release(seq.seq_id)
-        self._first_block.pop(seq.seq_id, None)
+        self.prefixes.stopped(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.queued_s = self._now_s  # its wait for the starvation bound starts again (None: no clock)
