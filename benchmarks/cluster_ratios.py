@@ -26,8 +26,7 @@ def routing_ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float | No
         room = summaries.get(f"{policy}{ROUTING_MARK}room")
         if not mark or routing == "room" or room is None:
             continue
-        ratios[name] = {key: summary[key] / room[key] if summary[key] is not None and room[key] else None
-                        for key in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")}
+        ratios[name] = metric_ratios(summary, room)
     return ratios
 
 
@@ -45,7 +44,10 @@ def ratios_against(summaries: dict[str, dict], baseline: str) -> dict[str, dict[
             pairs.append((name, f"{policy.removesuffix(baseline)}{mark}{routing}"))
         elif policy != baseline and not baseline.startswith("/"):
             pairs.append((name, f"{baseline}{mark}{routing}"))
-    keys = ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")
-    return {name: {key: summaries[name][key] / summaries[base][key]
-                   if summaries[name][key] is not None and summaries[base][key] else None for key in keys}
-            for name, base in pairs if base in summaries}
+    return {name: metric_ratios(summaries[name], summaries[base]) for name, base in pairs if base in summaries}
+
+
+def metric_ratios(run: dict, base: dict) -> dict[str, float | None]:
+    """`run` against `base`: tokens/s, mean and p99 latency and TTFT p50 (None where either has no value)."""
+    return {key: run[key] / base[key] if run[key] is not None and base[key] else None
+            for key in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")}

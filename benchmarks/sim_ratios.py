@@ -1,6 +1,7 @@
 """`bench simulate`'s ratios: the best length-aware policy against each baseline, and one setting against another
 (routing against room alone, late binding against binding on arrival)."""
 
+from benchmarks.cluster_ratios import metric_ratios
 from benchmarks.policy_summary import BASELINES
 
 LENGTH_AWARE = ("s3", "s3_peak")  # the simulator runs no probe
@@ -42,7 +43,5 @@ def ratios_against(runs: list[dict], axis: str, baseline: str) -> dict[str, dict
         base = by.get(tuple(baseline if k == axis else v for k, v in zip(keys, key)))
         if run[axis] == baseline or base is None:
             continue
-        ratios["/".join(str(v) for v in key[:3])] = {
-            metric: run[metric] / base[metric] if base[metric] else None
-            for metric in ("tokens_per_s", "latency_mean_s", "latency_p99_s", "ttft_p50_s")}
+        ratios["/".join(str(v) for v in key[:3])] = metric_ratios(run, base)
     return ratios
