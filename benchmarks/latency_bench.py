@@ -60,12 +60,14 @@ BURSTY = "bursty"
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One policy row: the registry policy, what it plans by ("none", "predictor" or "true"), whether the probe
-    re-predicts in the engine, and the policy's own options."""
+    re-predicts in the engine (`other_probe`: the config's `other_probe` instead of its `probe`), and the policy's
+    own options."""
 
     policy: str
     estimates: str
     probe: bool = False
     options: tuple[tuple[str, object], ...] = ()
+    other_probe: bool = False
 
 
 VARIANTS = {
@@ -75,6 +77,7 @@ VARIANTS = {
     "before": Variant(DEFAULT_POLICY, "predictor", probe=True,
                       options=(("order_by_work", "kv_scarce"), ("shorter_work_ratio", 0.0))),
     "no_preempt": Variant(DEFAULT_POLICY, "predictor", probe=True, options=(("shorter_work_ratio", 0.0),)),
+    "other_probe": Variant(DEFAULT_POLICY, "predictor", probe=True, other_probe=True),  # the default, another probe
 }
 
 
@@ -94,6 +97,8 @@ class LatencyBenchConfig:
         max_queue_wait_s: the starvation bound of every engine's queue (the service's setting).
         preemption_mode, swap_space_bytes: every policy's preemption mechanism and host budget alike.
         predictor, probe: what the default predicts with ("default": the shipped ones).
+        other_probe: the probe of the `other_probe` row (a folder from `s3serve probe train`), to compare two probes
+            in one invocation.
         seed: which held-out prompts, and the Poisson arrivals.
         dtype: the model's, as the service resolves it ("auto": bf16 on CPUs with bf16 instructions, fp32 over
             bf16 linear weights on AVX2-only ones).
@@ -115,6 +120,7 @@ class LatencyBenchConfig:
     swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
     predictor: str = "default"
     probe: str = "default"
+    other_probe: str | None = None
     seed: int = 0
     dtype: str = "auto"
     labels_path: Path = HELD_OUT_LABELS
@@ -133,6 +139,8 @@ class LatencyBenchConfig:
         if unknown or not self.settings or not self.policies:
             raise ValueError(f"settings must be among {', '.join(SETTINGS)} and policies among "
                              f"{', '.join(VARIANTS)}; got {list(self.settings)} and {list(self.policies)}")
+        if ("other_probe" in self.policies) != (self.other_probe is not None):
+            raise ValueError("the other_probe row and --other-probe go together: name the probe it runs")
         if "fcfs" not in self.policies:
             raise ValueError("policies must include fcfs: the ratios are against it")
         if self.rounds < 1 or self.kv_bound_slots < 1:
@@ -186,10 +194,10 @@ def run(config: LatencyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache
     precision = precision_label(model.dtype, has_bf16_linear_weights(model))
     bytes_per_token = pool_shape_for(model.config, 1, 1, model.dtype).bytes_per_block
     estimates = _estimates(config, requests, workload.texts)
-    probe = None
-    if any(VARIANTS[p].probe for p in config.policies):
-        probe = load_length_probe(config.probe, model.config.hidden_size)
-        probe.reads_forced = True  # every forced length here is the model's own greedy one
+    probes = {}  # other_probe -> the loaded probe
+    for other in {VARIANTS[p].other_probe for p in config.policies if VARIANTS[p].probe}:
+        probes[other] = load_length_probe(config.other_probe if other else config.probe, model.config.hidden_size)
+        probes[other].reads_forced = True  # every forced length here is the model's own greedy one
     print(f"latency bench: {len(requests)} held-out prompts (seed {config.seed}), mean prompt "
           f"{info['mean_prompt_tokens']:.0f} tokens, answers forced to the model's own greedy lengths (mean "
           f"{info['mean_output_tokens']:.0f}, {info['hit_length_limit_fraction']:.0%} at max_tokens); model "
@@ -220,7 +228,7 @@ def run(config: LatencyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache
             times = bursty if point == BURSTY else units
             timed = [dataclasses.replace(r, arrival_s=t / rate) for r, t in zip(requests, times)]
             result = _run_variant(model, name, timed, estimates, true_lengths, config, setting, bytes_per_token,
-                                  probe)
+                                  probes.get(VARIANTS[name].other_probe))
             digests[f"{round_index + 1}/{setting}/{point}/{name}"] = result.digests
             runs.append({"round": round_index + 1, "setting": setting, "point": point, "rate_requests_per_s": rate,
                          **summarize(result, classes)})

@@ -25,24 +25,31 @@ import numpy as np
 from tqdm import tqdm
 
 from benchmarks import probe_bench
-from benchmarks.prompt_pool import read_prompts
+from benchmarks.prompt_pool import DEFAULT_PROMPTS, read_prompts
 from benchmarks.report import environment, format_table, write_json
 from predictor_service.artifacts import load_predictor, read_manifest
 from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor
 from predictor_service.metrics import distribution_metrics, evaluate
+from predictor_service.server import SHIPPED_LABEL_FILES
 from predictor_service.hidden_features import HiddenFeatures
-from predictor_service.server import SHIPPED_LABELS
-from predictor_service.training import (LengthDataset, build_dataset, is_held_out, make_predictor, read_labels,
+from predictor_service.training import (CAPPED_LIGHTGBM, LengthDataset, build_dataset, is_held_out, make_predictor, read_labels,
                                         split_by)
 
 METRICS = ("kendall_tau", "bucket_accuracy", "mae_tokens", "under_reservation_rate", "mean_over_reservation_tokens")
 LATENCY_BATCH_SIZES = (1, 32)
-KINDS = ("mean", "linear", "lightgbm", "transformer")
-SPLITS = ("prompt_id", "source")
+KINDS = ("mean", "linear", "lightgbm", "transformer", CAPPED_LIGHTGBM)
+LEAVE_SOURCE_OUT = "leave-source-out"  # the standard: `benchmarks.source_folds`
+SPLITS = ("prompt_id", "source", LEAVE_SOURCE_OUT)
+POOL_STEM = "pool"  # the shared pool's file name, the part of its prompt ids before the colon
+# The labels and prompts `bench predictor` scores by default: the shipped ones, the pool's and the four instruction
+# sets' beside it (never trained on by a shipped predictor)
+INSTRUCTION_SETS = ("vicuna_bench_question", "mt_bench_question", "seed_tasks", "user_oriented_instructions")
+DEFAULT_LABELS = (*SHIPPED_LABEL_FILES,
+                  SHIPPED_LABEL_FILES[0].with_name("smollm2-135m-instruct.instructions.greedy.jsonl"))
+DEFAULT_PROMPT_FILES = (DEFAULT_PROMPTS, *(DEFAULT_PROMPTS.with_name(f"{name}.jsonl") for name in INSTRUCTION_SETS))
 # Held out by `split="source"`: maths word problems, open chat and code completion (30% of the pool's labels)
 HELD_OUT_SOURCES = ("gsm8k", "arenahard", "humaneval")
-SHIPPED_FEATURES = SHIPPED_LABELS.with_suffix(".hidden.npz")  # the engine's rows for the shipped greedy labels
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +66,12 @@ class PredictorBenchConfig:
         use_embedding: give the LightGBM trained here the MiniLM embedding.
         held_out_fraction: share of prompts (by id hash) held out for scoring.
         num_latency_batches: timed batches per batch size.
-        probe_features: hidden-state rows for the probes (None: no probe rows).
-        split: "prompt_id" (a hash of the id, `held_out_fraction`) or "source" (`held_out_sources`).
+        probe_features: files of hidden-state rows for the probes, joined (empty: no probe rows).
+        split: "prompt_id" (a hash of the id, `held_out_fraction`), "source" (`held_out_sources`) or
+            "leave-source-out" (every source held out in turn: `benchmarks.source_folds`, the standard).
         held_out_sources: source sets (the part of a pool id before the number) held out by the source split.
+        min_fold_prompts: the leave-source-out split holds out a pool source only if it has this many labelled
+            prompts; smaller ones are always trained on.
     """
 
     label_paths: tuple[Path, ...]
@@ -73,9 +83,16 @@ class PredictorBenchConfig:
     use_embedding: bool = True
     held_out_fraction: float = 0.2
     num_latency_batches: int = 50
-    probe_features: Path | None = None
+    probe_features: tuple[Path, ...] = ()
     split: str = "prompt_id"
     held_out_sources: tuple[str, ...] = HELD_OUT_SOURCES
+    min_fold_prompts: int = 30
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"unknown split {self.split!r}; choose from {', '.join(SPLITS)}")
+        if self.min_fold_prompts < 3:
+            raise ValueError(f"min_fold_prompts must be >= 3 (Kendall tau needs pairs), got {self.min_fold_prompts}")
 
     def is_held_out(self, prompt_id: str) -> bool:
         if self.split == "source":
@@ -84,8 +101,17 @@ class PredictorBenchConfig:
 
 
 def source_of(prompt_id: str) -> str:
-    """The source set of a pool prompt id ("pool:gsm8k-12" -> "gsm8k")."""
-    return prompt_id.split(":", 1)[-1].rsplit("-", 1)[0]
+    """The source set of a prompt id: a pool prompt's set ("pool:gsm8k-12" -> "gsm8k"), any other prompt's file
+    ("mt_bench_question:81" -> "mt_bench_question", as `read_prompts` names them)."""
+    stem, colon, native = prompt_id.partition(":")
+    if not colon or stem == POOL_STEM:
+        return (native or stem).rsplit("-", 1)[0]
+    return stem
+
+
+def is_pool_prompt(prompt_id: str) -> bool:
+    """Whether the prompt comes from the shared pool (the predictors' training sources)."""
+    return prompt_id.startswith(f"{POOL_STEM}:")
 
 
 def check_features_match(features: HiddenFeatures, dataset: LengthDataset, max_len: int) -> None:
@@ -99,10 +125,15 @@ def check_features_match(features: HiddenFeatures, dataset: LengthDataset, max_l
                          "extract features from these labels with `s3serve probe extract`, or pass --no-probe")
 
 
+def load_features(paths: Sequence[Path]) -> HiddenFeatures:
+    """The hidden-state rows of every file, joined."""
+    return HiddenFeatures.concatenate([HiddenFeatures.load(path) for path in paths])
+
+
 def split_dataset(dataset: LengthDataset, config: PredictorBenchConfig) -> tuple[LengthDataset, LengthDataset]:
     """(train, held_out) by the config's split; every sample of one prompt lands on the same side."""
-    if config.split not in SPLITS:
-        raise ValueError(f"unknown split {config.split!r}; choose from {', '.join(SPLITS)}")
+    if config.split == LEAVE_SOURCE_OUT:
+        raise ValueError(f"{LEAVE_SOURCE_OUT} is not one train/held-out split: benchmarks.source_folds.run scores it")
     train, held_out = split_by(dataset, config.is_held_out)
     if not train.examples or not held_out.examples:
         raise ValueError(f"the {config.split} split leaves {len(train.examples)} train and "
@@ -175,7 +206,7 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
           f"({len(dataset.missing_prompt_ids)} without a prompt), {len(train.examples)} train, "
           f"{len(held_out.examples)} held out")
 
-    kinds = config.kinds if config.kinds is not None else (KINDS if config.artifact is None else KINDS[:2])
+    kinds = config.kinds if config.kinds is not None else (KINDS[:4] if config.artifact is None else KINDS[:2])
     unknown = [kind for kind in kinds if kind not in KINDS]
     if unknown:
         raise ValueError(f"unknown predictor kinds {unknown}; choose from {', '.join(KINDS)}")
@@ -217,9 +248,10 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
                                 for example, prediction in zip(held_out.examples, predictions)
                                 if example.temperature == 0.0}
     probe_sizes = None
-    if config.probe_features is not None:
-        print(f"hidden-state probes: training on the train side of {config.probe_features}", flush=True)
-        features = HiddenFeatures.load(config.probe_features)
+    if config.probe_features:
+        print(f"hidden-state probes: training on the train side of {', '.join(map(str, config.probe_features))}",
+              flush=True)
+        features = load_features(config.probe_features)
         check_features_match(features, dataset, config.max_len)
         for name, points in prefill_points.items():
             results[name].update(probe_bench.text_predictor_remaining(points, features, config.is_held_out))
@@ -247,7 +279,7 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
             [[name, temperature, s["num_prompts"], s["num_examples"], s["kendall_tau"], s["bucket_accuracy"],
               s["under_reservation_rate"], s["kendall_tau_vs_median"], s["median_mae_tokens"], s["bucket_nll"]]
              for name, m in results.items() for temperature, s in m.get("by_temperature", {}).items()]))
-    if config.probe_features is not None:
+    if config.probe_features:
         print("remaining tokens after decoding (MAE, and Kendall tau against the true remaining tokens of the answers "
               "still going): re-predicted where the predictor can, else prefill point minus decoded")
         print(format_table(
@@ -260,8 +292,9 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
              for name, m in results.items()]))
     result = {
         "config": {key: (str(value) if isinstance(value, Path) else value) for key, value in asdict(config).items()
-                   if key not in ("label_paths", "prompt_paths", "artifact", "kinds", "held_out_sources")}
-        | {"kinds": list(kinds)}
+                   if key not in ("label_paths", "prompt_paths", "artifact", "kinds", "held_out_sources",
+                                  "probe_features")}
+        | {"kinds": list(kinds), "probe_features": [str(path) for path in config.probe_features]}
         | {"label_paths": [str(p) for p in config.label_paths], "prompt_paths": [str(p) for p in config.prompt_paths],
            "artifact": None if config.artifact is None else str(config.artifact), "artifact_version": artifact_version},
         "dataset": {"num_label_rows": len(rows), "num_joined": len(dataset.examples),

@@ -2,11 +2,11 @@
 
 At the prefill's sample (0 decoded tokens) a probe is scored like every text predictor
 (`predictor_service.metrics.evaluate` on total lengths). While decoding it re-predicts:
-after 64 and 256 decoded tokens the MAE on *remaining* tokens of the sequences still
+after 64, 128 and 256 decoded tokens the MAE on *remaining* tokens of the sequences still
 running is reported next to what the prefill estimate alone says then (its point minus
 the tokens decoded, at least 1), for the probes and for the text predictors alike, with the
-Kendall tau of those remaining-token estimates against the truth at 0, 64 and 256 decoded
-tokens (what shortest-remaining-first ordering consumes).
+Kendall tau-b of those remaining-token estimates against the truth at 0, 64, 128 and 256
+decoded tokens (what shortest-remaining-first ordering consumes).
 """
 
 import time
@@ -20,11 +20,12 @@ from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
 from predictor_service.length_predictor import LengthPrediction
 from predictor_service.metrics import evaluate, kendall_tau, mae_tokens
 
-REPREDICTION_POINTS = (64, 256)
+REPREDICTION_POINTS = (64, 128, 256)
 RANKING_POINTS = (0, *REPREDICTION_POINTS)  # decoded counts at which the remaining-token ranking is scored
 
-# name -> (hidden_units, ranking_weight)
-PROBE_VARIANTS = {"probe_linear": (0, 0.0), "probe": (256, 0.0), "probe_rank": (256, 1.0)}
+# name -> what its ProbeConfig sets (probe_rank is the shipped probe's recipe)
+PROBE_VARIANTS = {"probe_linear": {"hidden_units": 0}, "probe": {}, "probe_rank": {"ranking_weight": 1.0},
+                  "probe_capped": {"ranking_weight": 1.0, "cap_aware": True}}
 
 
 def remaining_mae(point_remaining, features: HiddenFeatures) -> float:
@@ -78,45 +79,65 @@ class ProbeScores:
     prefill_predictions: dict[str, dict[str, LengthPrediction]] = field(default_factory=dict)
 
 
-def score_probes(features: HiddenFeatures, is_held_out: Callable[[str], bool], max_len: int, quantile: float,
-                 num_latency_batches: int = 50) -> ProbeScores:
-    """Train each probe variant on the train side's rows and score it on the held-out side's."""
+def fit_probes(train: HiddenFeatures, max_len: int, quantile: float) -> dict[str, tuple[HiddenStateProbe, float]]:
+    """Every probe variant fitted on `train`'s rows: name -> (probe, seconds its fit took)."""
+    fitted = {}
+    for name, settings in PROBE_VARIANTS.items():
+        config = ProbeConfig(max_len=max_len, quantile=quantile, **settings)
+        began = time.perf_counter()
+        probe = HiddenStateProbe(config, train.hidden.shape[1]).fit(train)
+        fitted[name] = (probe, time.perf_counter() - began)
+    return fitted
+
+
+def probe_metrics(probe: HiddenStateProbe, test: HiddenFeatures, max_len: int) -> tuple[dict, dict[str, LengthPrediction]]:
+    """One fitted probe on held-out rows: the text predictors' metrics at the prefill's rows, the raw bound's cost,
+    and the remaining-token tau and MAE at every re-prediction point; with its prediction per prefill prompt."""
+    at_prefill = test.take(test.num_output_tokens == 0)
+    began = time.perf_counter()
+    predictions = probe.predict_lengths(at_prefill.hidden, at_prefill.num_prompt_tokens,
+                                        at_prefill.num_output_tokens, at_prefill.max_tokens)
+    metrics = evaluate(predictions, at_prefill.output_tokens, max_len)
+    metrics["predict_all_held_out_s"] = time.perf_counter() - began
+    metrics["calibration"] = None if probe.calibration is None else probe.calibration.to_dict()
+    raw = probe._raw(at_prefill.hidden, at_prefill.num_prompt_tokens, at_prefill.num_output_tokens,
+                     at_prefill.max_tokens)[1]
+    raw_upper = np.minimum(np.rint(raw), at_prefill.max_tokens)
+    metrics["raw_under_reservation_rate"] = float(np.mean(at_prefill.output_tokens > raw_upper))
+    metrics["raw_mean_over_reservation_tokens"] = float(np.mean(np.maximum(0, raw_upper - at_prefill.output_tokens)))
+    by_prompt = dict(zip(at_prefill.prompt_ids.tolist(), predictions))
+    prefill_points = {p: pred.point_tokens for p, pred in by_prompt.items()}
+    for decoded in RANKING_POINTS:
+        at = test.take(test.num_output_tokens == decoded)
+        out = probe.predict_rows(at.hidden, at.num_prompt_tokens, at.num_output_tokens, at.max_tokens)
+        metrics[f"remaining_tau_at_{decoded}"] = remaining_tau(out.point_remaining, at)
+        if decoded in REPREDICTION_POINTS:
+            metrics[f"remaining_mae_tokens_at_{decoded}"] = remaining_mae(out.point_remaining, at) if len(at) else None
+            metrics[f"prefill_remaining_mae_tokens_at_{decoded}"] = prefill_remaining_mae(prefill_points, at)
+            metrics[f"num_running_at_{decoded}"] = len(at)
+    return metrics, by_prompt
+
+
+def split_features(features: HiddenFeatures, is_held_out: Callable[[str], bool]) -> tuple[HiddenFeatures,
+                                                                                          HiddenFeatures]:
+    """(train, held-out) rows by prompt; refuses a split that leaves either side empty."""
     held = np.array([is_held_out(p) for p in features.prompt_ids], dtype=bool)
     train, test = features.take(~held), features.take(held)
     if len(train) == 0 or len(test) == 0:
         raise ValueError(f"the features split into {len(train)} train and {len(test)} held-out rows: need both")
+    return train, test
+
+
+def score_probes(features: HiddenFeatures, is_held_out: Callable[[str], bool], max_len: int, quantile: float,
+                 num_latency_batches: int = 50) -> ProbeScores:
+    """Train each probe variant on the train side's rows and score it on the held-out side's."""
+    train, test = split_features(features, is_held_out)
     at_prefill = test.take(test.num_output_tokens == 0)
     scores = ProbeScores({}, {"num_train_rows": len(train), "num_held_out_rows": len(test),
                               "num_held_out_prompts": len(at_prefill)})
-    for name, (hidden_units, ranking_weight) in PROBE_VARIANTS.items():
-        config = ProbeConfig(max_len=max_len, quantile=quantile, hidden_units=hidden_units,
-                             ranking_weight=ranking_weight)
-        began = time.perf_counter()
-        probe = HiddenStateProbe(config, features.hidden.shape[1]).fit(train)
-        fit_s = time.perf_counter() - began
-        began = time.perf_counter()
-        predictions = probe.predict_lengths(at_prefill.hidden, at_prefill.num_prompt_tokens,
-                                            at_prefill.num_output_tokens, at_prefill.max_tokens)
-        metrics = evaluate(predictions, at_prefill.output_tokens, max_len)
-        metrics["predict_all_held_out_s"] = time.perf_counter() - began
+    for name, (probe, fit_s) in fit_probes(train, max_len, quantile).items():
+        metrics, scores.prefill_predictions[name] = probe_metrics(probe, test, max_len)
         metrics["fit_s"] = fit_s
-        metrics["calibration"] = None if probe.calibration is None else probe.calibration.to_dict()
-        raw = probe._raw(at_prefill.hidden, at_prefill.num_prompt_tokens, at_prefill.num_output_tokens,
-                         at_prefill.max_tokens)[1]
-        raw_upper = np.minimum(np.rint(raw), at_prefill.max_tokens)
-        metrics["raw_under_reservation_rate"] = float(np.mean(at_prefill.output_tokens > raw_upper))
-        metrics["raw_mean_over_reservation_tokens"] = float(np.mean(np.maximum(0, raw_upper - at_prefill.output_tokens)))
-        scores.prefill_predictions[name] = dict(zip(at_prefill.prompt_ids.tolist(), predictions))
-        prefill_points = {p: pred.point_tokens for p, pred in scores.prefill_predictions[name].items()}
-        for decoded in RANKING_POINTS:
-            at = test.take(test.num_output_tokens == decoded)
-            out = probe.predict_rows(at.hidden, at.num_prompt_tokens, at.num_output_tokens, at.max_tokens)
-            metrics[f"remaining_tau_at_{decoded}"] = remaining_tau(out.point_remaining, at)
-            if decoded in REPREDICTION_POINTS:
-                metrics[f"remaining_mae_tokens_at_{decoded}"] = (remaining_mae(out.point_remaining, at) if len(at)
-                                                                 else None)
-                metrics[f"prefill_remaining_mae_tokens_at_{decoded}"] = prefill_remaining_mae(prefill_points, at)
-                metrics[f"num_running_at_{decoded}"] = len(at)
         for batch_size in (1, 32):
             metrics.update(_latency_ms(probe, at_prefill, batch_size, num_latency_batches))
         scores.results[name] = metrics

@@ -46,6 +46,20 @@ class HiddenFeatures:
         return HiddenFeatures(self.prompt_ids[mask], self.num_prompt_tokens[mask], self.num_output_tokens[mask],
                               self.max_tokens[mask], self.output_tokens[mask], self.hidden[mask], dict(self.meta))
 
+    @classmethod
+    def concatenate(cls, parts: "list[HiddenFeatures]") -> "HiddenFeatures":
+        """The rows of several files as one (the meta of the first; they must agree on max_len and hidden size)."""
+        if not parts:
+            raise ValueError("no hidden-state features to join")
+        for part in parts[1:]:
+            if part.meta.get("max_len") != parts[0].meta.get("max_len") or part.hidden.shape[1:] != parts[0].hidden.shape[1:]:
+                raise ValueError(f"hidden-state features of max_len {part.meta.get('max_len')} and hidden size "
+                                 f"{part.hidden.shape[1:]} cannot join those of max_len {parts[0].meta.get('max_len')} "
+                                 f"and hidden size {parts[0].hidden.shape[1:]}")
+        return cls(*(np.concatenate([getattr(part, name) for part in parts])
+                     for name in ("prompt_ids", "num_prompt_tokens", "num_output_tokens", "max_tokens",
+                                  "output_tokens", "hidden")), dict(parts[0].meta))
+
     def save(self, path: Path | str) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,13 @@ A small MLP (or a linear map, `hidden_units=0`) with two heads:
 `ranking_weight > 0` adds a pairwise logistic ranking loss on the point head
 within each mini-batch (ordering is what a scheduler consumes; vllm-ltr's result).
 
+`cap_aware` treats an answer that runs to its `max_tokens` as censored: a third head
+gives the chance p that the answer runs to the cap (cross-entropy on rows whose answer
+did), the median head learns only the answers that stopped on their own, and the point
+is the expected capped remainder, p x (tokens still allowed) + (1 - p) x min(allowed,
+median). Past a few hundred decoded tokens most of the answers still going will run to
+the cap, whose remainder the tokens still allowed give exactly.
+
 Training rows are `predictor_service.hidden_features` rows: the engine's own, read by
 `s3serve probe extract` at 0, 64, 128, ... decoded tokens, so one probe answers both the
 first prediction after prefill and every re-prediction while decoding.
@@ -50,6 +57,7 @@ class ProbeConfig:
         interval_tokens: re-predict every this many decoded tokens in the worker.
         calibration_fraction: share of prompts (by id hash) kept for the conformal offset.
         seed: initialisation and batch order.
+        cap_aware: add the cap head and point at the expected capped remainder (above).
     """
 
     max_len: int = 1024
@@ -65,6 +73,7 @@ class ProbeConfig:
     interval_tokens: int = 64
     calibration_fraction: float = 0.2
     seed: int = 0
+    cap_aware: bool = False
 
     def __post_init__(self) -> None:
         if not 0.5 < self.quantile < 1.0:
@@ -91,11 +100,12 @@ class _ProbeNet(torch.nn.Module):
                       if width else torch.nn.Identity())
         self.quantiles = torch.nn.Linear(width or input_size, 2)  # log1p(remaining) at 0.5 and at `quantile`
         self.buckets = torch.nn.Linear(width or input_size, config.num_buckets)
+        self.cap = torch.nn.Linear(width or input_size, 1) if config.cap_aware else None  # logit of running to the cap
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, input] -> quantiles [N, 2], bucket logits [N, num_buckets]."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [N, input] -> quantiles [N, 2], bucket logits [N, num_buckets], cap logit [N] (cap_aware, else None)."""
         h = self.trunk(x)
-        return self.quantiles(h), self.buckets(h)
+        return self.quantiles(h), self.buckets(h), None if self.cap is None else self.cap(h)[:, 0]
 
 
 def _side_features(num_prompt, num_output, max_tokens, max_len: int) -> np.ndarray:
@@ -174,10 +184,16 @@ class HiddenStateProbe:
         self.std = hidden.std(0).clamp_min(1e-4)
         x = self._inputs(hidden, train.num_prompt_tokens, train.num_output_tokens, train.max_tokens)
         y = torch.as_tensor(np.log1p(train.remaining_tokens), dtype=torch.float32)  # [N]
+        capped = torch.as_tensor(train.output_tokens >= train.max_tokens, dtype=torch.float32)  # [N]
+        finished = capped == 0  # [N] the rows the median learns when cap_aware
         bucket = torch.as_tensor(bucket_of(train.output_tokens, config.max_len, config.num_buckets), dtype=torch.long)
         self.last_read_tokens = int(features.num_output_tokens.max())
         with torch.no_grad():  # start at the unconditional answer: pinball gradients are small and bounded
             self.net.quantiles.bias.copy_(torch.quantile(y, torch.tensor([0.5, config.quantile])))
+            if self.net.cap is not None and finished.any():
+                self.net.quantiles.bias[0] = torch.quantile(y[finished], 0.5)
+                share = capped.mean().clamp(1e-3, 1 - 1e-3)
+                self.net.cap.bias.fill_(float(torch.log(share / (1 - share))))
             prior = torch.bincount(bucket, minlength=config.num_buckets).float() + 1.0
             self.net.buckets.bias.copy_(torch.log(prior / prior.sum()))
         generator = torch.Generator().manual_seed(config.seed)
@@ -188,11 +204,16 @@ class HiddenStateProbe:
             order = torch.randperm(len(y), generator=generator)
             for start in range(0, len(y), config.batch_size):
                 batch = order[start:start + config.batch_size]
-                quantiles, logits = self.net(x[batch])
-                loss = (_pinball(quantiles[:, 0], y[batch], 0.5) + _pinball(quantiles[:, 1], y[batch], config.quantile)
-                        + 0.2 * F.cross_entropy(logits, bucket[batch]))
-                if config.ranking_weight > 0:
-                    loss = loss + config.ranking_weight * _pairwise_ranking(quantiles[:, 0], y[batch])
+                quantiles, logits, cap_logit = self.net(x[batch])
+                median_rows = finished[batch] if cap_logit is not None else torch.ones_like(finished[batch])
+                loss = _pinball(quantiles[:, 1], y[batch], config.quantile) + 0.2 * F.cross_entropy(logits, bucket[batch])
+                if median_rows.any():
+                    loss = loss + _pinball(quantiles[median_rows, 0], y[batch][median_rows], 0.5)
+                if cap_logit is not None:
+                    loss = loss + F.binary_cross_entropy_with_logits(cap_logit, capped[batch])
+                if config.ranking_weight > 0 and median_rows.sum() > 1:
+                    loss = loss + config.ranking_weight * _pairwise_ranking(quantiles[median_rows, 0],
+                                                                            y[batch][median_rows])
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
@@ -208,9 +229,15 @@ class HiddenStateProbe:
 
     @torch.no_grad()
     def _raw(self, hidden, num_prompt, num_output, max_tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        quantiles, logits = self.net(self._inputs(hidden, num_prompt, num_output, max_tokens))
+        """Point and raw bound of the remaining tokens [N] each, bucket probabilities [N, num_buckets]."""
+        quantiles, logits, cap_logit = self.net(self._inputs(hidden, num_prompt, num_output, max_tokens))
         remaining = np.expm1(quantiles.double().numpy()).clip(min=1.0)  # [N, 2]
-        return remaining[:, 0], remaining[:, 1], torch.softmax(logits.double(), dim=1).numpy()
+        point = remaining[:, 0]
+        if cap_logit is not None:  # the expected capped remainder
+            allowed = np.asarray(max_tokens, dtype=np.float64) - np.asarray(num_output, dtype=np.float64)
+            chance = torch.sigmoid(cap_logit.double()).numpy()
+            point = chance * allowed + (1.0 - chance) * np.minimum(point, allowed)
+        return point, remaining[:, 1], torch.softmax(logits.double(), dim=1).numpy()
 
     def predict_rows(self, hidden, num_prompt, num_output, max_tokens) -> ProbeOutput:
         """Predictions for rows of hidden states [N, hidden_size] and their per-row counts ([N] each)."""

@@ -4,6 +4,16 @@
     upper:   quantile regression (alpha = quantile) on log1p(length) -> upper_bound_tokens
     buckets: multiclass over the 10 equal-width buckets    -> bucket_probs
 
+With `cap_aware`, an answer that ran to its `max_tokens` is what it is, a censored
+observation (it would have gone on), not a length. Two more boosters model it:
+
+    cap:      binary, the chance p of running to the cap
+    finished: L2 regression on log1p(length) of the answers that stopped on their own
+    point  =  p * max_tokens + (1 - p) * min(max_tokens, expm1(finished))
+
+so the point is the expected capped length, the work a scheduler ranks by, and a prompt
+likely to hit the cap ranks above every one likely to stop short.
+
 A quantile is unchanged by a monotone transform, so the quantile booster can work on
 the log scale like the point booster (trees fit the long tail better there). Both
 outputs are clamped to [1, max_tokens], and the bound to at least the point.
@@ -29,6 +39,7 @@ from predictor_service.metrics import bucket_of
 
 NUM_BUCKETS = 10
 MODEL_FILES = {"point": "point.lgb.txt", "upper": "upper.lgb.txt", "buckets": "buckets.lgb.txt"}
+CAP_MODEL_FILES = {"cap": "cap.lgb.txt", "finished": "finished.lgb.txt"}  # with cap_aware
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +89,14 @@ class LightGBMLengthPredictor(FittedLengthPredictor):
         quantile: probability that the true length stays within the upper bound.
         max_len: longest sequence; the buckets span [0, max_len].
         booster_config: LightGBM settings.
+        cap_aware: point at the expected capped length from the cap and finished boosters (above).
     """
 
     name = "lightgbm"
     needs_text = True
 
     def __init__(self, feature_config: FeatureConfig | None = None, quantile: float = 0.9, max_len: int = 1024,
-                 booster_config: BoosterConfig | None = None) -> None:
+                 booster_config: BoosterConfig | None = None, cap_aware: bool = False) -> None:
         super().__init__()
         check_quantile(quantile)
         if max_len < NUM_BUCKETS:
@@ -93,6 +105,7 @@ class LightGBMLengthPredictor(FittedLengthPredictor):
         self.quantile = quantile
         self.max_len = max_len
         self.booster_config = booster_config or BoosterConfig()
+        self.cap_aware = cap_aware
         self.features = FeatureExtractor(self.feature_config)
         self.boosters: dict = {}
 
@@ -114,7 +127,28 @@ class LightGBMLengthPredictor(FittedLengthPredictor):
                                       lightgbm.Dataset(matrix, bucket_of(array, self.max_len, NUM_BUCKETS)),
                                       num_boost_round=self.booster_config.num_bucket_rounds),
         }
+        if self.cap_aware:
+            self.boosters |= self._cap_boosters(examples, matrix, array)
         return self
+
+    def _cap_boosters(self, examples: Sequence[LengthExample], matrix: np.ndarray, lengths: np.ndarray) -> dict:
+        """The cap booster (did the answer run to its max_tokens?) and the finished booster (log length of those
+        that did not); each needs both kinds of answer among the examples."""
+        import lightgbm
+
+        capped = lengths >= np.array([example.max_tokens for example in examples])  # [n]
+        if capped.all() or not capped.any():
+            raise ValueError(f"cap_aware needs answers that ran to their max_tokens and answers that stopped: "
+                             f"{int(capped.sum())} of {len(capped)} ran to the cap")
+        params = self.booster_config.lightgbm_params()
+        rounds = self.booster_config.num_rounds
+        return {
+            "cap": lightgbm.train({**params, "objective": "binary"}, lightgbm.Dataset(matrix, capped.astype(float)),
+                                  num_boost_round=rounds),
+            "finished": lightgbm.train({**params, "objective": "regression"},
+                                       lightgbm.Dataset(matrix[~capped], np.log1p(lengths[~capped])),
+                                       num_boost_round=rounds),
+        }
 
     def _cross_conformal(self, examples: Sequence[LengthExample], matrix: np.ndarray, lengths: np.ndarray):
         """Calibration from out-of-fold quantile-booster bounds; None when folds are off or too small."""
@@ -146,23 +180,37 @@ class LightGBMLengthPredictor(FittedLengthPredictor):
         max_tokens = np.array([example.max_tokens for example in examples])
         # One thread: OpenMP start-up costs more than a small batch's trees (21 ms vs 0.2 ms at batch 1).
         raw = {role: np.asarray(booster.predict(matrix, num_threads=1)) for role, booster in self.boosters.items()}
-        points = clamp_tokens(np.expm1(raw["point"]), max_tokens)
+        if self.cap_aware:
+            finished = np.minimum(np.expm1(raw["finished"]), max_tokens)
+            points = clamp_tokens(raw["cap"] * max_tokens + (1.0 - raw["cap"]) * finished, max_tokens)
+        else:
+            points = clamp_tokens(np.expm1(raw["point"]), max_tokens)
         uppers = np.maximum(self.calibrated_upper(np.expm1(raw["upper"]), max_tokens), points)
         probs = raw["buckets"].reshape(len(examples), NUM_BUCKETS)
         return [
             LengthPrediction(int(p), int(u), tuple(float(x) for x in row)) for p, u, row in zip(points, uppers, probs)
         ]
 
+    def cap_probability(self, examples: Sequence[LengthExample]) -> np.ndarray:
+        """[len(examples)] the chance each answer runs to its max_tokens (cap_aware only)."""
+        if "cap" not in self.boosters:
+            raise ValueError("cap_probability needs a cap_aware LightGBMLengthPredictor, fitted")
+        return np.asarray(self.boosters["cap"].predict(self.features.transform(examples), num_threads=1))
+
     def to_params(self) -> dict:
-        return {"quantile": self.quantile, "max_len": self.max_len, "booster_config": asdict(self.booster_config)}
+        return {"quantile": self.quantile, "max_len": self.max_len, "booster_config": asdict(self.booster_config),
+                "cap_aware": self.cap_aware}
+
+    def _model_files(self) -> dict[str, str]:
+        return MODEL_FILES | (CAP_MODEL_FILES if self.cap_aware else {})
 
     def save_models(self, directory: Path) -> list[str]:
         """Write the boosters as LightGBM text model files; returns the file names."""
         if not self.boosters:
             raise ValueError("LightGBMLengthPredictor is not fitted: nothing to save")
-        for role, file_name in MODEL_FILES.items():
+        for role, file_name in self._model_files().items():
             self.boosters[role].save_model(str(directory / file_name))
-        return list(MODEL_FILES.values())
+        return list(self._model_files().values())
 
     @classmethod
     def load(cls, params: dict, feature_config: FeatureConfig, directory: Path) -> "LightGBMLengthPredictor":
@@ -170,8 +218,8 @@ class LightGBMLengthPredictor(FittedLengthPredictor):
         import lightgbm
 
         predictor = cls(feature_config, params["quantile"], params["max_len"],
-                        BoosterConfig(**params["booster_config"]))
-        for role, file_name in MODEL_FILES.items():
+                        BoosterConfig(**params["booster_config"]), bool(params.get("cap_aware", False)))
+        for role, file_name in predictor._model_files().items():
             path = directory / file_name
             try:
                 booster = lightgbm.Booster(model_file=str(path))

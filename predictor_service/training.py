@@ -18,6 +18,8 @@ from predictor_service.lightgbm_predictor import LightGBMLengthPredictor
 from predictor_service.transformer_predictor import TransformerConfig, TransformerLengthPredictor
 from predictor_service.metrics import evaluate
 
+CAPPED_LIGHTGBM = "lightgbm_capped"  # LightGBM pointing at the expected capped length (cap_aware)
+
 
 @dataclass(frozen=True, slots=True)
 class LabelRow:
@@ -128,7 +130,8 @@ def split_by_prompt_id(dataset: LengthDataset, held_out_fraction: float = 0.2) -
 def make_predictor(kind: str, quantile: float = 0.9, max_len: int = 1024,
                    feature_config: FeatureConfig | None = None,
                    transformer_config: TransformerConfig | None = None) -> FittedLengthPredictor:
-    """An unfitted predictor of `kind` ("lightgbm", "transformer", "mean" or "linear")."""
+    """An unfitted predictor of `kind` ("lightgbm", "lightgbm_capped": its cap-aware point, "transformer", "mean"
+    or "linear")."""
     if kind == "transformer":
         return TransformerLengthPredictor(quantile, max_len, transformer_config)
     if kind == "mean":
@@ -137,7 +140,10 @@ def make_predictor(kind: str, quantile: float = 0.9, max_len: int = 1024,
         return PromptLengthLinearPredictor(quantile, max_len)
     if kind == "lightgbm":
         return LightGBMLengthPredictor(feature_config or FeatureConfig(), quantile, max_len)
-    raise ValueError(f"unknown predictor kind {kind!r}; choose one of lightgbm, transformer, mean, linear")
+    if kind == CAPPED_LIGHTGBM:
+        return LightGBMLengthPredictor(feature_config or FeatureConfig(), quantile, max_len, cap_aware=True)
+    raise ValueError(f"unknown predictor kind {kind!r}; choose one of lightgbm, {CAPPED_LIGHTGBM}, transformer, mean, "
+                     "linear")
 
 
 @dataclass(frozen=True, slots=True)

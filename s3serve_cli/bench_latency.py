@@ -19,7 +19,8 @@ def _bench_latency(args: argparse.Namespace) -> int:
     overrides = given((("num_requests", args.num_requests), ("max_len", args.max_len), ("loads", args.loads),
                        ("settings", args.settings), ("policies", args.policies), ("rounds", args.rounds),
                        ("kv_bound_slots", args.kv_bound_slots), ("predictor", args.predictor),
-                       ("probe", args.probe), ("seed", args.seed), ("labels_path", args.labels)))
+                       ("probe", args.probe), ("other_probe", args.other_probe), ("seed", args.seed),
+                       ("labels_path", args.labels)))
     if args.bursty_load is not None:
         overrides["bursty_load"] = None if args.bursty_load == 0 else args.bursty_load
     overrides.update(given_values(args, ENGINE_SETTINGS))
@@ -65,8 +66,9 @@ def add_latency_parser(benches) -> None:
                               "max_num_seqs sequences of max_len: the slots bind) (default both; kv_bound with "
                               "--quick)")
     latency.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
-                         choices=("fcfs", "default", "oracle", "before", "no_preempt"),
-                         help="rows: fcfs default oracle (the default) before no_preempt; fcfs is required")
+                         choices=("fcfs", "default", "oracle", "before", "no_preempt", "other_probe"),
+                         help="rows: fcfs default oracle (the default) before no_preempt other_probe (the default "
+                              "with --other-probe); fcfs is required")
     latency.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2)")
     latency.add_argument("--kv-bound-slots", type=int, default=None, metavar="N",
                          help="kv_bound: KV for N sequences of max_len tokens (default 8)")
@@ -76,6 +78,9 @@ def add_latency_parser(benches) -> None:
     latency.add_argument("--probe", default=None, metavar="DIR",
                          help="the default's hidden-state probe: default (the shipped SmolLM2 one) or a folder "
                               "from `s3serve probe train`")
+    latency.add_argument("--other-probe", default=None, metavar="DIR",
+                         help="the probe of the other_probe row (a folder from `s3serve probe train`): two probes "
+                              "under the default policy in one invocation")
     latency.add_argument("--seed", type=int, default=None,
                          help="which held-out prompts and the Poisson arrivals (default 0; tune on another)")
     latency.add_argument("--labels", type=Path, default=None, metavar="FILE",

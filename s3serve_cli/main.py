@@ -198,9 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "version under --out (OUT/vNNNN, with OUT/LATEST pointing at it).",
     )
     add_label_args(train)
-    train.add_argument("--kind", choices=("lightgbm", "transformer", "mean", "linear"), default="lightgbm",
-                       help="lightgbm over prompt features, transformer (MiniLM fine-tuned on CPU, a few minutes), "
-                            "or a baseline: training mean, line in prompt length (default: %(default)s)")
+    train.add_argument("--kind", choices=("lightgbm", "lightgbm_capped", "transformer", "mean", "linear"),
+                       default="lightgbm",
+                       help="lightgbm over prompt features (lightgbm_capped: its point is the expected capped "
+                            "length, from the chance of running to max_tokens), transformer (MiniLM fine-tuned on "
+                            "CPU, a few minutes), or a baseline: training mean, line in prompt length (default: "
+                            "%(default)s)")
     train.add_argument("--out", type=Path, required=True, metavar="DIR", help="artifact root to add a version to")
     train.add_argument("--quantile", type=float, default=0.9,
                        help="probability that the true length stays within the upper bound (default: %(default)s)")

@@ -58,14 +58,15 @@ def run_extract(label_paths, prompt_paths, out: Path, max_len: int = 1024, inter
 
 
 def run_train(features_path: Path, out: Path, hidden_units: int = 256, ranking_weight: float = 1.0,
-              quantile: float = 0.9, interval_tokens: int = 64, num_epochs: int = 40) -> dict:
+              quantile: float = 0.9, interval_tokens: int = 64, num_epochs: int = 40, cap_aware: bool = False) -> dict:
     """Train the probe on every row of a features file (the bound calibrated on a slice of prompts); save it."""
     from predictor_service.hidden_features import HiddenFeatures
     from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
 
     features = HiddenFeatures.load(features_path)
     config = ProbeConfig(max_len=int(features.meta["max_len"]), quantile=quantile, hidden_units=hidden_units,
-                         ranking_weight=ranking_weight, interval_tokens=interval_tokens, num_epochs=num_epochs)
+                         ranking_weight=ranking_weight, interval_tokens=interval_tokens, num_epochs=num_epochs,
+                         cap_aware=cap_aware)
     probe = HiddenStateProbe(config, features.hidden.shape[1]).fit(features)
     summary = {"rows": len(features), "prompts": len(set(features.prompt_ids.tolist())),
                "calibration": None if probe.calibration is None else probe.calibration.to_dict()}
@@ -83,7 +84,7 @@ def _extract(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     summary = run_train(args.features, args.out, args.hidden_units, args.ranking_weight, args.quantile,
-                        args.interval, args.epochs)
+                        args.interval, args.epochs, args.cap_aware)
     print(f"probe: {summary['rows']} rows of {summary['prompts']} prompts, bound calibration "
           f"{summary['calibration']} -> {args.out}")
     return 0
@@ -125,4 +126,8 @@ def add_probe_parser(commands) -> None:
     train.add_argument("--interval", type=int, default=64,
                        help="re-predict every N decoded tokens when serving (default: %(default)s)")
     train.add_argument("--epochs", type=int, default=40, help="training epochs (default: %(default)s)")
+    train.add_argument("--cap-aware", action="store_true",
+                       help="add a head for the chance of running to max_tokens and point at the expected capped "
+                            "remainder (ranks the remaining tokens better once decoding is under way: `bench "
+                            "predictor`'s probe_capped row)")
     train.set_defaults(handler=_train)

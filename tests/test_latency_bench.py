@@ -62,6 +62,8 @@ def test_ratios_are_against_fcfs_and_the_oracle_share_is_of_its_gain():
     ({"loads": (), "bursty_load": None}, "no load point"),
     ({"rounds": 0}, "rounds"),
     ({"num_requests": 2}, "num_requests"),
+    ({"policies": ("fcfs", "other_probe")}, "name the probe it runs"),
+    ({"other_probe": "probe_dir"}, "name the probe it runs"),
 ])
 def test_a_config_that_cannot_run_says_why(changes, message):
     with pytest.raises(ValueError, match=message):
