@@ -29,12 +29,12 @@ from benchmarks.prompt_pool import DEFAULT_PROMPTS, read_prompts
 from benchmarks.report import environment, format_table, write_json
 from predictor_service.artifacts import load_predictor, read_manifest
 from predictor_service.features import FeatureConfig
+from predictor_service.hidden_features import HiddenFeatures
 from predictor_service.length_example import FittedLengthPredictor
 from predictor_service.metrics import distribution_metrics, evaluate
 from predictor_service.server import SHIPPED_LABEL_FILES
-from predictor_service.hidden_features import HiddenFeatures
-from predictor_service.training import (CAPPED_LIGHTGBM, LengthDataset, build_dataset, is_held_out, make_predictor, read_labels,
-                                        split_by)
+from predictor_service.training import (CAPPED_LIGHTGBM, LengthDataset, build_dataset, is_held_out, make_predictor,
+                                        read_labels, split_by)
 
 METRICS = ("kendall_tau", "bucket_accuracy", "mae_tokens", "under_reservation_rate", "mean_over_reservation_tokens")
 LATENCY_BATCH_SIZES = (1, 32)

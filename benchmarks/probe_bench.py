@@ -90,7 +90,8 @@ def fit_probes(train: HiddenFeatures, max_len: int, quantile: float) -> dict[str
     return fitted
 
 
-def probe_metrics(probe: HiddenStateProbe, test: HiddenFeatures, max_len: int) -> tuple[dict, dict[str, LengthPrediction]]:
+def probe_metrics(probe: HiddenStateProbe, test: HiddenFeatures,
+                  max_len: int) -> tuple[dict, dict[str, LengthPrediction]]:
     """One fitted probe on held-out rows: the text predictors' metrics at the prefill's rows, the raw bound's cost,
     and the remaining-token tau and MAE at every re-prediction point; with its prediction per prefill prompt."""
     at_prefill = test.take(test.num_output_tokens == 0)

@@ -52,7 +52,8 @@ class HiddenFeatures:
         if not parts:
             raise ValueError("no hidden-state features to join")
         for part in parts[1:]:
-            if part.meta.get("max_len") != parts[0].meta.get("max_len") or part.hidden.shape[1:] != parts[0].hidden.shape[1:]:
+            if (part.meta.get("max_len") != parts[0].meta.get("max_len")
+                    or part.hidden.shape[1:] != parts[0].hidden.shape[1:]):
                 raise ValueError(f"hidden-state features of max_len {part.meta.get('max_len')} and hidden size "
                                  f"{part.hidden.shape[1:]} cannot join those of max_len {parts[0].meta.get('max_len')} "
                                  f"and hidden size {parts[0].hidden.shape[1:]}")

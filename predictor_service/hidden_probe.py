@@ -206,7 +206,8 @@ class HiddenStateProbe:
                 batch = order[start:start + config.batch_size]
                 quantiles, logits, cap_logit = self.net(x[batch])
                 median_rows = finished[batch] if cap_logit is not None else torch.ones_like(finished[batch])
-                loss = _pinball(quantiles[:, 1], y[batch], config.quantile) + 0.2 * F.cross_entropy(logits, bucket[batch])
+                loss = (_pinball(quantiles[:, 1], y[batch], config.quantile)
+                        + 0.2 * F.cross_entropy(logits, bucket[batch]))
                 if median_rows.any():
                     loss = loss + _pinball(quantiles[median_rows, 0], y[batch][median_rows], 0.5)
                 if cap_logit is not None:

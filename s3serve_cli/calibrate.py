@@ -8,7 +8,8 @@
 
 Each step is the command of the same name (`label`, `train-predictor`, `probe extract`, `probe train`) with the
 settings the service's predictors use; `s3serve bench predictor --labels OUT/labels.jsonl --probe-features
-OUT/probe-features.npz` scores both on held-out prompts.
+OUT/probe-features.npz --split prompt_id` scores both on held-out prompts (leave-source-out, the standard, wants
+30 labelled prompts of a source).
 """
 
 import argparse
@@ -69,7 +70,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         serve += f" --length-probe {out / 'probe'}"
     print(f"serve with it:\n  {serve}\nscore the predictor and the probe on held-out prompts:\n  s3serve bench "
           f"predictor --labels {out / 'labels.jsonl'} --prompts {' '.join(map(str, args.prompts))} --max-len "
-          f"{args.max_len} --no-embedding --kinds mean linear lightgbm" +
+          f"{args.max_len} --no-embedding --kinds mean linear lightgbm --split prompt_id" +
           ("" if args.no_probe else f" --probe-features {out / 'probe-features.npz'}"))
     return 0
 
