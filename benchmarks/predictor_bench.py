@@ -8,9 +8,9 @@ what the raw (uncalibrated) bound would have cost: under-reservation and over-re
 Latency is that of `predict_examples` on prompt text already looked up.
 
 With hidden-state features (`probe_features`, the engine's own rows from `s3serve probe
-extract`; the shipped file by default) the hidden-state probes are trained on the same
+extract`; by default those beside each labels file) the hidden-state probes are trained on the same
 train side and scored on the same held-out prompts (`benchmarks.probe_bench`), with their
-re-predictions after 64 and 256 decoded tokens. `split="source"` holds out whole source
+re-predictions after 64, 128 and 256 decoded tokens. `split="source"` holds out whole source
 sets of the pool instead of a hash of the prompt id: traffic unlike anything trained on.
 """
 
@@ -39,6 +39,8 @@ from predictor_service.training import (CAPPED_LIGHTGBM, LengthDataset, build_da
 METRICS = ("kendall_tau", "bucket_accuracy", "mae_tokens", "under_reservation_rate", "mean_over_reservation_tokens")
 LATENCY_BATCH_SIZES = (1, 32)
 KINDS = ("mean", "linear", "lightgbm", "transformer", CAPPED_LIGHTGBM)
+DEFAULT_KINDS = ("mean", "linear", "lightgbm", "transformer")  # one split's default rows
+BASELINES = ("mean", "linear")
 LEAVE_SOURCE_OUT = "leave-source-out"  # the standard: `benchmarks.source_folds`
 SPLITS = ("prompt_id", "source", LEAVE_SOURCE_OUT)
 POOL_STEM = "pool"  # the shared pool's file name, the part of its prompt ids before the colon
@@ -60,7 +62,7 @@ class PredictorBenchConfig:
         label_paths: labels JSONL files written by `s3serve label`.
         prompt_paths: the prompt files the labels were made from.
         artifact: a saved predictor to score as well, reported as "artifact".
-        kinds: predictor kinds trained here; None means all of KINDS, or only the baselines with an artifact.
+        kinds: predictor kinds trained here; None means DEFAULT_KINDS, or only the baselines with an artifact.
         max_len: longest sequence; the 10 buckets span [0, max_len].
         quantile: the upper bound's coverage target.
         use_embedding: give the LightGBM trained here the MiniLM embedding.
@@ -206,7 +208,7 @@ def run(config: PredictorBenchConfig, json_path: Path | None = None) -> dict:
           f"({len(dataset.missing_prompt_ids)} without a prompt), {len(train.examples)} train, "
           f"{len(held_out.examples)} held out")
 
-    kinds = config.kinds if config.kinds is not None else (KINDS[:4] if config.artifact is None else KINDS[:2])
+    kinds = config.kinds if config.kinds is not None else (DEFAULT_KINDS if config.artifact is None else BASELINES)
     unknown = [kind for kind in kinds if kind not in KINDS]
     if unknown:
         raise ValueError(f"unknown predictor kinds {unknown}; choose from {', '.join(KINDS)}")

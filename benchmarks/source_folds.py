@@ -32,7 +32,7 @@ from predictor_service.metrics import evaluate
 from predictor_service.training import LengthDataset, build_dataset, make_predictor, read_labels, split_by
 
 # The text kinds trained per fold unless asked: the transformer fine-tunes for minutes, once per fold
-DEFAULT_KINDS = ("mean", "linear", "lightgbm")
+FOLD_KINDS = ("mean", "linear", "lightgbm")
 ALL_SOURCES = "(all pool sources)"  # the fold that trains on the whole pool and scores the sets outside it
 SCORES = ("kendall_tau", "bucket_accuracy", "mae_tokens", "under_reservation_rate",
           *(f"remaining_tau_at_{n}" for n in probe_bench.REPREDICTION_POINTS),
@@ -57,11 +57,19 @@ class SourceFolds:
     def plan(cls, prompt_ids: Sequence[str], min_fold_prompts: int) -> "SourceFolds":
         prompts_of = Counter(source_of(p) for p in set(prompt_ids) if is_pool_prompt(p))
         outside = sorted({source_of(p) for p in prompt_ids if not is_pool_prompt(p)})
+        if len(prompts_of) < 2:
+            raise ValueError(f"leave-source-out trains on the pool's other sources, and these labels hold "
+                             f"{len(prompts_of)} pool source(s): score them with --split prompt_id")
+        if set(outside) & set(prompts_of):
+            clash = ", ".join(sorted(set(outside) & set(prompts_of)))
+            raise ValueError(f"prompt files named like pool sources ({clash}) would be scored as one source: rename "
+                             "the files")
         big = tuple(s for s, n in sorted(prompts_of.items(), key=lambda kv: (-kv[1], kv[0])) if n >= min_fold_prompts)
         small = tuple(sorted(s for s in prompts_of if s not in big))
         if not big and not outside:
             raise ValueError(f"no source to hold out: no pool source has {min_fold_prompts} labelled prompts and no "
-                             "prompt comes from outside the pool (pass --min-fold-prompts lower, or more labels)")
+                             "prompt comes from outside the pool (pass --min-fold-prompts lower, more labels, or "
+                             "--split prompt_id)")
         return cls(big, small, tuple(outside))
 
     def folds(self) -> list[tuple[str, Callable[[str], bool], tuple[str, ...]]]:
@@ -103,8 +111,9 @@ def score_fold(config: PredictorBenchConfig, kinds: Sequence[str], train: Length
                 points = {e.prompt_id: p.point_tokens for e, p in zip(rows.examples, predictions)}
                 metrics |= probe_bench.text_predictor_remaining(points, features, lambda p, s=source: source_of(p) == s)
             scores[source][kind] = metrics
-    if features is not None:
-        train_rows, test_rows = probe_bench.split_features(features, not_trained)
+    held = np.array([not_trained(p) for p in features.prompt_ids], dtype=bool) if features is not None else None
+    if features is not None and held.any() and not held.all():  # sources without rows are left unscored
+        train_rows, test_rows = features.take(~held), features.take(held)
         for name, (probe, _) in probe_bench.fit_probes(train_rows, config.max_len, config.quantile).items():
             for source in sources:
                 rows = test_rows.take(np.array([source_of(p) == source for p in test_rows.prompt_ids], dtype=bool))
@@ -114,15 +123,17 @@ def score_fold(config: PredictorBenchConfig, kinds: Sequence[str], train: Length
 
 
 def averages(by_source: dict[str, dict[str, dict]]) -> dict[str, dict]:
-    """Predictor -> the unweighted mean of each score over the sources it was scored on (None where none had it)."""
+    """Predictor -> the unweighted mean of each score over the sources that have it (None where none has), with
+    how many sources each mean covers (a remaining-length tau needs 3 answers still going)."""
     names = list(dict.fromkeys(name for per_source in by_source.values() for name in per_source))
     out = {}
     for name in names:
         rows = [per_source[name] for per_source in by_source.values() if name in per_source]
-        out[name] = {"num_sources": len(rows)}
+        out[name] = {"num_sources": len(rows), "num_sources_by_score": {}}
         for key in SCORES:
             values = [row[key] for row in rows if row.get(key) is not None]
             out[name][key] = float(np.mean(values)) if values else None
+            out[name]["num_sources_by_score"][key] = len(values)
     return out
 
 
@@ -134,7 +145,7 @@ def run(config: PredictorBenchConfig, json_path=None) -> dict:
     rows = read_labels(config.label_paths)
     dataset = build_dataset(rows, load_prompt_texts_by_id(config.prompt_paths))
     plan = SourceFolds.plan([e.prompt_id for e in dataset.examples], config.min_fold_prompts)
-    kinds = tuple(config.kinds) if config.kinds is not None else DEFAULT_KINDS
+    kinds = tuple(config.kinds) if config.kinds is not None else FOLD_KINDS
     unknown = [kind for kind in kinds if kind not in KINDS]
     if unknown:
         raise ValueError(f"unknown predictor kinds {unknown}; choose from {', '.join(KINDS)}")

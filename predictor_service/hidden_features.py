@@ -52,6 +52,9 @@ class HiddenFeatures:
         if not parts:
             raise ValueError("no hidden-state features to join")
         for part in parts[1:]:
+            if part.meta.get("model") != parts[0].meta.get("model"):
+                raise ValueError(f"hidden-state features of {part.meta.get('model')} cannot join those of "
+                                 f"{parts[0].meta.get('model')}: a probe reads one model's states")
             if (part.meta.get("max_len") != parts[0].meta.get("max_len")
                     or part.hidden.shape[1:] != parts[0].hidden.shape[1:]):
                 raise ValueError(f"hidden-state features of max_len {part.meta.get('max_len')} and hidden size "

@@ -15,8 +15,8 @@ A small MLP (or a linear map, `hidden_units=0`) with two heads:
 within each mini-batch (ordering is what a scheduler consumes; vllm-ltr's result).
 
 `cap_aware` treats an answer that runs to its `max_tokens` as censored: a third head
-gives the chance p that the answer runs to the cap (cross-entropy on rows whose answer
-did), the median head learns only the answers that stopped on their own, and the point
+gives the chance p that the answer runs to the cap (binary cross-entropy on every row,
+1 where the answer ran to it), the median head learns only the answers that stopped on their own, and the point
 is the expected capped remainder, p x (tokens still allowed) + (1 - p) x min(allowed,
 median). Past a few hundred decoded tokens most of the answers still going will run to
 the cap, whose remainder the tokens still allowed give exactly.

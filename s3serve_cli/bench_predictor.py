@@ -33,7 +33,8 @@ def _bench_predictor(args: argparse.Namespace) -> int:
         label_paths=tuple(labels), prompt_paths=tuple(prompts), artifact=args.artifact,
         kinds=None if args.kinds is None else tuple(args.kinds),
         max_len=args.max_len, quantile=args.quantile, use_embedding=not args.no_embedding,
-        probe_features=features, split=split, min_fold_prompts=args.min_fold_prompts,
+        probe_features=features, split=split,
+        **({} if args.min_fold_prompts is None else {"min_fold_prompts": args.min_fold_prompts}),
     )
     if split == predictor_bench.LEAVE_SOURCE_OUT:
         source_folds.run(config, args.json)
@@ -95,9 +96,9 @@ def add_predictor_parser(benches) -> None:
                                 "out 20%% of prompts by a hash of the id (train-predictor's split). source: hold "
                                 "out gsm8k, arenahard and humaneval at once. Default: leave-source-out, or "
                                 "prompt_id with --artifact (an artifact has seen every source)")
-    predictor.add_argument("--min-fold-prompts", type=int, default=30, metavar="N",
+    predictor.add_argument("--min-fold-prompts", type=int, default=None, metavar="N",
                            help="leave-source-out holds out a pool source only with N labelled prompts or more; "
-                                "smaller ones are always trained on (default: %(default)s)")
+                                "smaller ones are always trained on (default: 30)")
     predictor.add_argument("--probe-features", type=Path, nargs="+", default=None, metavar="NPZ",
                            help=f"hidden-state rows for the probes, extracted from these labels (default: the "
                                 f"LABELS.hidden.npz beside each labels file, as the shipped "

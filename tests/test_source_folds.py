@@ -45,7 +45,13 @@ def test_each_fold_trains_on_no_prompt_of_the_source_it_scores_nor_on_any_set_ou
     assert {source_of(e.prompt_id) for e in split_by(dataset, folds[-1][1])[0].examples} == {
         "gsm8k", "mbpp", "oasst_seed"}  # the outside sets are scored by predictors trained on the whole pool
     with pytest.raises(ValueError, match="no source to hold out"):
-        SourceFolds.plan(_ids("gsm8k", 10), min_fold_prompts=30)
+        SourceFolds.plan(_ids("gsm8k", 10) + _ids("mbpp", 10), min_fold_prompts=30)
+    with pytest.raises(ValueError, match="1 pool source.*--split prompt_id"):  # a fold would train on nothing
+        SourceFolds.plan(_ids("gsm8k", 40) + ["mine:1", "mine:2"], min_fold_prompts=30)
+    with pytest.raises(ValueError, match="0 pool source"):
+        SourceFolds.plan(["mine:1", "mine:2"], min_fold_prompts=30)
+    with pytest.raises(ValueError, match=r"named like pool sources \(gsm8k\)"):
+        SourceFolds.plan(_ids("gsm8k", 40) + _ids("mbpp", 40) + ["gsm8k:7"], min_fold_prompts=30)
 
 
 def test_averages_weigh_every_source_the_same_and_skip_missing_scores():
@@ -115,6 +121,21 @@ def test_the_bench_scores_every_source_held_out_and_the_sets_outside_the_pool(sh
     assert result["average"]["linear"]["kendall_tau"] == pytest.approx(np.mean(taus))
     assert result["average_pool"]["linear"]["num_sources"] == 3
     assert json.loads((tmp_path / "out.json").read_text())["average"]["probe"]["num_sources"] == 4
+
+
+def test_hidden_state_files_join_only_for_one_model_and_max_len():
+    lengths = {f"pool:gsm8k-{i}": 100 + i for i in range(4)}
+    first, second = _features(lengths), _features({f"pool:mbpp-{i}": 90 for i in range(3)})
+    joined = HiddenFeatures.concatenate([first, second])
+    assert len(joined) == len(first) + len(second) and joined.prompt_ids[-1] == "pool:mbpp-2"
+    with pytest.raises(ValueError, match="cannot join those of max_len 520"):
+        HiddenFeatures.concatenate([first, HiddenFeatures(*[getattr(second, f) for f in (
+            "prompt_ids", "num_prompt_tokens", "num_output_tokens", "max_tokens", "output_tokens", "hidden")],
+            {"max_len": 1024})])
+    with pytest.raises(ValueError, match="a probe reads one model's states"):
+        HiddenFeatures.concatenate([first, HiddenFeatures(*[getattr(second, f) for f in (
+            "prompt_ids", "num_prompt_tokens", "num_output_tokens", "max_tokens", "output_tokens", "hidden")],
+            {"max_len": 520, "model": "other"})])
 
 
 def test_leave_source_out_refuses_an_artifact_and_unknown_kinds(tmp_path: Path):
