@@ -28,7 +28,7 @@ from dataclasses import replace
 from benchmarks.sim_worker import SimConfig, SimRequest, SimResult, SimWorker, new_sequence
 from benchmarks.step_time import StepModel
 from cluster.control.placement import (WORKER_QUEUE_SEQS, PendingRequest, RoomIndex, WorkerBudget, blocks_for,
-                                       first_fit_decreasing, migration_target, open_slots)
+                                       chooses_by_work, first_fit_decreasing, migration_target, open_slots)
 from cluster.control.rebalance import Rebalance, WorkerLoad, choose_rebalance
 from cluster.control.routing import LENGTHS, LeastWorkChooser, LiveWork, route
 from workers.values.sequence import Sequence
@@ -200,10 +200,8 @@ class ClusterSimulation:
     def _pending(self, request: SimRequest, num_blocks: int, now_s: float) -> PendingRequest:
         """`ControlPlane.place`'s queue entry: ranked by predicted work under a policy whose worker admits, first
         come first served under on-demand paging."""
-        work = (LENGTHS.remaining_of(request.predicted_output_tokens, 0, request.max_tokens)
-                if self.policy.admits_at_worker else None)
-        return PendingRequest(request.request_id, num_blocks, now_s, work_tokens=work,
-                              first_come=not self.policy.holds_plan and not self.policy.admits_at_worker)
+        return PendingRequest.under(self.policy, request.request_id, num_blocks, now_s,
+                                    LENGTHS.remaining_of(request.predicted_output_tokens, 0, request.max_tokens))
 
     def _route(self, num_blocks: int, request: SimRequest) -> str | None:
         """`ControlPlane._route`: the configured routing among workers with room (each seen as of its latest step)."""
@@ -239,7 +237,7 @@ class ClusterSimulation:
             # Workers too full for even the smallest request cannot take any; leaving them out saves work.
             budgets = self._budgets(smallest)
             choose = (LeastWorkChooser({b.worker_id: self._live_work(b.worker_id) for b in budgets})
-                      if self.config.late_binding and self.config.routing == "predicted_work" else None)
+                      if chooses_by_work(self.config.late_binding, self.config.routing) else None)
             chosen = first_fit_decreasing([p for p, _, _ in self.waiting.values()], budgets, now_s=now_s,
                                           max_wait_s=self.config.max_queue_wait_s, choose=choose)
         else:

@@ -32,7 +32,7 @@ from cluster.control.ledger import Ledger
 from cluster.control.messages import (ClusterStatus, Placement, PlacementTimeoutError, QueueFullError, RequestOutcome,
                                       RequestRecord)
 from cluster.control.affinity import Affinity
-from cluster.control.placement import PendingRequest, blocks_for, first_fit_decreasing
+from cluster.control.placement import PendingRequest, blocks_for, chooses_by_work, first_fit_decreasing
 from cluster.control.mover import Mover
 from cluster.control.rebound import rebounded_records
 from cluster.control.routing import LeastWorkChooser, expected_tokens, live_work_by_worker, route_among
@@ -151,12 +151,8 @@ class ControlPlane:
         attempts = existing.num_attempts + 1 if existing is not None else 1
         record = RequestRecord(request_id, None, num_prompt_tokens, max_tokens, predicted_output_tokens or 0,
                                num_blocks, "pending", attempts, time.time())
-        # Where the worker admits by its own test (s3_peak) only the prompt is charged; the queue ranks by work.
-        # On-demand paging ranks nothing: its queue is first come, first served (vLLM's).
         expected = expected_tokens(record)
-        pending = PendingRequest(request_id, num_blocks, time.monotonic(), priority,
-                                 expected if self.policy.admits_at_worker else None,
-                                 first_come=not self.policy.holds_plan and not self.policy.admits_at_worker)
+        pending = PendingRequest.under(self.policy, request_id, num_blocks, time.monotonic(), expected, priority)
         if not self.waiting:  # fast path: nobody queued ahead, one write if it fits now
             worker_id = (self.affinity.target(sibling_of, prefix_hashes if self.config.prefix_aware_placement else (),
                                               num_blocks, exclude_worker_id)
@@ -194,7 +190,7 @@ class ControlPlane:
         pending = [w.request for w in self.waiting.values() if not w.future.done()]
         budgets = self.rooms.budgets()
         choose = None  # first fit on the roomiest, as before late binding
-        if self.config.late_binding and self.config.routing == "predicted_work":
+        if chooses_by_work(self.config.late_binding, self.config.routing):
             choose = LeastWorkChooser(live_work_by_worker([b.worker_id for b in budgets], self.ledger.records(),
                                                           self.pool.latest))
         chosen = first_fit_decreasing(pending, budgets, now_s=time.monotonic(),

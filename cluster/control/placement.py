@@ -81,6 +81,23 @@ class PendingRequest:
         if self.num_blocks < 1:
             raise ValueError(f"request {self.request_id!r}: num_blocks must be >= 1, got {self.num_blocks}")
 
+    @classmethod
+    def under(cls, rule, request_id: str, num_blocks: int, arrival_s: float, expected_work_tokens: float,
+              priority: int = 0) -> "PendingRequest":
+        """The queue entry of a request under a planning rule (`rule.admits_at_worker`, `rule.holds_plan`): where
+        the worker admits by its own test (s3_peak) only the prompt is charged, so the queue ranks by predicted
+        work; on-demand paging ranks nothing, its queue is first come, first served (vLLM's); otherwise largest
+        reservation first. The controller and the simulator queue by this one rule."""
+        return cls(request_id, num_blocks, arrival_s, priority,
+                   expected_work_tokens if rule.admits_at_worker else None,
+                   first_come=not rule.holds_plan and not rule.admits_at_worker)
+
+
+def chooses_by_work(late_binding: bool, routing: str) -> bool:
+    """Whether a queued request goes where it is predicted to finish soonest (`routing.LeastWorkChooser`): only with
+    late binding under predicted-work routing; otherwise first fit on the roomiest worker, as before late binding."""
+    return late_binding and routing == "predicted_work"
+
 
 #: With late binding, the most requests a worker is left holding in its own queue beyond those it runs: one to
 #: start at once when a sequence ends, one more for a step that frees two; the rest wait in the controller's queue.
