@@ -5,7 +5,7 @@
     buckets: multiclass over the 10 equal-width buckets    -> bucket_probs
 
 With `cap_aware`, an answer that ran to its `max_tokens` is what it is, a censored
-observation (it would have gone on), not a length. Two more boosters model it:
+observation (it would have gone on), not a length. Two boosters take the point booster's place:
 
     cap:      binary, the chance p of running to the cap
     finished: L2 regression on log1p(length) of the answers that stopped on their own
@@ -39,7 +39,7 @@ from predictor_service.metrics import bucket_of
 
 NUM_BUCKETS = 10
 MODEL_FILES = {"point": "point.lgb.txt", "upper": "upper.lgb.txt", "buckets": "buckets.lgb.txt"}
-CAP_MODEL_FILES = {"cap": "cap.lgb.txt", "finished": "finished.lgb.txt"}  # with cap_aware
+CAP_MODEL_FILES = {"cap": "cap.lgb.txt", "finished": "finished.lgb.txt"}  # with cap_aware, in point's place
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,16 +119,17 @@ class LightGBMLengthPredictor(FittedLengthPredictor):
         rounds = self.booster_config.num_rounds
         self.calibration = self._cross_conformal(examples, matrix, array)
         self.boosters = {
-            "point": lightgbm.train({**params, "objective": "regression"},
-                                    lightgbm.Dataset(matrix, log_lengths), num_boost_round=rounds),
             "upper": lightgbm.train({**params, "objective": "quantile", "alpha": self.quantile},
                                     lightgbm.Dataset(matrix, log_lengths), num_boost_round=rounds),
             "buckets": lightgbm.train({**params, "objective": "multiclass", "num_class": NUM_BUCKETS},
                                       lightgbm.Dataset(matrix, bucket_of(array, self.max_len, NUM_BUCKETS)),
                                       num_boost_round=self.booster_config.num_bucket_rounds),
         }
-        if self.cap_aware:
+        if self.cap_aware:  # the point comes from the cap and finished boosters
             self.boosters |= self._cap_boosters(examples, matrix, array)
+        else:
+            self.boosters["point"] = lightgbm.train({**params, "objective": "regression"},
+                                                    lightgbm.Dataset(matrix, log_lengths), num_boost_round=rounds)
         return self
 
     def _cap_boosters(self, examples: Sequence[LengthExample], matrix: np.ndarray, lengths: np.ndarray) -> dict:
@@ -202,7 +203,10 @@ class LightGBMLengthPredictor(FittedLengthPredictor):
                 "cap_aware": self.cap_aware}
 
     def _model_files(self) -> dict[str, str]:
-        return MODEL_FILES | (CAP_MODEL_FILES if self.cap_aware else {})
+        """Role -> file of every booster this predictor has: cap_aware ones point by the cap and finished boosters."""
+        if not self.cap_aware:
+            return MODEL_FILES
+        return {role: name for role, name in MODEL_FILES.items() if role != "point"} | CAP_MODEL_FILES
 
     def save_models(self, directory: Path) -> list[str]:
         """Write the boosters as LightGBM text model files; returns the file names."""
