@@ -1,9 +1,13 @@
 """Online retraining: new versions from the service's own finished requests, promoted only when better.
 
 The decisions (`should_retrain`, `is_better`) are pure; `Retrainer` reads the
-Redis sample stream, fits a candidate on everything but the most recent window,
-scores candidate and active predictor on that window (the traffic the next
-version will face), and writes a new artifact version only if the candidate wins.
+Redis sample stream, chooses the candidate's kind as `s3serve calibrate` does (the
+highest leave-one-source-out tau, `predictor_service.recipe`; the service's requests name
+no source, so their prompts are clustered), fits it on everything but the most recent
+window, scores candidate and active predictor on that window (the traffic the next
+version will face), and writes a new artifact version only if the candidate wins there
+and its kind ranks unseen sources no worse than the active version's kind, both refitted
+on the same samples.
 """
 
 import json
@@ -13,12 +17,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from predictor_service.artifacts import load_predictor, save_predictor
+from predictor_service.artifacts import load_predictor, read_manifest, save_predictor
 from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor
 from predictor_service.metrics import evaluate
+from predictor_service.recipe import (CANDIDATE_KINDS, MIN_SOURCE_PROMPTS, REFITTABLE_KINDS, RecipeScore,
+                                      choose_recipe, holdout_sources, leave_source_out_tau)
 from predictor_service.sample_stream import SampleStream, TrainingSample
 from predictor_service.training import make_predictor
+
+
+BASELINE_KIND = "linear"  # what a candidate must beat before any version is promoted: prompt length alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,27 +39,36 @@ class RetrainConfig:
         max_interval_s: ...or this long passed with at least one new sample.
         window_fraction: most recent share of samples held out to compare versions.
         min_window: fewest held-out samples a comparison may rest on.
-        kind: predictor kind to train ("lightgbm", "linear", "mean").
+        kinds: the candidate kinds ("lightgbm", "lightgbm_capped", "linear", "mean"); the one with the highest
+            leave-source-out tau is fitted.
         quantile: upper-bound coverage.
         max_len: bucket range.
         max_under_reservation_increase: a candidate may not raise the
             under-reservation rate by more than this, however much it lowers MAE.
         use_embedding: include the MiniLM embedding in LightGBM features.
         model: the served model, whose lengths the samples are (recorded in each version it saves).
+        min_source_prompts: fewest prompts of a source (a cluster of the samples' prompts) that it is held out.
+        max_source_samples: the leave-source-out scores use at most this many of the latest samples (each kind is
+            fitted once per source).
     """
 
     min_new_samples: int = 200
     max_interval_s: float = 3600.0
     window_fraction: float = 0.2
     min_window: int = 20
-    kind: str = "lightgbm"
+    kinds: tuple[str, ...] = CANDIDATE_KINDS
     quantile: float = 0.9
     max_len: int = 1024
     max_under_reservation_increase: float = 0.02
     use_embedding: bool = False
     model: str | None = None
+    min_source_prompts: int = MIN_SOURCE_PROMPTS
+    max_source_samples: int = 4000
 
     def __post_init__(self) -> None:
+        unknown = [kind for kind in self.kinds if kind not in REFITTABLE_KINDS]
+        if not self.kinds or unknown:
+            raise ValueError(f"kinds must be some of {', '.join(REFITTABLE_KINDS)}, got {list(self.kinds)}")
         if not 0.0 < self.window_fraction < 1.0:
             raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
         if self.min_new_samples < 1 or self.min_window < 1:
@@ -66,8 +84,12 @@ def should_retrain(num_new_samples: int, seconds_since_last: float, config: Retr
 
 
 def is_better(candidate: dict, active: dict, config: RetrainConfig) -> bool:
-    """Lower MAE without giving up more than the allowed under-reservation (which causes preemptions)."""
+    """Lower MAE without giving up more than the allowed under-reservation (which causes preemptions), and a kind that
+    ranks unseen sources no worse (`source_tau`, where both have one)."""
     if candidate["under_reservation_rate"] > active["under_reservation_rate"] + config.max_under_reservation_increase:
+        return False
+    if candidate.get("source_tau") is not None and active.get("source_tau") is not None \
+            and candidate["source_tau"] < active["source_tau"]:
         return False
     return candidate["mae_tokens"] < active["mae_tokens"]
 
@@ -123,14 +145,16 @@ class Retrainer:
         train, window = samples[:-num_window], samples[-num_window:]
         window_examples = [s.example() for s in window]
         window_lengths = [s.true_output_tokens for s in window]
-        candidate = make_predictor(self.config.kind, self.config.quantile, self.config.max_len,
-                                   FeatureConfig(use_embedding=self.config.use_embedding))
+        recipe, active_recipe = self._recipes(samples[-self.config.max_source_samples:])
+        candidate = make_predictor(recipe.kind, self.config.quantile, self.config.max_len, self._features())
         candidate.fit([s.example() for s in train], [s.true_output_tokens for s in train])
-        candidate_metrics = evaluate(candidate.predict_examples(window_examples), window_lengths, self.config.max_len)
+        candidate_metrics = evaluate(candidate.predict_examples(window_examples), window_lengths,
+                                     self.config.max_len) | recipe.to_dict()
         active = self._active_or_baseline(train)
-        active_metrics = evaluate(active.predict_examples(window_examples), window_lengths, self.config.max_len)
+        active_metrics = evaluate(active.predict_examples(window_examples), window_lengths,
+                                  self.config.max_len) | active_recipe.to_dict()
         if not is_better(candidate_metrics, active_metrics, self.config):
-            return RetrainOutcome(False, "candidate is not better on the recent window", None,
+            return RetrainOutcome(False, "candidate is not better on the recent window and on unseen sources", None,
                                   candidate_metrics, active_metrics, len(train), len(window))
         calibration = {"quantile": self.config.quantile,
                        "window_coverage": 1.0 - candidate_metrics["under_reservation_rate"],
@@ -149,11 +173,31 @@ class Retrainer:
                 on_outcome(outcome)
             stop.wait(poll_s)
 
+    def _features(self) -> FeatureConfig:
+        return FeatureConfig(use_embedding=self.config.use_embedding)
+
+    def _recipes(self, samples: list[TrainingSample]) -> tuple[RecipeScore, RecipeScore]:
+        """(the candidate kind chosen by leave-source-out tau, the active version's kind scored the same way on the
+        same samples; no score for a kind that cannot be refitted in seconds)."""
+        examples = [s.example() for s in samples]
+        lengths = [s.true_output_tokens for s in samples]
+        sources = holdout_sources(examples, None, self.config.min_source_prompts)
+        best, scores = choose_recipe(self.config.kinds, examples, lengths, sources, self.config.quantile,
+                                     self.config.max_len, self._features(), self.config.min_source_prompts)
+        active_kind = (read_manifest(self.artifact_root)["kind"] if (self.artifact_root / "LATEST").is_file()
+                       else BASELINE_KIND)
+        if active_kind in scores:
+            return best, scores[active_kind]
+        if active_kind not in REFITTABLE_KINDS:
+            return best, RecipeScore(active_kind, None, {})
+        return best, leave_source_out_tau(active_kind, examples, lengths, sources, self.config.quantile,
+                                          self.config.max_len, self._features(), self.config.min_source_prompts)
+
     def _active_or_baseline(self, train: list[TrainingSample]) -> FittedLengthPredictor:
         """The promoted version, or with none yet the prompt-length baseline fitted on the same data."""
         if (self.artifact_root / "LATEST").is_file():
             return load_predictor(self.artifact_root)
-        baseline = make_predictor("linear", self.config.quantile, self.config.max_len)
+        baseline = make_predictor(BASELINE_KIND, self.config.quantile, self.config.max_len)
         return baseline.fit([s.example() for s in train], [s.true_output_tokens for s in train])
 
 

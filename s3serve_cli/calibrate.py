@@ -1,8 +1,9 @@
 """`s3serve calibrate`: a length predictor and a hidden-state probe for any model, from its own answers.
 
     OUT/labels.jsonl          the model's greedy output lengths on the prompts (appended to: resumable)
-    OUT/predictor/vNNNN       the LightGBM text predictor (`--predictor-artifact OUT/predictor`), its manifest naming
-                              the model
+    OUT/predictor/vNNNN       the text predictor (`--predictor-artifact OUT/predictor`), its manifest naming the
+                              model: of the candidate kinds, the one with the highest leave-one-source-out Kendall tau,
+                              as the service's retrainer chooses (`predictor_service.recipe`)
     OUT/probe-features.npz    the engine's hidden states along each labelled answer
     OUT/probe/                the probe (`--length-probe OUT/probe`)
 
@@ -18,14 +19,16 @@ from pathlib import Path
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from s3serve_cli.args import add_model_args
 
-PREDICTOR_KIND = "lightgbm"  # the shipped artifact's kind; hashed n-grams, no sentence embedding (no download)
+from predictor_service.recipe import CANDIDATE_KINDS, REFITTABLE_KINDS
 
 
 def calibrate(model: str, model_cache_dir: Path | None, prompt_paths: tuple[Path, ...], out: Path, max_len: int,
-              limit: int | None, batch_size: int, held_out_fraction: float, with_probe: bool) -> dict:
+              limit: int | None, batch_size: int, held_out_fraction: float, with_probe: bool,
+              kinds: tuple[str, ...] = CANDIDATE_KINDS) -> dict:
     """Run the steps (see the module docstring); returns what each reported."""
-    from benchmarks.predictor_bench import load_prompt_texts_by_id
+    from benchmarks.predictor_bench import load_prompt_texts_by_id, source_of
     from predictor_service.features import FeatureConfig
+    from predictor_service.recipe import choose_recipe, holdout_sources
     from predictor_service.training import build_dataset, read_labels, train_predictor
     from s3serve_cli.label import LabelConfig, run_labeling
     from s3serve_cli.probe import run_extract, run_train
@@ -37,13 +40,23 @@ def calibrate(model: str, model_cache_dir: Path | None, prompt_paths: tuple[Path
                                                  max_num_seqs=batch_size), model, model_cache_dir)}
     rows = [row for row in read_labels([labels]) if row.model == model and row.num_prompt_tokens + row.max_tokens
             == max_len]
-    print(f"calibrate 2/4: fitting the {PREDICTOR_KIND} predictor on {len(rows)} labels -> {out / 'predictor'}",
-          flush=True)
     dataset = build_dataset(rows, load_prompt_texts_by_id(prompt_paths))
-    trained = train_predictor(dataset, PREDICTOR_KIND, max_len=max_len, feature_config=FeatureConfig(
-        use_embedding=False), held_out_fraction=held_out_fraction, out_dir=out / "predictor", model=model)
+    features = FeatureConfig(use_embedding=False)  # hashed n-grams, no sentence embedding (no download)
+    sources = holdout_sources(dataset.examples, [source_of(e.prompt_id) for e in dataset.examples])
+    print(f"calibrate 2/4: choosing the predictor kind ({', '.join(kinds)}) by Kendall tau on each of "
+          f"{len(set(sources))} prompt sources held out in turn", flush=True)
+    recipe, scores = choose_recipe(kinds, dataset.examples, dataset.lengths, sources, max_len=max_len,
+                                   feature_config=features)
+    for score in scores.values():
+        print(f"  {score.kind}: leave-source-out tau "
+              f"{'n/a (fewer than two sources to hold out)' if score.mean_tau is None else f'{score.mean_tau:.3f}'}",
+              flush=True)
+    print(f"  fitting {recipe.kind} on {len(rows)} labels -> {out / 'predictor'}", flush=True)
+    trained = train_predictor(dataset, recipe.kind, max_len=max_len, feature_config=features,
+                              held_out_fraction=held_out_fraction, out_dir=out / "predictor", model=model)
     report["predictor"] = {"artifact": str(trained.artifact_dir), "num_train": trained.num_train,
-                           "num_held_out": trained.num_held_out, "held_out": trained.metrics}
+                           "num_held_out": trained.num_held_out, "held_out": trained.metrics,
+                           "recipe": recipe.to_dict(), "candidates": {k: v.to_dict() for k, v in scores.items()}}
     if with_probe:
         features = out / "probe-features.npz"
         print(f"calibrate 3/4: reading the engine's hidden states along each answer -> {features}", flush=True)
@@ -59,10 +72,11 @@ def _calibrate(args: argparse.Namespace) -> int:
 
     out = args.out or Path("calibration") / Path(args.model).name
     report = calibrate(args.model, args.model_cache_dir, tuple(args.prompts), out, args.max_len, args.limit,
-                       args.batch_size, args.held_out_fraction, not args.no_probe)
+                       args.batch_size, args.held_out_fraction, not args.no_probe, tuple(args.kinds))
     (out / "calibration.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     held_out = report["predictor"]["held_out"]
-    print(f"predictor on {report['predictor']['num_held_out']} held-out labels: Kendall tau "
+    print(f"{report['predictor']['recipe']['kind']} predictor on {report['predictor']['num_held_out']} held-out "
+          "labels: Kendall tau "
           f"{held_out['kendall_tau']:.3f}, bucket accuracy {held_out['bucket_accuracy']:.3f}, MAE "
           f"{held_out['mae_tokens']:.1f} tokens, under-reservation {held_out['under_reservation_rate']:.3f}")
     serve = f"s3serve serve --model {args.model} --predictor-artifact {out / 'predictor'}"
@@ -80,7 +94,8 @@ def add_calibrate_parser(commands) -> None:
         "calibrate",
         help="a length predictor and a hidden-state probe for any model: label prompts with it, train both",
         description="Labels prompts with the model's own greedy answers (resumable: run it again to go on), trains "
-                    "the text length predictor (held-out metrics printed) and the hidden-state probe on them, and "
+                    "the text length predictor (the candidate kind that ranks prompt sources it never saw best; "
+                    "held-out metrics printed) and the hidden-state probe on them, and "
                     "writes artifacts that `s3serve serve --predictor-artifact OUT/predictor --length-probe "
                     "OUT/probe` takes. The predictor's manifest names the model; the service warns when it serves "
                     "another.",
@@ -99,6 +114,11 @@ def add_calibrate_parser(commands) -> None:
                                   help="sequences the engine runs at once (default: %(default)s)")
     calibrate_parser.add_argument("--held-out-fraction", type=float, default=0.2,
                                   help="share of prompts held out for the predictor's metrics (default: %(default)s)")
+    calibrate_parser.add_argument("--kinds", nargs="+", default=list(CANDIDATE_KINDS), choices=REFITTABLE_KINDS,
+                                  help="candidate text-predictor kinds; the one with the highest Kendall tau on prompt "
+                                       "sources held out in turn (the prompt files' sets, or clusters of the prompts "
+                                       "when they name fewer than two) is fitted, as the service's retrainer "
+                                       "chooses (default: %(default)s)")
     calibrate_parser.add_argument("--no-probe", action="store_true",
                                   help="train the text predictor only (the probe doubles the engine time)")
     calibrate_parser.set_defaults(handler=_calibrate)

