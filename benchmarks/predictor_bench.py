@@ -30,10 +30,12 @@ from benchmarks.report import environment, format_table, write_json
 from predictor_service.artifacts import load_predictor, read_manifest
 from predictor_service.features import FeatureConfig
 from predictor_service.hidden_features import HiddenFeatures
+from predictor_service.kinds import CAPPED_LIGHTGBM
 from predictor_service.length_example import FittedLengthPredictor
 from predictor_service.metrics import distribution_metrics, evaluate
+from predictor_service.recipe import MIN_SOURCE_PROMPTS
 from predictor_service.server import SHIPPED_LABEL_FILES
-from predictor_service.training import (CAPPED_LIGHTGBM, LengthDataset, build_dataset, is_held_out, make_predictor,
+from predictor_service.training import (LengthDataset, build_dataset, is_held_out, make_predictor,
                                         read_labels, split_by)
 
 METRICS = ("kendall_tau", "bucket_accuracy", "mae_tokens", "under_reservation_rate", "mean_over_reservation_tokens")
@@ -88,7 +90,7 @@ class PredictorBenchConfig:
     probe_features: tuple[Path, ...] = ()
     split: str = "prompt_id"
     held_out_sources: tuple[str, ...] = HELD_OUT_SOURCES
-    min_fold_prompts: int = 30
+    min_fold_prompts: int = MIN_SOURCE_PROMPTS
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:

@@ -20,14 +20,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from predictor_service.features import FeatureConfig, hashed_ngrams
-from predictor_service.length_example import LengthExample
+from predictor_service.kinds import CAPPED_LIGHTGBM, REFITTABLE_KINDS
+from predictor_service.length_example import FittedLengthPredictor, LengthExample
+from predictor_service.lightgbm_predictor import BoosterConfig
 from predictor_service.metrics import kendall_tau
 from predictor_service.training import make_predictor
 
-CANDIDATE_KINDS = ("lightgbm", "linear")  # hashed-n-gram LightGBM, and prompt length alone (a strong line on new sources)
-REFITTABLE_KINDS = ("mean", "linear", "lightgbm", "lightgbm_capped")  # kinds refitted per fold in seconds
-MIN_SOURCE_PROMPTS = 20  # fewest prompts of a source that it is held out and scored on
+MIN_SOURCE_PROMPTS = 30  # fewest prompts of a source that it is held out and scored on (bench predictor's too)
 MAX_CLUSTERS = 8  # sources made by clustering, at most
+# A fold's LightGBM needs only its point: no conformal folds for the bound, one round of the bucket classifier.
+FOLD_BOOSTERS = BoosterConfig(num_bucket_rounds=1, num_calibration_folds=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,14 +41,22 @@ class RecipeScore:
         mean_tau: the unweighted mean over held-out sources of the tau-b of the point; None when no source could be
             held out (fewer than two sources of `MIN_SOURCE_PROMPTS` prompts).
         tau_by_source: source -> tau-b of the fit that did not see it.
+        why_none: why there is no score, when there is none.
     """
 
     kind: str
     mean_tau: float | None
     tau_by_source: dict[str, float]
+    why_none: str | None = None
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "source_tau": self.mean_tau, "source_tau_by_source": dict(self.tau_by_source)}
+        return {"kind": self.kind, "source_tau": self.mean_tau, "source_tau_by_source": dict(self.tau_by_source),
+                **({} if self.why_none is None else {"why_no_source_tau": self.why_none})}
+
+
+def kind_of(predictor: FittedLengthPredictor) -> str:
+    """The kind a fitted predictor was made as (a cap-aware LightGBM saves as "lightgbm" with cap_aware set)."""
+    return CAPPED_LIGHTGBM if getattr(predictor, "cap_aware", False) else predictor.name
 
 
 def prompt_clusters(texts: Sequence[str], num_clusters: int, num_dims: int = 256, seed: int = 0,
@@ -54,8 +64,8 @@ def prompt_clusters(texts: Sequence[str], num_clusters: int, num_dims: int = 256
     """A source name per text ("cluster-0", ...): k-means over the L2-normalised log counts of each text's hashed
     word uni- and bi-grams (the words the text predictors read); of `num_starts` seeded k-means++ starts, the one with
     the least within-cluster distance."""
-    if num_clusters < 1:
-        raise ValueError(f"num_clusters must be >= 1, got {num_clusters}")
+    if num_clusters < 1 or not texts:
+        raise ValueError(f"clustering needs texts and num_clusters >= 1, got {len(texts)} texts, {num_clusters}")
     points = np.log1p(np.stack([hashed_ngrams(text, num_dims) for text in texts])).astype(np.float64)  # [N, D]
     points /= np.maximum(np.linalg.norm(points, axis=1, keepdims=True), 1e-12)
     rng = np.random.default_rng(seed)
@@ -92,9 +102,13 @@ def _squared_distances(points: np.ndarray, centres: np.ndarray) -> np.ndarray:
 
 
 def holdout_sources(examples: Sequence[LengthExample], named: Sequence[str] | None = None,
-                    min_source_prompts: int = MIN_SOURCE_PROMPTS) -> list[str]:
+                    min_source_prompts: int = MIN_SOURCE_PROMPTS, num_hash_dims: int = 256) -> list[str]:
     """The source of each example: `named` when at least two of its sources have `min_source_prompts` prompts,
-    otherwise clusters of the prompts (as many as give each about twice that many prompts, 2 to `MAX_CLUSTERS`)."""
+    otherwise clusters of the prompts (as many as give each about twice that many prompts, 2 to `MAX_CLUSTERS`) over
+    the `num_hash_dims` hashed word columns the text predictors read."""
+    if min_source_prompts < 1 or not examples:
+        raise ValueError(f"holding out sources needs examples and min_source_prompts >= 1, got {len(examples)} "
+                         f"examples, {min_source_prompts}")
     if named is not None:
         if len(named) != len(examples):
             raise ValueError(f"got {len(named)} source names for {len(examples)} examples")
@@ -102,7 +116,7 @@ def holdout_sources(examples: Sequence[LengthExample], named: Sequence[str] | No
             return list(named)
     num_clusters = max(2, min(MAX_CLUSTERS, len({e.prompt_id for e in examples}) // (2 * min_source_prompts)))
     by_prompt = dict(zip(_unique_prompts(examples), prompt_clusters(
-        [e.prompt_text for e in _unique_examples(examples)], num_clusters)))
+        [e.prompt_text for e in _unique_examples(examples)], num_clusters, num_hash_dims)))
     return [by_prompt[e.prompt_id] for e in examples]
 
 
@@ -111,21 +125,25 @@ def leave_source_out_tau(kind: str, examples: Sequence[LengthExample], lengths: 
                          feature_config: FeatureConfig | None = None,
                          min_source_prompts: int = MIN_SOURCE_PROMPTS) -> RecipeScore:
     """Fit `kind` without each source of `min_source_prompts` prompts in turn and score tau-b on it (see the module
-    docstring); smaller sources are always trained on."""
+    docstring); smaller sources are always trained on. A kind that cannot be fitted without some source (a cap-aware
+    LightGBM whose training answers all stop, say) has no score."""
     if not len(examples) == len(lengths) == len(sources):
         raise ValueError(f"got {len(examples)} examples, {len(lengths)} lengths and {len(sources)} sources")
     sizes = _prompts_per_source(examples, sources)
     held_out = sorted(s for s, n in sizes.items() if n >= min_source_prompts)
     if len(held_out) < 2:
-        return RecipeScore(kind, None, {})
+        return RecipeScore(kind, None, {}, f"fewer than two sources of {min_source_prompts} prompts to hold out")
     lengths = np.asarray(lengths)
     sources = np.asarray(sources)
     tau_by_source = {}
     for source in held_out:
         train = np.flatnonzero(sources != source)
         test = np.flatnonzero(sources == source)
-        predictor = make_predictor(kind, quantile, max_len, feature_config)
-        predictor.fit([examples[i] for i in train], lengths[train].tolist())
+        predictor = make_predictor(kind, quantile, max_len, feature_config, booster_config=FOLD_BOOSTERS)
+        try:
+            predictor.fit([examples[i] for i in train], lengths[train].tolist())
+        except ValueError as error:
+            return RecipeScore(kind, None, {}, f"cannot be fitted without {source}: {error}")
         points = [p.point_tokens for p in predictor.predict_examples([examples[i] for i in test])]
         tau_by_source[source] = kendall_tau(points, lengths[test])
     return RecipeScore(kind, float(np.mean(list(tau_by_source.values()))), tau_by_source)

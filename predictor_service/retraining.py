@@ -17,12 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from predictor_service.artifacts import load_predictor, read_manifest, save_predictor
+from predictor_service.artifacts import load_predictor, save_predictor
 from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor
 from predictor_service.metrics import evaluate
-from predictor_service.recipe import (CANDIDATE_KINDS, MIN_SOURCE_PROMPTS, REFITTABLE_KINDS, RecipeScore,
-                                      choose_recipe, holdout_sources, leave_source_out_tau)
+from predictor_service.kinds import CANDIDATE_KINDS, REFITTABLE_KINDS
+from predictor_service.recipe import (MIN_SOURCE_PROMPTS, RecipeScore, choose_recipe, holdout_sources, kind_of,
+                                      leave_source_out_tau)
 from predictor_service.sample_stream import SampleStream, TrainingSample
 from predictor_service.training import make_predictor
 
@@ -71,9 +72,10 @@ class RetrainConfig:
             raise ValueError(f"kinds must be some of {', '.join(REFITTABLE_KINDS)}, got {list(self.kinds)}")
         if not 0.0 < self.window_fraction < 1.0:
             raise ValueError(f"window_fraction must be in (0, 1), got {self.window_fraction}")
-        if self.min_new_samples < 1 or self.min_window < 1:
-            raise ValueError(f"min_new_samples and min_window must be >= 1, got {self.min_new_samples}, "
-                             f"{self.min_window}")
+        if min(self.min_new_samples, self.min_window, self.min_source_prompts, self.max_source_samples) < 1:
+            raise ValueError(f"min_new_samples, min_window, min_source_prompts and max_source_samples must be >= 1, "
+                             f"got {self.min_new_samples}, {self.min_window}, {self.min_source_prompts}, "
+                             f"{self.max_source_samples}")
 
 
 def should_retrain(num_new_samples: int, seconds_since_last: float, config: RetrainConfig) -> bool:
@@ -145,12 +147,12 @@ class Retrainer:
         train, window = samples[:-num_window], samples[-num_window:]
         window_examples = [s.example() for s in window]
         window_lengths = [s.true_output_tokens for s in window]
-        recipe, active_recipe = self._recipes(samples[-self.config.max_source_samples:])
+        active = self._active_or_baseline(train)
+        recipe, active_recipe = self._recipes(train[-self.config.max_source_samples:], kind_of(active))
         candidate = make_predictor(recipe.kind, self.config.quantile, self.config.max_len, self._features())
         candidate.fit([s.example() for s in train], [s.true_output_tokens for s in train])
         candidate_metrics = evaluate(candidate.predict_examples(window_examples), window_lengths,
                                      self.config.max_len) | recipe.to_dict()
-        active = self._active_or_baseline(train)
         active_metrics = evaluate(active.predict_examples(window_examples), window_lengths,
                                   self.config.max_len) | active_recipe.to_dict()
         if not is_better(candidate_metrics, active_metrics, self.config):
@@ -176,20 +178,18 @@ class Retrainer:
     def _features(self) -> FeatureConfig:
         return FeatureConfig(use_embedding=self.config.use_embedding)
 
-    def _recipes(self, samples: list[TrainingSample]) -> tuple[RecipeScore, RecipeScore]:
-        """(the candidate kind chosen by leave-source-out tau, the active version's kind scored the same way on the
-        same samples; no score for a kind that cannot be refitted in seconds)."""
+    def _recipes(self, samples: list[TrainingSample], active_kind: str) -> tuple[RecipeScore, RecipeScore]:
+        """(the candidate kind chosen by leave-source-out tau on the training samples, the active version's kind
+        scored the same way on the same samples; no score for a kind that cannot be refitted in seconds)."""
         examples = [s.example() for s in samples]
         lengths = [s.true_output_tokens for s in samples]
-        sources = holdout_sources(examples, None, self.config.min_source_prompts)
+        sources = holdout_sources(examples, None, self.config.min_source_prompts, self._features().num_hash_dims)
         best, scores = choose_recipe(self.config.kinds, examples, lengths, sources, self.config.quantile,
                                      self.config.max_len, self._features(), self.config.min_source_prompts)
-        active_kind = (read_manifest(self.artifact_root)["kind"] if (self.artifact_root / "LATEST").is_file()
-                       else BASELINE_KIND)
         if active_kind in scores:
             return best, scores[active_kind]
         if active_kind not in REFITTABLE_KINDS:
-            return best, RecipeScore(active_kind, None, {})
+            return best, RecipeScore(active_kind, None, {}, f"{active_kind} is not refitted per source")
         return best, leave_source_out_tau(active_kind, examples, lengths, sources, self.config.quantile,
                                           self.config.max_len, self._features(), self.config.min_source_prompts)
 

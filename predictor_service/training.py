@@ -13,12 +13,11 @@ from pathlib import Path
 from predictor_service.artifacts import KINDS, save_predictor
 from predictor_service.baselines import MeanLengthPredictor, PromptLengthLinearPredictor
 from predictor_service.features import FeatureConfig
+from predictor_service.kinds import CAPPED_LIGHTGBM
 from predictor_service.length_example import FittedLengthPredictor, LengthExample
-from predictor_service.lightgbm_predictor import LightGBMLengthPredictor
+from predictor_service.lightgbm_predictor import BoosterConfig, LightGBMLengthPredictor
 from predictor_service.transformer_predictor import TransformerConfig, TransformerLengthPredictor
 from predictor_service.metrics import evaluate
-
-CAPPED_LIGHTGBM = "lightgbm_capped"  # LightGBM pointing at the expected capped length (cap_aware)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +128,10 @@ def split_by_prompt_id(dataset: LengthDataset, held_out_fraction: float = 0.2) -
 
 def make_predictor(kind: str, quantile: float = 0.9, max_len: int = 1024,
                    feature_config: FeatureConfig | None = None,
-                   transformer_config: TransformerConfig | None = None) -> FittedLengthPredictor:
+                   transformer_config: TransformerConfig | None = None,
+                   booster_config: BoosterConfig | None = None) -> FittedLengthPredictor:
     """An unfitted predictor of `kind` ("lightgbm", "lightgbm_capped": its cap-aware point, "transformer", "mean"
-    or "linear")."""
+    or "linear"); `booster_config` sets LightGBM's boosters."""
     if kind == "transformer":
         return TransformerLengthPredictor(quantile, max_len, transformer_config)
     if kind == "mean":
@@ -139,9 +139,10 @@ def make_predictor(kind: str, quantile: float = 0.9, max_len: int = 1024,
     if kind == "linear":
         return PromptLengthLinearPredictor(quantile, max_len)
     if kind == "lightgbm":
-        return LightGBMLengthPredictor(feature_config or FeatureConfig(), quantile, max_len)
+        return LightGBMLengthPredictor(feature_config or FeatureConfig(), quantile, max_len, booster_config)
     if kind == CAPPED_LIGHTGBM:
-        return LightGBMLengthPredictor(feature_config or FeatureConfig(), quantile, max_len, cap_aware=True)
+        return LightGBMLengthPredictor(feature_config or FeatureConfig(), quantile, max_len, booster_config,
+                                       cap_aware=True)
     raise ValueError(f"unknown predictor kind {kind!r}; choose one of lightgbm, {CAPPED_LIGHTGBM}, transformer, mean, "
                      "linear")
 

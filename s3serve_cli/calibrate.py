@@ -7,19 +7,19 @@
     OUT/probe-features.npz    the engine's hidden states along each labelled answer
     OUT/probe/                the probe (`--length-probe OUT/probe`)
 
-Each step is the command of the same name (`label`, `train-predictor`, `probe extract`, `probe train`) with the
-settings the service's predictors use; `s3serve bench predictor --labels OUT/labels.jsonl --probe-features
-OUT/probe-features.npz --split prompt_id` scores both on held-out prompts (leave-source-out, the standard, wants
-30 labelled prompts of a source).
+The steps are the commands `label`, `train-predictor` (of the kind the recipe chose), `probe extract` and `probe
+train`, with the settings the service's predictors use; `s3serve bench predictor --labels OUT/labels.jsonl
+--probe-features OUT/probe-features.npz --split prompt_id` scores both on held-out prompts (its leave-source-out
+split, the standard, wants 30 labelled prompts of a source).
 """
 
 import argparse
 from pathlib import Path
 
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from predictor_service.kinds import CANDIDATE_KINDS, REFITTABLE_KINDS
 from s3serve_cli.args import add_model_args
 
-from predictor_service.recipe import CANDIDATE_KINDS, REFITTABLE_KINDS
 
 
 def calibrate(model: str, model_cache_dir: Path | None, prompt_paths: tuple[Path, ...], out: Path, max_len: int,
@@ -41,18 +41,19 @@ def calibrate(model: str, model_cache_dir: Path | None, prompt_paths: tuple[Path
     rows = [row for row in read_labels([labels]) if row.model == model and row.num_prompt_tokens + row.max_tokens
             == max_len]
     dataset = build_dataset(rows, load_prompt_texts_by_id(prompt_paths))
-    features = FeatureConfig(use_embedding=False)  # hashed n-grams, no sentence embedding (no download)
-    sources = holdout_sources(dataset.examples, [source_of(e.prompt_id) for e in dataset.examples])
+    feature_config = FeatureConfig(use_embedding=False)  # hashed n-grams, no sentence embedding (no download)
+    sources = holdout_sources(dataset.examples, [source_of(e.prompt_id) for e in dataset.examples],
+                              num_hash_dims=feature_config.num_hash_dims)
     print(f"calibrate 2/4: choosing the predictor kind ({', '.join(kinds)}) by Kendall tau on each of "
           f"{len(set(sources))} prompt sources held out in turn", flush=True)
     recipe, scores = choose_recipe(kinds, dataset.examples, dataset.lengths, sources, max_len=max_len,
-                                   feature_config=features)
+                                   feature_config=feature_config)
     for score in scores.values():
         print(f"  {score.kind}: leave-source-out tau "
               f"{'n/a (fewer than two sources to hold out)' if score.mean_tau is None else f'{score.mean_tau:.3f}'}",
               flush=True)
     print(f"  fitting {recipe.kind} on {len(rows)} labels -> {out / 'predictor'}", flush=True)
-    trained = train_predictor(dataset, recipe.kind, max_len=max_len, feature_config=features,
+    trained = train_predictor(dataset, recipe.kind, max_len=max_len, feature_config=feature_config,
                               held_out_fraction=held_out_fraction, out_dir=out / "predictor", model=model)
     report["predictor"] = {"artifact": str(trained.artifact_dir), "num_train": trained.num_train,
                            "num_held_out": trained.num_held_out, "held_out": trained.metrics,

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from predictor_service.kinds import TRAINABLE_KINDS
 from s3serve_cli.args import add_label_args, add_model_args
 from s3serve_cli.bench import add_bench_parser
 from s3serve_cli.calibrate import add_calibrate_parser
@@ -198,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "version under --out (OUT/vNNNN, with OUT/LATEST pointing at it).",
     )
     add_label_args(train)
-    train.add_argument("--kind", choices=("lightgbm", "lightgbm_capped", "transformer", "mean", "linear"),
+    train.add_argument("--kind", choices=TRAINABLE_KINDS,
                        default="lightgbm",
                        help="lightgbm over prompt features (lightgbm_capped: its point is the expected capped "
                             "length, from the chance of running to max_tokens), transformer (MiniLM fine-tuned on "

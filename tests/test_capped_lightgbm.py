@@ -5,7 +5,8 @@ import pytest
 
 from predictor_service.artifacts import load_predictor, save_predictor
 from predictor_service.length_example import LengthExample
-from predictor_service.training import CAPPED_LIGHTGBM, make_predictor
+from predictor_service.kinds import CAPPED_LIGHTGBM
+from predictor_service.training import make_predictor
 from predictor_service.metrics import kendall_tau
 
 MAX_TOKENS = 400

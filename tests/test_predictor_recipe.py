@@ -5,7 +5,7 @@ import pytest
 
 import predictor_service.recipe as recipe
 from predictor_service.length_example import LengthExample
-from predictor_service.recipe import choose_recipe, holdout_sources, leave_source_out_tau, prompt_clusters
+from predictor_service.recipe import choose_recipe, holdout_sources, kind_of, leave_source_out_tau, prompt_clusters
 from predictor_service.training import make_predictor
 
 TOPICS = {"cook": "recipe pasta sauce garlic onion boil", "bank": "stock bond market interest rate loan",
@@ -47,8 +47,8 @@ def test_each_fold_is_fitted_without_the_source_it_scores(monkeypatch):
     examples, lengths, sources = examples_of(25)
     fitted_on = []
 
-    def recording(kind, *args):
-        predictor = make_predictor(kind, *args)
+    def recording(kind, *args, **kwargs):
+        predictor = make_predictor(kind, *args, **kwargs)
         fit = predictor.fit
 
         def fit_and_record(train, train_lengths):
@@ -72,3 +72,13 @@ def test_the_recipe_is_the_kind_that_ranks_unseen_sources_best():
     # Too few prompts per source: nothing is held out, no score, and the first kind stands.
     best, scores = choose_recipe(("mean", "linear"), examples, lengths, sources, min_source_prompts=30)
     assert best.kind == "mean" and best.mean_tau is None and scores["linear"].tau_by_source == {}
+
+
+def test_a_kind_that_cannot_be_fitted_without_a_source_has_no_score():
+    examples, lengths, sources = examples_of(25)  # every answer stops short of max_tokens: nothing to learn the cap of
+    score = leave_source_out_tau("lightgbm_capped", examples, lengths, sources, min_source_prompts=20)
+    assert score.mean_tau is None and "cannot be fitted without" in score.why_none
+    assert kind_of(make_predictor("lightgbm_capped")) == "lightgbm_capped" and kind_of(make_predictor("linear")) == \
+        "linear"
+    with pytest.raises(ValueError, match="needs examples"):
+        holdout_sources([])

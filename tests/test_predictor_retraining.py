@@ -79,6 +79,15 @@ def test_a_candidate_must_lower_mae_without_raising_under_reservation():
     assert not is_better({"mae_tokens": 101.0, "under_reservation_rate": 0.05}, active, config)
 
 
+def test_a_candidate_kind_ranking_unseen_sources_worse_is_refused_whatever_its_mae():
+    config = RetrainConfig()
+    active = {"mae_tokens": 100.0, "under_reservation_rate": 0.10, "source_tau": 0.15}
+    assert not is_better({"mae_tokens": 50.0, "under_reservation_rate": 0.05, "source_tau": 0.10}, active, config)
+    assert is_better({"mae_tokens": 50.0, "under_reservation_rate": 0.05, "source_tau": 0.15}, active, config)
+    # Without a score on one side (too few prompts to hold out a source), the recent window decides.
+    assert is_better({"mae_tokens": 50.0, "under_reservation_rate": 0.05, "source_tau": None}, active, config)
+
+
 def test_retrainer_promotes_a_better_model_and_refuses_a_worse_one(redis_client, shared_data, tmp_path):
     stream = SampleStream(redis_client)
     for sample in make_samples(shared_data, 300):
@@ -162,8 +171,20 @@ def test_the_candidate_kind_is_the_one_ranking_unseen_sources_best(redis_client,
     assert json.loads((outcome.version_dir / "manifest.json").read_text())["kind"] == "linear"
 
 
+def test_without_two_sources_to_hold_out_the_first_kind_is_fitted(redis_client, shared_data, tmp_path):
+    stream = SampleStream(redis_client)
+    for sample in make_samples(shared_data, 300):
+        stream.append(sample)
+    retrainer = Retrainer(stream, tmp_path / "artifacts", RetrainConfig(min_source_prompts=1000))
+    outcome = retrainer.retrain([s for _, s in stream.read()])
+    assert outcome.candidate_metrics["kind"] == "linear" and outcome.candidate_metrics["source_tau"] is None
+    assert "fewer than two sources of 1000 prompts" in outcome.candidate_metrics["why_no_source_tau"]
+
+
 def test_retrain_config_refuses_kinds_it_cannot_refit_per_source():
     with pytest.raises(ValueError, match="kinds must be some of"):
         RetrainConfig(kinds=("transformer",))
     with pytest.raises(ValueError, match="kinds must be some of"):
         RetrainConfig(kinds=())
+    with pytest.raises(ValueError, match="max_source_samples must be >= 1"):
+        RetrainConfig(max_source_samples=0)
