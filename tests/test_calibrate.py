@@ -42,13 +42,13 @@ def test_calibrate_labels_trains_both_and_resumes(tmp_path, model_cache_dir, sha
     labels = (out / "labels.jsonl").read_text().splitlines()
     assert 10 <= len(labels) <= 24 and all(json.loads(row)["model"] == "smollm2-135m-instruct" for row in labels)
     manifest = json.loads((out / "predictor" / "v0001" / "manifest.json").read_text())
-    assert manifest["model"] == "smollm2-135m-instruct" and manifest["kind"] == "lightgbm"
+    assert manifest["model"] == "smollm2-135m-instruct" and manifest["kind"] == "linear"
     probe = json.loads((out / "probe" / "probe.json").read_text())
     assert probe["metrics"]["model"] == "smollm2-135m-instruct" and probe["hidden_size"] == 576
     report = json.loads((out / "calibration.json").read_text())
     assert report["labels"]["labelled"] + report["labels"]["skipped_too_long"] == 24
-    # 24 prompts hold no two sources of 20: no leave-source-out score, so the first candidate kind is fitted
-    assert report["predictor"]["recipe"] == {"kind": "lightgbm", "source_tau": None, "source_tau_by_source": {}}
+    # 24 prompts hold no two sources of 30: no leave-source-out score, so the first candidate kind is fitted
+    assert report["predictor"]["recipe"]["kind"] == "linear" and report["predictor"]["recipe"]["source_tau"] is None
     assert "leave-source-out tau n/a" in printed
     assert main(args) == 0  # again: nothing is labelled twice, a second predictor version is trained
     assert len((out / "labels.jsonl").read_text().splitlines()) == len(labels)
