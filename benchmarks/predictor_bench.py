@@ -46,10 +46,12 @@ BASELINES = ("mean", "linear")
 LEAVE_SOURCE_OUT = "leave-source-out"  # the standard: `benchmarks.source_folds`
 SPLITS = ("prompt_id", "source", LEAVE_SOURCE_OUT)
 POOL_STEM = "pool"  # the shared pool's file name, the part of its prompt ids before the colon
-# The labels and prompts `bench predictor` scores by default: the shipped ones, the pool's and the four instruction
-# sets' beside it (never trained on by a shipped predictor)
+# The labels and prompts `bench predictor` scores by default: the shipped ones, the pool's (those the shipped
+# predictors trained on, and more greedy ones that bring each pool source to 250 prompts or all it has) and the four
+# instruction sets' beside it; no shipped predictor trained on the last two files
 INSTRUCTION_SETS = ("vicuna_bench_question", "mt_bench_question", "seed_tasks", "user_oriented_instructions")
 DEFAULT_LABELS = (*SHIPPED_LABEL_FILES,
+                  SHIPPED_LABEL_FILES[0].with_name("smollm2-135m-instruct.pool-even.greedy.jsonl"),
                   SHIPPED_LABEL_FILES[0].with_name("smollm2-135m-instruct.instructions.greedy.jsonl"))
 DEFAULT_PROMPT_FILES = (DEFAULT_PROMPTS, *(DEFAULT_PROMPTS.with_name(f"{name}.jsonl") for name in INSTRUCTION_SETS))
 # Held out by `split="source"`: maths word problems, open chat and code completion (30% of the pool's labels)

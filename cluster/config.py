@@ -96,6 +96,10 @@ class ServiceSettings(BaseModel):
         128, ge=1, description="requests waiting in the controller's queue (for KV room, or with late_binding for a "
                                "worker that can start them); beyond it clients get 429")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest accepted HTTP body")
+    strict_request_fields: bool = Field(
+        False, description="refuse (400) a generation request with a body field this server does not declare; by "
+                           "default it is answered, the field named in the x-s3-ignored-fields response header and "
+                           "logged once (docs/api.md lists the declared fields)")
     placement_timeout_s: float = Field(300.0, gt=0, description="how long a request may wait in the controller's "
                                                                 "queue")
     num_cpus: int | None = Field(None, ge=1, description="logical CPUs of the local Ray cluster (default: 2 x cores)")

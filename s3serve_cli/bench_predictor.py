@@ -3,6 +3,7 @@
 import argparse
 from pathlib import Path
 
+from predictor_service.kinds import TRAINABLE_KINDS
 
 SHIPPED_FEATURES_HELP = "predictor_service/labels/smollm2-135m-instruct.pool.greedy.hidden.npz"
 
@@ -67,8 +68,9 @@ def add_predictor_parser(benches) -> None:
     )
     predictor.add_argument("--labels", type=Path, nargs="+", default=None, metavar="FILE",
                            help="labels JSONL files written by `s3serve label` (default: the shipped ones, "
-                                "predictor_service/labels/*.jsonl: the pool's greedy and sampled labels and the "
-                                "four instruction sets' greedy labels)")
+                                "predictor_service/labels/*.jsonl: the pool's greedy and sampled labels, more greedy "
+                                "pool labels that no shipped predictor trained on, and the four instruction sets' "
+                                "greedy labels)")
     predictor.add_argument("--prompts", type=Path, nargs="+", default=None, metavar="FILE",
                            help="the prompt JSONL files the labels were made from (default: pool.jsonl and the "
                                 "four instruction sets beside it in ../shared/data/prompts)")
@@ -76,7 +78,7 @@ def add_predictor_parser(benches) -> None:
                            help="also score this train-predictor artifact (trained on the same labels and split); "
                                 "without --kinds only the baselines are trained next to it")
     predictor.add_argument("--kinds", nargs="+", default=None, metavar="KIND",
-                           choices=("mean", "linear", "lightgbm", "lightgbm_capped", "transformer"),
+                           choices=TRAINABLE_KINDS,
                            help="predictors to train and score: lightgbm_capped is LightGBM pointing at the "
                                 "expected capped length (the chance of running to max_tokens, and the length of "
                                 "the answers that stop); the transformer fine-tunes for a few minutes, leave it out "

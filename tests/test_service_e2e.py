@@ -152,6 +152,16 @@ def test_bad_input_is_a_shaped_4xx(service, body, status, param):
         assert error["param"] == param
 
 
+def test_an_undeclared_field_is_answered_and_named_in_a_header(service):
+    body = {"model": MODEL, "max_tokens": 4, "stream": True, "thinking": {"type": "enabled"},
+            "messages": [{"role": "user", "content": "hi", "name": "ann"}]}
+    response = post(service, "/v1/chat/completions", json=body)
+    assert response.status_code == 200 and "data: [DONE]" in response.text
+    assert response.headers["x-s3-ignored-fields"] == "messages[].name, thinking"
+    plain = post(service, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert plain.status_code == 200 and "x-s3-ignored-fields" not in plain.headers
+
+
 def test_chat_with_no_messages_or_too_long_messages_is_a_400(service):
     assert_openai_error(post(service, "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
     long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 10)}]}

@@ -4,7 +4,8 @@ Requests are pydantic models (the HTTP edge): strict types, so `"max_tokens": "1
 `true` is a 400 rather than a silent coercion; `null` means the default wherever OpenAI's
 spec makes a field nullable (openai-python sends `"temperature": null` for
 `temperature=None`); unknown fields are ignored because the official clients send some we
-do not use; parameters we do not implement (beam search, OpenAI's deprecated functions) are
+do not use, and named (`cluster.ingress.unknown_fields`: a response header, a log line, a 400
+under strict_request_fields); parameters we do not implement (beam search, OpenAI's deprecated functions) are
 rejected when set to anything but their default, never silently dropped. OpenAI's logit_bias,
 penalties, logprobs, echo, n and best_of, several prompts per completion request, structured
 output (response_format, vLLM's guided_* and structured_outputs), tools, and vLLM's sampling

@@ -32,6 +32,7 @@ from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHa
 from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
+from cluster.ingress.unknown_fields import IGNORED_FIELDS_HEADER, UnknownFieldLog, unknown_fields
 from workers.engine.models import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
 from workers.scheduling.policies import length_range_tokens, make_rule
 from workers.scheduling.prefix_cache import prefix_cache_salt, salt_hash
@@ -89,6 +90,7 @@ class Router:
                                        self._prefix_root)
         self.started_s = int(time.time())
         self.throughput = ThroughputMeter()
+        self.unknown_field_log = UnknownFieldLog()
 
     # -- helpers -----------------------------------------------------------------
 
@@ -126,9 +128,19 @@ class Router:
         except (ValueError, RecursionError):
             raise bad_request("request body is nested too deeply") from None
         try:
-            return model_cls.model_validate(payload)
+            req = model_cls.model_validate(payload)
         except ValidationError as error:
             raise validation_error(list(error.errors())) from None
+        return req, unknown_fields(payload, model_cls)
+
+    def _check_unknown(self, names: list[str]) -> None:
+        """Refuse undeclared fields under strict_request_fields; otherwise log each name the first time."""
+        if names and self.config.strict_request_fields:
+            raise bad_request(f"unknown field(s) {', '.join(map(repr, names))}: this server refuses fields it does not "
+                              "declare (strict_request_fields); leave them out", param=names[0])
+        for name in self.unknown_field_log.first_seen(names):
+            logger.warning("request field %r is not declared here and is ignored (each response that carries it names "
+                           "it in %s; strict_request_fields makes it a 400)", name, IGNORED_FIELDS_HEADER)
 
     def _start_job(self, job: GenerationJob, result: GenerationResult):
         return run_job(job, self.controller, self.workers, result, worker_actor_name)
@@ -151,9 +163,15 @@ class Router:
         return await self._counted(self._generate(request, is_chat=True))
 
     async def _generate(self, request: Request, is_chat: bool):
-        req = await self._model_request(request, protocol.ChatCompletionRequest if is_chat
-                                        else protocol.CompletionRequest)
-        return await self.completions.answer(req, is_chat)
+        model_cls = protocol.ChatCompletionRequest if is_chat else protocol.CompletionRequest
+        self._check_key(request)
+        req, unknown = await self._parse(request, model_cls)
+        self._check_unknown(unknown)
+        self._check_model(req)
+        response = await self.completions.answer(req, is_chat)
+        if unknown:
+            response.headers[IGNORED_FIELDS_HEADER] = ", ".join(unknown)
+        return response
 
     async def _counted(self, handling):
         """Count refused requests by status code (finished ones are counted where they finish)."""
@@ -170,12 +188,15 @@ class Router:
             raise
 
     async def _model_request(self, request: Request, model_cls):
-        """A request body for the served model, its API key checked, parsed."""
+        """A request body for the served model, its API key checked, parsed (its model declares every field)."""
         self._check_key(request)
-        req = await self._parse(request, model_cls)
+        req, _ = await self._parse(request, model_cls)
+        self._check_model(req)
+        return req
+
+    def _check_model(self, req) -> None:
         if req.model not in self.config.accepted_model_ids:
             raise not_found_model(req.model)
-        return req
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request):

@@ -1,0 +1,67 @@
+"""Fields of a request body that its model does not declare: named, never dropped without a word.
+
+The generation endpoints' models ignore fields they do not declare (the official clients send
+a few that have no use here, and newer clients send fields before we declare them), so the
+router names them: the response carries `x-s3-ignored-fields` with their names, each router
+replica logs a name the first time it sees it, and with `strict_request_fields` they are a 400.
+A nested field is named by its path: `stream_options.foo`, `messages[].name`,
+`tools[].function.foo`.
+"""
+
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel
+
+IGNORED_FIELDS_HEADER = "x-s3-ignored-fields"
+
+
+def unknown_fields(payload: Any, model_cls: type[BaseModel], prefix: str = "") -> list[str]:
+    """The paths of `payload`'s keys that `model_cls` (and the models of its fields, within lists and unions) does not
+    declare, sorted; nothing for a payload that is not an object (validation refuses those)."""
+    if not isinstance(payload, dict):
+        return []
+    declared = {**{name: field for name, field in model_cls.model_fields.items()},
+                **{field.alias: field for field in model_cls.model_fields.values() if field.alias}}
+    found = set()
+    for key, value in payload.items():
+        field = declared.get(key)
+        if field is None:
+            found.add(f"{prefix}{key}")
+            continue
+        for model, in_list in _models_in(field.annotation):
+            if in_list and isinstance(value, list):
+                for item in value:
+                    found.update(unknown_fields(item, model, f"{prefix}{key}[]."))
+            elif not in_list:
+                found.update(unknown_fields(value, model, f"{prefix}{key}."))
+    return sorted(found)
+
+
+def _models_in(annotation: Any, in_list: bool = False) -> list[tuple[type[BaseModel], bool]]:
+    """The pydantic models an annotation admits (through Annotated, unions, Optional and list), each with whether it
+    sits inside a list."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [(annotation, in_list)]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _models_in(typing.get_args(annotation)[0], in_list)
+    if origin in (typing.Union, types.UnionType):
+        return [found for arg in typing.get_args(annotation) for found in _models_in(arg, in_list)]
+    if origin is list:
+        return [found for arg in typing.get_args(annotation) for found in _models_in(arg, True)]
+    return []
+
+
+class UnknownFieldLog:
+    """The unknown field names a router replica has already logged (each is logged once, however often it comes)."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+
+    def first_seen(self, names: list[str]) -> list[str]:
+        """Those of `names` not seen before, now remembered."""
+        new = [name for name in names if name not in self.seen]
+        self.seen.update(new)
+        return new
