@@ -70,7 +70,7 @@ def test_completion_request_defaults_and_prompt_forms():
         ({"n": 65}, "n"),
         ({"stream": "yes"}, "stream"),
         ({"stop": ""}, "stop"),
-        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [f"s{i}" for i in range(proto.MAX_STOP_SEQUENCES + 1)]}, "stop"),
         ({"stop": [3]}, "stop"),
         ({"seed": 2**64}, "seed"),
         ({"echo": "yes"}, "echo"),
@@ -137,6 +137,11 @@ def test_defaults_sent_explicitly_and_unknown_fields_are_accepted():
     assert req.stop_sequences == ("\n", "END")
     assert req.temperature == 0.0
     assert not hasattr(req, "some_future_field")
+
+
+def test_humaneval_style_five_stop_strings_are_accepted():
+    stops = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]  # what lm-eval's HumanEval task sends
+    assert completion(stop=stops).stop_sequences == tuple(stops)
 
 
 @pytest.mark.parametrize("build", [completion, chat])

@@ -47,8 +47,9 @@ __all__ = [
     "prompts", "requested_max_tokens", "sse_event", "usage",
 ]
 
-# OpenAI accepts at most 4 stop sequences; more would only slow down stop matching.
-MAX_STOP_SEQUENCES = 4
+# OpenAI accepts at most 4 stop sequences, vLLM any number (lm-eval's HumanEval sends 5): this bound only guards the
+# router's per-token stop matching, far above what harnesses send.
+MAX_STOP_SEQUENCES = 256
 # Sequences one request may start (prompts x max(n, best_of)): each is its own placement and KV reservation.
 MAX_CHOICES = 64
 # torch.Generator.manual_seed takes 64-bit seeds; anything wider would fail deep in a worker.
@@ -220,7 +221,7 @@ class CompletionRequest(_SamplingRequest):
         logprobs: each token's logprob and the logprobs most likely tokens (0 to 20).
         stream: answer with server-sent events.
         stream_options: streaming options (only with stream).
-        stop: up to 4 stop strings; the output ends before the first match.
+        stop: up to 256 stop strings; the output ends before the first match.
         seed: sampling seed, for reproducible samples.
         ignore_eos: extension: generate exactly max_tokens tokens (benchmarks).
         forced_output_tokens: extension: finish after exactly this many tokens (<= max_tokens), so
