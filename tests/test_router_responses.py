@@ -47,3 +47,14 @@ def test_a_handler_failing_with_our_bug_is_counted_as_the_500_the_app_answers():
     with pytest.raises(UnicodeDecodeError):
         asyncio.run(RouterClass._counted(router, failing_handler()))
     assert observed == ["500"]
+
+
+def test_the_client_request_id_is_the_header_before_the_body_field_as_vllm_takes_it():
+    from cluster.ingress.router import client_request_id
+
+    assert client_request_id("trace-42", "body-1") == "trace-42"
+    assert client_request_id(None, "body-1") == "body-1" and client_request_id(None, None) is None
+    for bad in ("", "has space", "x" * 257):
+        with pytest.raises(APIError) as raised:
+            client_request_id(bad, None)
+        assert raised.value.status_code == 400 and raised.value.body()["error"]["param"] == "X-Request-Id"

@@ -7,6 +7,7 @@ parts of it. Remote Redis, paused parts and a lost router replica: test_service_
 """
 
 import asyncio
+import importlib.metadata
 import os
 import random
 import signal
@@ -128,6 +129,7 @@ def test_tokenize_and_detokenize_round_trip_as_vllms(service):
 
 def test_models_and_health(client, service):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{service.base_url}/version").json() == {"version": importlib.metadata.version("s3serve")}
     assert httpx.get(f"{service.base_url}/v1/models",
                      headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
     health = httpx.get(f"{service.base_url}/health").json()
@@ -160,6 +162,15 @@ def test_an_undeclared_field_is_answered_and_named_in_a_header(service):
     assert response.headers["x-s3-ignored-fields"] == "messages[].name, thinking"
     plain = post(service, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert plain.status_code == 200 and "x-s3-ignored-fields" not in plain.headers
+
+
+def test_a_client_request_id_names_the_response_as_in_vllm(service):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "request_id": "from-body"}
+    named = post(service, "/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})
+    assert named.json()["id"] == "cmpl-trace-7" and named.headers["x-request-id"] == "trace-7"
+    assert post(service, "/v1/completions", json=body).json()["id"] == "cmpl-from-body"
+    again = post(service, "/v1/completions", json=body)  # the same id twice is served: the jobs keep their own
+    assert again.status_code == 200 and again.json()["id"] == "cmpl-from-body"
 
 
 def test_chat_with_no_messages_or_too_long_messages_is_a_400(service):

@@ -37,6 +37,7 @@ MAX_PLACEMENT_PREFIX_BLOCKS = 64  # leading prompt blocks whose hashes go with a
 OVERHEAD_HEADER = "x-s3-overhead-ms"  # router + predictor + placement, without time queued for KV room
 PREDICT_HEADER = "x-s3-predict-ms"  # the predictor calls
 PLACE_HEADER = "x-s3-place-ms"  # the first choice's controller call, without time queued for KV room
+REQUEST_ID_HEADER = "x-request-id"  # the client's request id, echoed (vLLM's --enable-request-id-headers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +74,12 @@ class Completions:
         self._prefix_root = prefix_root
         self.num_in_flight = 0
 
-    async def answer(self, req, is_chat: bool):
-        """The response to a parsed request: JSONResponse or EventStream; APIError for what cannot be served."""
+    async def answer(self, req, is_chat: bool, client_request_id: str | None = None):
+        """The response to a parsed request: JSONResponse or EventStream; APIError for what cannot be served.
+
+        `client_request_id` (an X-Request-Id header, else the body's `request_id`, as vLLM takes them) names the
+        response: its id is "chatcmpl-" or "cmpl-" and it, and the x-request-id header echoes it. The jobs keep ids of
+        their own, unique whatever clients send."""
         start_s = time.monotonic()
         prompts = [self._encode_chat(req)] if is_chat else [self._encode(p) for p in protocol.prompts(req)]
         params = [self._sampling(req, len(prompt.token_ids), is_chat) for prompt in prompts]
@@ -86,7 +91,9 @@ class Completions:
         if self.num_in_flight >= self.config.max_concurrent_requests:
             raise queue_full(retry_after_s=1)
         self.num_in_flight += 1  # taken before any await, so a burst cannot slip past the limit
-        request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+        prefix = "chatcmpl" if is_chat else "cmpl"
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        response_id = request_id if client_request_id is None else f"{prefix}-{client_request_id}"
         events = None
         try:
             predict_start_s = time.monotonic()
@@ -106,7 +113,8 @@ class Completions:
         self.metrics.observe_overhead(overhead_s)
         # Router + predictor + placement time, for load generators measuring the service's own cost.
         headers = {OVERHEAD_HEADER: f"{overhead_s * 1000:.3f}", PREDICT_HEADER: f"{predict_s * 1000:.3f}",
-                   PLACE_HEADER: f"{leader.place_call_s * 1000:.3f}"}
+                   PLACE_HEADER: f"{leader.place_call_s * 1000:.3f}",
+                   **({} if client_request_id is None else {REQUEST_ID_HEADER: client_request_id})}
         answers = [ChoiceAnswer(self.tokenizer, shape, prompt.echo_text, prompt.token_ids)
                    for group, prompt in zip(groups, prompts) for _ in group]
         if req.stream:
@@ -114,9 +122,9 @@ class Completions:
                 self.num_in_flight -= 1
                 await events.aclose()  # a no-op once the generation finished
 
-            body = self._sse(req, is_chat, request_id, run, events, first, answers, start_s)
+            body = self._sse(req, is_chat, response_id, run, events, first, answers, start_s)
             return EventStream(body, headers=headers, on_close=release)
-        return JSONResponse(await self._collect(req, is_chat, request_id, run, events, first, answers, start_s),
+        return JSONResponse(await self._collect(req, is_chat, response_id, run, events, first, answers, start_s),
                             headers=headers)
 
     # -- a request's prompts and jobs ------------------------------------------------------------

@@ -67,6 +67,7 @@ Seed = Annotated[StrictInt, Field(**_SEED_BOUNDS)]
 Priority = Annotated[StrictInt, Field(ge=-100, le=100)]  # lower is more urgent
 Penalty = Annotated[StrictFloat, Field(ge=-2.0, le=2.0)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
+ClientRequestId = Annotated[StrictStr, Field(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
 
 
 def _check_stop(value: Any) -> Any:
@@ -152,7 +153,8 @@ class _SamplingRequest(BaseModel):
     prompt_cache_key: Any = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
-    request_id: Any = None
+    # vLLM's: the response's id is "chatcmpl-" / "cmpl-" and this (an X-Request-Id header takes precedence)
+    request_id: ClientRequestId | None = None
 
     @field_validator(*_NULL_MEANS_DEFAULT, mode="before")
     @classmethod

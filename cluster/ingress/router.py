@@ -12,7 +12,9 @@ import time; every replica builds its own state in `Router.__init__`.
 import asyncio
 import json
 import logging
+import re
 import time
+from importlib.metadata import version as package_version
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -168,7 +170,8 @@ class Router:
         req, unknown = await self._parse(request, model_cls)
         self._check_unknown(unknown)
         self._check_model(req)
-        response = await self.completions.answer(req, is_chat)
+        response = await self.completions.answer(req, is_chat, client_request_id(request.headers.get("x-request-id"),
+                                                                                  req.request_id))
         if unknown:
             response.headers[IGNORED_FIELDS_HEADER] = ", ".join(unknown)
         return response
@@ -211,6 +214,11 @@ class Router:
     async def models(self, request: Request):
         self._check_key(request)
         return protocol.models_response([self.config.model_id], self.started_s, self.config.max_model_len)
+
+    @app.get("/version")
+    async def version(self):
+        """The server's version, as vLLM's /version answers it (public, like /health)."""
+        return {"version": package_version("s3serve")}
 
     @app.get("/health")
     async def health(self):
@@ -255,6 +263,15 @@ class Router:
         numbers = RouterNumbers(self.config.model_id, self.config.policy, self.completions.num_in_flight,
                                 self.config.max_concurrent_requests, time.time() - self.started_s, tokens_per_s)
         return JSONResponse(dashboard_data(status, numbers), headers={"Cache-Control": "no-store"})
+
+
+def client_request_id(header: str | None, body_field: str | None) -> str | None:
+    """The id a client gives its request, as vLLM takes it: an X-Request-Id header before the body's `request_id`."""
+    if header is None:
+        return body_field
+    if not re.fullmatch(r"[\x21-\x7e]{1,256}", header):
+        raise bad_request("the X-Request-Id header must be 1 to 256 visible ASCII characters", param="X-Request-Id")
+    return header
 
 
 def build_router(config: ServiceConfig, redis_url: str, predictor_app=None):

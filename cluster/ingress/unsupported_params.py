@@ -34,7 +34,7 @@ SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 # Accepted at any value, with no effect on the answer: they name, tag or route a request (OpenAI's caching key:
 # prefix caching here is automatic), and nothing here stores or bills by them.
 NO_EFFECT = ("user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-             "prompt_cache_options", "request_id")
+             "prompt_cache_options")
 # On /v1/completions: OpenAI's suffix.
 COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
