@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from cluster.control.placement import DEFAULT_LATE_BINDING, WORKER_QUEUE_SEQS
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS, check_routing
+from cluster.ingress.reasoning import REASONING_PARSERS
 from predictor_service.probe_files import check_probe_folder
 from workers.actors.worker_settings import WorkerSettings
 from workers.scheduling.policies import SERVING_POLICY_NAMES
@@ -96,6 +97,12 @@ class ServiceSettings(BaseModel):
         128, ge=1, description="requests waiting in the controller's queue (for KV room, or with late_binding for a "
                                "worker that can start them); beyond it clients get 429")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest accepted HTTP body")
+    reasoning_parser: str | None = Field(
+        None, description="split a reasoning model's thinking from its answer into the message's reasoning_content "
+                          "(and reasoning), streamed and not, as vLLM's --reasoning-parser: qwen3 (the model opens "
+                          "<think> and closes </think>), deepseek_r1 (the chat template opens the block, the model "
+                          "closes it); none leaves the text as the model wrote it",
+        json_schema_extra={"choices": REASONING_PARSERS})
     strict_request_fields: bool = Field(
         False, description="refuse (400) a generation request with a body field this server does not declare; by "
                            "default it is answered, the field named in the x-s3-ignored-fields response header and "
@@ -169,6 +176,9 @@ class ServiceSettings(BaseModel):
         self.worker_settings()  # the workers' own checks, here in the caller's process
         check_min_gap(self.rebalance_min_gap)
         check_routing(self.routing)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
+                             f"{self.reasoning_parser!r}")
         if self.predictor_mode not in PREDICTOR_MODES:
             raise ValueError(f"predictor_mode must be router or deployment, got {self.predictor_mode!r}")
         if not self.min_workers_resolved <= self.num_workers <= self.max_workers_resolved:

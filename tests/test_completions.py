@@ -67,10 +67,12 @@ class ScriptedWorkers:
         result.finish_reason = "length" if len(tokens) == job.params.max_tokens else "stop"
 
 
-def make_completions(tokenizer, workers: ScriptedWorkers, prefix_caching: bool = True) -> tuple[Completions, list]:
+def make_completions(tokenizer, workers: ScriptedWorkers, prefix_caching: bool = True,
+                     reasoning_parser: str | None = None) -> tuple[Completions, list]:
     observed = []
     config = SimpleNamespace(model_id=MODEL_ID, max_model_len=2048, default_max_tokens=64, max_concurrent_requests=8,
-                             prefix_caching=prefix_caching, prefix_aware_placement=False, block_size=16)
+                             prefix_caching=prefix_caching, prefix_aware_placement=False, block_size=16,
+                             reasoning_parser=reasoning_parser)
     metrics = SimpleNamespace(observe_status=observed.append, observe_overhead=lambda s: None,
                               observe_finished=lambda *args: observed.append("finished"))
 

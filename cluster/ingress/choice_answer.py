@@ -4,6 +4,7 @@ endpoint's form, with the prompt in front under `echo` (pure: a tokenizer is pas
 from dataclasses import dataclass
 
 from cluster.ingress.logprob_format import CompletionLogprobs, chat_logprobs, join_completion_logprobs
+from cluster.ingress.reasoning import ReasoningStream, split_reasoning
 from cluster.ingress.text_stream import TextStream
 from cluster.ingress.tool_calls import calls_of, text_besides_calls
 from workers.values.step_output import TokenLogprob
@@ -23,6 +24,8 @@ class AnswerShape:
             generated (it always generates one) is dropped.
         tool_choice: chat with tools the model may call ("auto", "required" or a function's name): the answer
             is read for tool calls and sent whole once complete (`cluster.ingress.tool_calls`).
+        reasoning_parser: chat: the thinking is split from the answer (`cluster.ingress.reasoning`); tool calls are
+            read from the answer besides it.
     """
 
     is_chat: bool
@@ -32,6 +35,7 @@ class AnswerShape:
     score_only: bool = False
     tool_choice: str | None = None
     one_call: bool = False  # parallel_tool_calls false: the first call only
+    reasoning_parser: str | None = None
 
 
 class ChoiceAnswer:
@@ -48,6 +52,7 @@ class ChoiceAnswer:
         self._token_logprobs: list[TokenLogprob] = []
         self._started = False
         self._calls: tuple[list[dict] | None] | None = None
+        self._reasoning = None if shape.reasoning_parser is None else ReasoningStream(shape.reasoning_parser)
         self.text = ""
         self.num_tokens = 0
 
@@ -73,23 +78,46 @@ class ChoiceAnswer:
         self.text += tail
         return tail
 
+    def split(self, delta: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, content) of a text delta as a stream sends them (all content without a reasoning parser);
+        `final`, for the delta `finish` returned, also gives what was held back."""
+        if self._reasoning is None:
+            return "", delta
+        reasoning, content = self._reasoning.push(delta)
+        if final:
+            held_reasoning, held_content = self._reasoning.finish()
+            reasoning, content = reasoning + held_reasoning, content + held_content
+        return reasoning, content
+
+    @property
+    def reasoning(self) -> str | None:
+        """The whole answer's thinking (None without a reasoning parser, or a think block)."""
+        return None if self.shape.reasoning_parser is None else split_reasoning(self.shape.reasoning_parser,
+                                                                                  self.text)[0]
+
+    @property
+    def content(self) -> str:
+        """The whole answer besides its thinking."""
+        return self.text if self.shape.reasoning_parser is None else split_reasoning(self.shape.reasoning_parser,
+                                                                                       self.text)[1]
+
     @property
     def tool_calls(self) -> list[dict] | None:
         """OpenAI's `tool_calls` of the answer (read once: their ids stay); None for text, or a forced call cut
         short by the limit."""
         if self._calls is None and self.shape.tool_choice is not None:
-            calls = calls_of(self.shape.tool_choice, self.text)
+            calls = calls_of(self.shape.tool_choice, self.content)
             self._calls = (calls[:1] if calls and self.shape.one_call else calls,)
         return None if self._calls is None else self._calls[0]
 
     @property
     def text_besides_calls(self) -> str | None:
         """Under tool_choice "auto", the text outside the calls (None when there is none)."""
-        return None if self.shape.tool_choice is None else text_besides_calls(self.shape.tool_choice, self.text)
+        return None if self.shape.tool_choice is None else text_besides_calls(self.shape.tool_choice, self.content)
 
     @property
     def whole_text(self) -> str:
-        return (self._prompt_text if self.shape.echo else "") + self.text
+        return (self._prompt_text if self.shape.echo else "") + self.content
 
     @property
     def logprobs(self) -> dict | None:

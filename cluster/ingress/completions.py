@@ -87,7 +87,8 @@ class Completions:
         shape = AnswerShape(is_chat, req.stop_sequences, bool(req.logprobs) if is_chat else req.logprobs is not None,
                             echo=not is_chat and req.echo, score_only=not is_chat and req.max_tokens == 0,
                             tool_choice=None if forced in (None, "none") else forced,
-                            one_call=is_chat and req.parallel_tool_calls is False)
+                            one_call=is_chat and req.parallel_tool_calls is False,
+                            reasoning_parser=self.config.reasoning_parser if is_chat else None)
         if self.num_in_flight >= self.config.max_concurrent_requests:
             raise queue_full(retry_after_s=1)
         self.num_in_flight += 1  # taken before any await, so a burst cannot slip past the limit
@@ -249,7 +250,7 @@ class Completions:
                 if is_chat:
                     choices.append(protocol.chat_choice(len(choices), answers[i].whole_text, reason,
                                                         answers[i].logprobs, answers[i].tool_calls,
-                                                        answers[i].text_besides_calls))
+                                                        answers[i].text_besides_calls, answers[i].reasoning))
                 else:
                     choices.append(protocol.completion_choice(len(choices), answers[i].whole_text, reason,
                                                               answers[i].logprobs))
@@ -262,10 +263,11 @@ class Completions:
         model_id, created_s = self.config.model_id, created_unix_s(start_s)
 
         def chunk(index: int, delta: str | None, reason: str | None, role: str | None = None,
-                  logprobs: dict | None = None) -> bytes:
+                  logprobs: dict | None = None, reasoning: str | None = None) -> bytes:
             if is_chat:
                 return protocol.sse_event(protocol.chat_chunk(request_id, model_id, delta, reason, created_s,
-                                                              role=role, index=index, logprobs=logprobs))
+                                                              role=role, index=index, logprobs=logprobs,
+                                                              reasoning=reasoning))
             return protocol.sse_event(protocol.completion_chunk(request_id, model_id, delta or "", reason, created_s,
                                                                 index=index, logprobs=logprobs))
 
@@ -283,16 +285,21 @@ class Completions:
                 answer = answers[index]
                 if event is not None:
                     delta, logprobs = answer.push(event)
-                    if (delta or logprobs) and answer.shape.tool_choice is None:  # a call is sent whole, at its end
-                        yield chunk(index, delta, None, logprobs=logprobs)
+                    reasoning, delta = answer.split(delta)
+                    if answer.shape.tool_choice is not None:  # a call is sent whole, at its end; thinking as it comes
+                        delta, logprobs = "", None
+                    if delta or logprobs or reasoning:
+                        yield chunk(index, delta, None, logprobs=logprobs, reasoning=reasoning or None)
                     continue
                 result = run.results[index]
-                tail = answer.finish(result.finish_reason)
+                reasoning, tail = answer.split(answer.finish(result.finish_reason), final=True)
+                if reasoning:
+                    yield chunk(index, "", None, reasoning=reasoning)
                 if answer.shape.tool_choice is not None:
                     calls = answer.tool_calls
                     yield (protocol.sse_event(protocol.chat_chunk(request_id, model_id, answer.text_besides_calls,
                                                                   None, created_s, index=index, tool_calls=calls))
-                           if calls is not None else chunk(index, answer.text, None))
+                           if calls is not None else chunk(index, answer.content, None))
                 elif tail:
                     yield chunk(index, tail, None)
                 yield chunk(index, None if is_chat else "", self._finish_reason(answer, result))

@@ -88,11 +88,15 @@ def completion_usage_chunk(request_id: str, model: str, created_s: int, usage: d
 
 
 def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None, text_besides_calls: str | None = None) -> dict:
+                tool_calls: list[dict] | None = None, text_besides_calls: str | None = None,
+                reasoning: str | None = None) -> dict:
     """One assistant message of a `chat.completion`; `logprobs` in OpenAI's chat form ({"content": [...]}); with
-    `tool_calls`, the message carries them, and as content only the text besides them."""
+    `tool_calls`, the message carries them, and as content only the text besides them; a reasoning model's thinking
+    under vLLM's two names, `reasoning_content` and `reasoning`."""
     message = {"role": "assistant", "content": text} if tool_calls is None else {
         "role": "assistant", "content": text_besides_calls, "tool_calls": tool_calls}
+    if reasoning is not None:
+        message |= {"reasoning_content": reasoning, "reasoning": reasoning}
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -119,8 +123,10 @@ def chat_chunk(
     index: int = 0,
     logprobs: dict | None = None,
     tool_calls: list[dict] | None = None,
+    reasoning: str | None = None,
 ) -> dict:
-    """One `chat.completion.chunk` (of choice `index`); `tool_calls` ride in the delta with their positions.
+    """One `chat.completion.chunk` (of choice `index`); `tool_calls` ride in the delta with their positions, a
+    reasoning model's thinking under `reasoning_content` and `reasoning`.
 
     The first chunk of a stream carries `role="assistant"` (and usually `delta_text=""`),
     the last one a finish_reason with an empty delta. With `usage` and no delta, role or
@@ -132,7 +138,8 @@ def chat_chunk(
         "created": created_s,
         "model": model,
     }
-    if usage is not None and not delta_text and role is None and finish_reason is None and tool_calls is None:
+    if (usage is not None and not delta_text and role is None and finish_reason is None and tool_calls is None
+            and reasoning is None):
         chunk["choices"] = []
     else:
         delta = {}
@@ -140,6 +147,8 @@ def chat_chunk(
             delta["role"] = role
         if delta_text is not None:
             delta["content"] = delta_text
+        if reasoning is not None:
+            delta |= {"reasoning_content": reasoning, "reasoning": reasoning}
         if tool_calls is not None:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
         chunk["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
