@@ -132,8 +132,16 @@ class Completions:
 
     def _encode_chat(self, req) -> Prompt:
         messages, tools = template_messages(req, protocol.chat_messages(req), self.tokenizer)
+        add_generation_prompt, continue_final_message, template_kwargs = protocol.template_options(req)
+        template = getattr(self.tokenizer, "chat_template", None)
+        unread = [name for name in template_kwargs if isinstance(template, str) and name not in template]
+        if unread:
+            raise bad_request(f"this model's chat template does not read {', '.join(map(repr, unread))}, so it would "
+                              "change nothing; leave it out", "reasoning_effort" if unread == ["reasoning_effort"]
+                              else "chat_template_kwargs")
         try:
-            ids = chat_token_ids(self.tokenizer, messages, tools)
+            ids = chat_token_ids(self.tokenizer, messages, tools, add_generation_prompt, continue_final_message,
+                                 template_kwargs)
         except NoChatTemplate as error:
             raise bad_request(str(error), "messages") from None
         if not ids:

@@ -44,7 +44,7 @@ __all__ = [
     "StreamOptions", "ToolSpec",
     "chat_choice", "chat_chunk", "chat_messages", "chat_response", "chat_usage_chunk", "completion_choice",
     "completion_chunk", "completion_response", "completion_usage_chunk", "models_response", "new_request_id",
-    "prompts", "requested_max_tokens", "sse_event", "usage",
+    "prompts", "requested_max_tokens", "sse_event", "template_options", "usage",
 ]
 
 # OpenAI accepts at most 4 stop sequences, vLLM any number (lm-eval's HumanEval sends 5): this bound only guards the
@@ -55,6 +55,11 @@ MAX_CHOICES = 64
 # torch.Generator.manual_seed takes 64-bit seeds; anything wider would fail deep in a worker.
 _SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}
 
+# apply_chat_template's own arguments, and the template variables a request sets through its own fields.
+RESERVED_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                         "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                         "truncation", "max_length", "return_tensors", "return_dict",
+                                         "return_assistant_tokens_mask", "tokenizer_kwargs", "reasoning_effort"})
 # OpenAI's nullable fields that we type strictly: null means the field's default.
 _NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream")
 
@@ -305,15 +310,17 @@ class ChatCompletionRequest(_SamplingRequest):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: StrictBool | None = None  # honoured: one call per answer is within what it allows
-    continue_final_message: Any = None
-    add_generation_prompt: Any = None
+    # vLLM's chat-template controls (`template_options`): open the assistant's turn (default true), or continue
+    # the last message, an assistant's, instead; extra variables for the template
+    continue_final_message: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
     documents: Any = None
     prediction: Any = None
     audio: Any = None
     modalities: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: StrictStr | None = None  # given to a chat template that reads it, as vLLM does
     store: Any = None
     verbosity: Any = None
     web_search_options: Any = None
@@ -329,6 +336,15 @@ class ChatCompletionRequest(_SamplingRequest):
     def _one_max_tokens(self):
         if self.top_logprobs and not self.logprobs:  # 0 is the default, as vLLM reads it
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the answer either "
+                             "continues the last message or opens a new turn")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's, to continue")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_ARGUMENTS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the request's own "
+                             "fields set them")
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise ValueError(
@@ -356,6 +372,16 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return [{"role": message.role, "content": message.content,
              **({"tool_calls": message.tool_calls} if message.tool_calls else {}),
              **({"tool_call_id": message.tool_call_id} if message.tool_call_id else {})} for message in req.messages]
+
+
+def template_options(req: ChatCompletionRequest) -> tuple[bool, bool, dict[str, Any]]:
+    """(add_generation_prompt, continue_final_message, the template's extra variables: chat_template_kwargs and
+    reasoning_effort) of a chat request, as vLLM passes them to the chat template."""
+    extra = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        extra["reasoning_effort"] = req.reasoning_effort
+    return not req.continue_final_message and req.add_generation_prompt is not False, bool(
+        req.continue_final_message), extra
 
 
 def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> int | None:

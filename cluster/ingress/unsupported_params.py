@@ -39,19 +39,15 @@ NO_EFFECT = ("user", "metadata", "safety_identifier", "prompt_cache_key", "promp
 COMPLETION_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
 }
-# On /v1/chat/completions: OpenAI's deprecated functions, and chat-template controls.
+# On /v1/chat/completions: OpenAI's deprecated functions, and a per-request chat template.
 CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
-    "continue_final_message": (None, False),
-    "add_generation_prompt": (None, True),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "documents": (None,),
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
-    "reasoning_effort": (None,),
     "store": (None, False),
     "verbosity": (None,),
     "web_search_options": (None,),

@@ -271,9 +271,12 @@ class NoChatTemplate(ValueError):
     """Chat messages were sent to a model whose tokenizer has no chat template (a base model)."""
 
 
-def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                   add_generation_prompt: bool = True, continue_final_message: bool = False,
+                   template_kwargs: dict | None = None) -> list[int]:
     """Token ids of chat messages (and tools, for a template that takes them) under the model's template, ready for
-    the assistant's turn.
+    the assistant's turn (or, with `continue_final_message`, for more of the last message); `template_kwargs` are
+    further variables the template reads (vLLM's chat_template_kwargs: Qwen3's enable_thinking, say).
 
     transformers 5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`,
     earlier versions a plain list; both come out as a list. `NoChatTemplate` when there is no template.
@@ -281,8 +284,9 @@ def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = N
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate("this model has no chat template (a base model?): send the text to /v1/completions, "
                              "or start the service with --chat-template FILE")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                        **({"tools": tools} if tools else {}))
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        continue_final_message=continue_final_message,
+                                        **({"tools": tools} if tools else {}), **(template_kwargs or {}))
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
