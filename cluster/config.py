@@ -66,7 +66,10 @@ class ServiceSettings(BaseModel):
                           f"{WORKER_QUEUE_SEQS} waiting in the worker's own queue), then, under s3_peak with "
                           "predicted_work routing, to the worker where it is predicted to finish soonest, else to "
                           "the roomiest; off: every request goes to a worker on arrival and waits there")
-    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request does not set it")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="max_tokens when a request does not set it; none (the default, as in vLLM): the rest "
+                                "of the context. s3_peak plans such a request by its predicted length, not the "
+                                "limit, so a long limit costs no reserved KV")
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(
         None, description="predictor versions directory (LATEST); default: the shipped artifact or baseline")
@@ -185,7 +188,8 @@ class ServiceSettings(BaseModel):
             raise ValueError(
                 f"need min_workers <= num_workers <= max_workers, got {self.min_workers_resolved} <= "
                 f"{self.num_workers} <= {self.max_workers_resolved}")
-        if self.max_model_len is not None and self.default_max_tokens >= self.max_model_len:
+        if (self.max_model_len is not None and self.default_max_tokens is not None
+                and self.default_max_tokens >= self.max_model_len):
             raise ValueError(
                 f"default_max_tokens {self.default_max_tokens} must be below max_model_len {self.max_model_len}")
         return self

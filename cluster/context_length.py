@@ -73,7 +73,7 @@ def resolve_max_model_len(config: ServiceConfig) -> tuple[ServiceConfig, str]:
     value = default_max_model_len(model_limit, room)
     source = ("the model's max_position_embeddings" if value == model_limit
               else f"capped from the model's {model_limit:,} at what one worker's KV cache holds")
-    if value <= config.default_max_tokens:
+    if config.default_max_tokens is not None and value <= config.default_max_tokens:
         raise ValueError(f"max_model_len would be {value:,} ({source}), not above default_max_tokens "
                          f"{config.default_max_tokens}: raise kv_cache_memory, or set max_model_len and "
                          "default_max_tokens")

@@ -264,3 +264,14 @@ def test_chat_with_a_model_that_has_no_template_is_a_400_and_a_template_file_fix
     prompt = make_completions(templated, ScriptedWorkers([]))[0]._encode_chat(chat)
     assert templated.decode(prompt.token_ids) == "user: Hi\nassistant:"
     assert prompt.echo_text == ""  # chat answers never echo
+
+
+@pytest.mark.parametrize("default_max_tokens, expected", [(None, 2048), (64, 64)])
+def test_an_unset_max_tokens_is_the_rest_of_the_context_as_in_vllm_or_the_configured_default(
+        smollm2_tokenizer, answer_ids, default_max_tokens, expected):
+    workers = ScriptedWorkers(answer_ids)
+    completions, _ = make_completions(smollm2_tokenizer, workers)
+    completions.config.default_max_tokens = default_max_tokens
+    answer(completions, {"prompt": "Hello world"})
+    num_prompt = len(workers.jobs[0].prompt_token_ids)
+    assert workers.jobs[0].params.max_tokens == (expected - num_prompt if default_max_tokens is None else expected)

@@ -60,7 +60,8 @@ def test_unset_it_is_the_models_limit_or_what_the_kv_cache_holds(model_dir):
 
 
 def test_too_little_room_for_default_max_tokens_is_a_clear_error(model_dir):
-    config = ServiceConfig(model=str(model_dir), dtype="float32", kv_cache_memory=str(200 * 512))
+    config = ServiceConfig(model=str(model_dir), dtype="float32", kv_cache_memory=str(200 * 512),
+                           default_max_tokens=256)
     with pytest.raises(ValueError, match="max_model_len would be 200 .* not above default_max_tokens 256"):
         resolve_max_model_len(config)
 

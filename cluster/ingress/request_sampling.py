@@ -10,9 +10,10 @@ from workers.values.sampling_params import SamplingParams
 _EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 
 
-def sampling_params(req, num_prompt_tokens: int, is_chat: bool, max_model_len: int, default_max_tokens: int,
+def sampling_params(req, num_prompt_tokens: int, is_chat: bool, max_model_len: int, default_max_tokens: int | None,
                     vocab_size: int) -> SamplingParams:
-    """`req` (a Completion or ChatCompletion request) as SamplingParams; APIError (400) for what cannot be served:
+    """`req` (a Completion or ChatCompletion request) as SamplingParams, max_tokens the rest of the context when
+    neither the request nor `default_max_tokens` sets it; APIError (400) for what cannot be served:
     a prompt that fills the context, max_tokens past it, forced or minimum lengths past max_tokens, token ids
     outside the vocabulary. max_tokens 0 (completions with echo: score the prompt) is 1 here; the answer drops
     the token."""
@@ -20,7 +21,8 @@ def sampling_params(req, num_prompt_tokens: int, is_chat: bool, max_model_len: i
         raise prompt_too_long(num_prompt_tokens, max_model_len, "messages" if is_chat else "prompt")
     max_tokens = protocol.requested_max_tokens(req)
     if max_tokens is None:
-        max_tokens = min(default_max_tokens, max_model_len - num_prompt_tokens)
+        room = max_model_len - num_prompt_tokens
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
     if num_prompt_tokens + max_tokens > max_model_len:
         raise bad_request(
             f"max_tokens {max_tokens} + prompt of {num_prompt_tokens} tokens exceeds the context of {max_model_len} "
