@@ -275,3 +275,32 @@ def test_an_unset_max_tokens_is_the_rest_of_the_context_as_in_vllm_or_the_config
     answer(completions, {"prompt": "Hello world"})
     num_prompt = len(workers.jobs[0].prompt_token_ids)
     assert workers.jobs[0].params.max_tokens == (expected - num_prompt if default_max_tokens is None else expected)
+
+
+class _BosTokenizer:
+    """SmolLM2's tokenizer as one whose own setting adds a BOS token to a text (Llama's and Gemma's do)."""
+
+    def __init__(self, inner, bos_id: int) -> None:
+        self.inner, self.bos_id = inner, bos_id
+
+    def __call__(self, text, add_special_tokens: bool = True):
+        ids = self.inner(text, add_special_tokens=False)["input_ids"]
+        return {"input_ids": [self.bos_id] * add_special_tokens + ids}
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_text_prompt_gets_the_tokenizers_own_bos_unless_asked_not_to_as_in_vllm(smollm2_tokenizer, answer_ids):
+    tokenizer = _BosTokenizer(smollm2_tokenizer, bos_id=1)
+    text_ids = smollm2_tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    for body, expected in (({}, [1, *text_ids]), ({"add_special_tokens": False}, text_ids)):
+        workers = ScriptedWorkers(answer_ids)
+        answer(make_completions(tokenizer, workers)[0], {"prompt": "Hello world", "max_tokens": 2, **body})
+        assert list(workers.jobs[0].prompt_token_ids) == expected
+    with pytest.raises(Exception, match="'add_special_tokens' is not supported"):  # the chat template places them
+        protocol.ChatCompletionRequest.model_validate({"model": MODEL_ID, "add_special_tokens": True,
+                                                       "messages": [{"role": "user", "content": "hi"}]})

@@ -81,7 +81,8 @@ class Completions:
         response: its id is "chatcmpl-" or "cmpl-" and it, and the x-request-id header echoes it. The jobs keep ids of
         their own, unique whatever clients send."""
         start_s = time.monotonic()
-        prompts = [self._encode_chat(req)] if is_chat else [self._encode(p) for p in protocol.prompts(req)]
+        prompts = ([self._encode_chat(req)] if is_chat else
+                   [self._encode(p, req.add_special_tokens is not False) for p in protocol.prompts(req)])
         params = [self._sampling(req, len(prompt.token_ids), is_chat) for prompt in prompts]
         forced = tool_choice(req) if is_chat else None
         shape = AnswerShape(is_chat, req.stop_sequences, bool(req.logprobs) if is_chat else req.logprobs is not None,
@@ -148,13 +149,15 @@ class Completions:
             raise bad_request("the prompt is empty after tokenization", "messages")
         return Prompt(join_messages(messages), "", tuple(ids))  # joined as the predictor was trained
 
-    def _encode(self, prompt: str | list[int]) -> Prompt:
+    def _encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> Prompt:
+        """A completion prompt: token ids as sent, text tokenized with the tokenizer's own special tokens (BOS where
+        its setting adds one, as vLLM does) unless `add_special_tokens` is false."""
         if isinstance(prompt, list):  # token ids: the text only feeds the length predictor and echo
             if max(prompt) >= len(self.tokenizer):
                 raise bad_request(f"prompt token ids must be below the vocabulary size {len(self.tokenizer)}", "prompt")
             text = self.tokenizer.decode(prompt)
             return Prompt(text, text, tuple(prompt))
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
         if not ids:
             raise bad_request("the prompt is empty after tokenization", "prompt")
         return Prompt(prompt, prompt, tuple(ids))

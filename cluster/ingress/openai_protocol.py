@@ -144,7 +144,8 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: Any = None
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
-    add_special_tokens: Any = None
+    # vLLM's: a text prompt gets the tokenizer's own special tokens (BOS where it adds one) unless false
+    add_special_tokens: StrictBool | None = None
     cache_salt: Any = None
     logits_processors: Any = None
     kv_transfer_params: Any = None

@@ -1,11 +1,12 @@
 """vLLM's `/tokenize` and `/detokenize`: request bodies and answers (no Serve: the caller passes the tokenizer).
 
-    POST /tokenize    {"model", "prompt", "add_special_tokens": true}                -> {"count", "max_model_len",
+    POST /tokenize    {"model", "prompt", "add_special_tokens": false}               -> {"count", "max_model_len",
                       {"model", "messages", "add_generation_prompt": true}             "tokens"}
     POST /detokenize  {"model", "tokens": [ids]}                                     -> {"prompt"}
 
 A chat is tokenized as `/v1/chat/completions` tokenizes it (the model's chat template, ready for the assistant's
-turn); a prompt as `/v1/completions` does unless `add_special_tokens` asks for the tokenizer's own special tokens.
+turn); a prompt as `/v1/completions` does, with the tokenizer's own special tokens (BOS where its setting adds one)
+unless `add_special_tokens` is false, as vLLM's do.
 """
 
 from typing import Annotated
@@ -25,7 +26,7 @@ class TokenizeRequest(BaseModel):
     model: StrictStr
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    add_special_tokens: StrictBool = False
+    add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
     @model_validator(mode="after")

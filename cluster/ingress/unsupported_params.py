@@ -22,7 +22,6 @@ SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False),
-    "add_special_tokens": (None,),
     "cache_salt": (None,),
     "logits_processors": (None, []),
     "kv_transfer_params": (None,),
@@ -44,6 +43,7 @@ CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "chat_template": (None,),
+    "add_special_tokens": (None, False),  # the chat template places the special tokens
     "documents": (None,),
     "prediction": (None,),
     "audio": (None,),
