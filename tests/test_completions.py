@@ -304,3 +304,22 @@ def test_a_text_prompt_gets_the_tokenizers_own_bos_unless_asked_not_to_as_in_vll
     with pytest.raises(Exception, match="'add_special_tokens' is not supported"):  # the chat template places them
         protocol.ChatCompletionRequest.model_validate({"model": MODEL_ID, "add_special_tokens": True,
                                                        "messages": [{"role": "user", "content": "hi"}]})
+
+
+@pytest.mark.parametrize("is_streamed", [False, True])
+def test_stop_reason_names_the_stop_and_include_stop_str_in_output_keeps_it(smollm2_tokenizer, answer_ids,
+                                                                            is_streamed):
+    def run(body: dict) -> tuple[str, str, object]:
+        completions = make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))[0]
+        if not is_streamed:
+            choice = answer(completions, {"prompt": "Hi", "max_tokens": 40, **body})["choices"][0]
+            return choice["text"], choice["finish_reason"], choice["stop_reason"]
+        chunks = [c for c in stream(completions, {"prompt": "Hi", "max_tokens": 40, **body}) if c.get("choices")]
+        last = chunks[-1]["choices"][0]
+        return "".join(c["choices"][0]["text"] for c in chunks), last["finish_reason"], last["stop_reason"]
+
+    assert run({"stop": ["capital"]}) == (" Paris is the ", "stop", "capital")
+    assert run({"stop": ["capital"], "include_stop_str_in_output": True}) == (" Paris is the capital", "stop",
+                                                                             "capital")
+    assert run({"stop_token_ids": [answer_ids[-1]]})[1:] == ("stop", answer_ids[-1])  # the token that ended it
+    assert run({})[1:] == ("stop", None)  # the model's own end: no stop_reason

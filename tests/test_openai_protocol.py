@@ -164,7 +164,7 @@ def test_openai_penalties_and_vllm_sampling_extras_are_read(build):
 @pytest.mark.parametrize("build", [completion, chat])
 @pytest.mark.parametrize(
     "field, default, value",
-    [("include_stop_str_in_output", False, True), ("guided_whitespace_pattern", None, " *"),
+    [("guided_whitespace_pattern", None, " *"),
      ("use_beam_search", False, True), ("prompt_logprobs", None, 1),
      ("allowed_token_ids", None, [1, 2]), ("bad_words", [], ["x"]), ("skip_special_tokens", True, False)],
 )
@@ -239,10 +239,11 @@ def test_completion_payloads_parse_as_openai_types():
     assert final.choices[0].text == "!" and final.choices[0].finish_reason == "stop" and final.usage is None
     # OpenAI streams finish_reason null until the last chunk, although openai.types.Completion
     # declares it non-null (the client builds stream chunks without validation): the other
-    # chunks differ from the last one in that field only.
+    # chunks differ from the last one in that field only, and in vLLM's stop_reason, which the last one adds.
     middle = proto.completion_chunk("abc", MODEL, "!", None, CREATED_S)
     assert middle["choices"][0]["finish_reason"] is None
-    assert {**middle, "choices": [{**middle["choices"][0], "finish_reason": "stop"}]} == final.model_dump(
+    assert {**middle, "choices": [{**middle["choices"][0], "finish_reason": "stop", "stop_reason": None}]} == \
+        final.model_dump(
         exclude_unset=True
     )
     last = Completion.model_validate(proto.completion_usage_chunk("abc", MODEL, CREATED_S, proto.usage(4, 2)))

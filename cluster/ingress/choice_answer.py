@@ -26,6 +26,8 @@ class AnswerShape:
             is read for tool calls and sent whole once complete (`cluster.ingress.tool_calls`).
         reasoning_parser: chat: the thinking is split from the answer (`cluster.ingress.reasoning`); tool calls are
             read from the answer besides it.
+        include_stop: the stop string that ends the answer stays in it (vLLM's include_stop_str_in_output).
+        stop_token_ids: the request's stop tokens, which `stop_reason` names.
     """
 
     is_chat: bool
@@ -36,6 +38,8 @@ class AnswerShape:
     tool_choice: str | None = None
     one_call: bool = False  # parallel_tool_calls false: the first call only
     reasoning_parser: str | None = None
+    include_stop: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class ChoiceAnswer:
@@ -46,7 +50,7 @@ class ChoiceAnswer:
         self.shape = shape
         self._prompt_text = prompt_text
         self._prompt_ids = prompt_token_ids
-        self._texts = TextStream(tokenizer, shape.stop)
+        self._texts = TextStream(tokenizer, shape.stop, shape.include_stop)
         self._offsets = CompletionLogprobs(tokenizer)
         self._parts: list[dict] = []  # completion form, piece by piece
         self._token_logprobs: list[TokenLogprob] = []
@@ -88,6 +92,16 @@ class ChoiceAnswer:
             held_reasoning, held_content = self._reasoning.finish()
             reasoning, content = reasoning + held_reasoning, content + held_content
         return reasoning, content
+
+    def stop_reason(self, finish_reason: str | None) -> str | int | None:
+        """vLLM's stop_reason: the stop string or stop token id that ended the answer; None when the model's own end
+        of sequence or the limit did."""
+        if finish_reason != "stop":
+            return None
+        if self._texts.matched_stop is not None:
+            return self._texts.matched_stop
+        last = self._texts.token_ids[-1:]
+        return last[0] if last and last[0] in self.shape.stop_token_ids else None
 
     @property
     def reasoning(self) -> str | None:

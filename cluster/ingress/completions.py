@@ -89,7 +89,9 @@ class Completions:
                             echo=not is_chat and req.echo, score_only=not is_chat and req.max_tokens == 0,
                             tool_choice=None if forced in (None, "none") else forced,
                             one_call=is_chat and req.parallel_tool_calls is False,
-                            reasoning_parser=self.config.reasoning_parser if is_chat else None)
+                            reasoning_parser=self.config.reasoning_parser if is_chat else None,
+                            include_stop=bool(req.include_stop_str_in_output),
+                            stop_token_ids=tuple(req.stop_token_ids or ()))
         if self.num_in_flight >= self.config.max_concurrent_requests:
             raise queue_full(retry_after_s=1)
         self.num_in_flight += 1  # taken before any await, so a burst cannot slip past the limit
@@ -261,10 +263,12 @@ class Completions:
                 if is_chat:
                     choices.append(protocol.chat_choice(len(choices), answers[i].whole_text, reason,
                                                         answers[i].logprobs, answers[i].tool_calls,
-                                                        answers[i].text_besides_calls, answers[i].reasoning))
+                                                        answers[i].text_besides_calls, answers[i].reasoning,
+                                                        answers[i].stop_reason(run.results[i].finish_reason)))
                 else:
                     choices.append(protocol.completion_choice(len(choices), answers[i].whole_text, reason,
-                                                              answers[i].logprobs))
+                                                              answers[i].logprobs,
+                                                              answers[i].stop_reason(run.results[i].finish_reason)))
         self.metrics.observe_status("ok")
         response = protocol.chat_response if is_chat else protocol.completion_response
         return response(request_id, self.config.model_id, choices, self._usage(run, answers), created_unix_s(start_s))
@@ -274,13 +278,14 @@ class Completions:
         model_id, created_s = self.config.model_id, created_unix_s(start_s)
 
         def chunk(index: int, delta: str | None, reason: str | None, role: str | None = None,
-                  logprobs: dict | None = None, reasoning: str | None = None) -> bytes:
+                  logprobs: dict | None = None, reasoning: str | None = None, stop_reason=None) -> bytes:
             if is_chat:
                 return protocol.sse_event(protocol.chat_chunk(request_id, model_id, delta, reason, created_s,
                                                               role=role, index=index, logprobs=logprobs,
-                                                              reasoning=reasoning))
+                                                              reasoning=reasoning, stop_reason=stop_reason))
             return protocol.sse_event(protocol.completion_chunk(request_id, model_id, delta or "", reason, created_s,
-                                                                index=index, logprobs=logprobs))
+                                                                index=index, logprobs=logprobs,
+                                                                stop_reason=stop_reason))
 
         async def all_events():
             if first is not None:
@@ -313,7 +318,8 @@ class Completions:
                            if calls is not None else chunk(index, answer.content, None))
                 elif tail:
                     yield chunk(index, tail, None)
-                yield chunk(index, None if is_chat else "", self._finish_reason(answer, result))
+                yield chunk(index, None if is_chat else "", self._finish_reason(answer, result),
+                            stop_reason=answer.stop_reason(result.finish_reason))
                 self._observe(run.jobs[index], result, start_s)
             if req.include_usage:
                 builder = protocol.chat_usage_chunk if is_chat else protocol.completion_usage_chunk

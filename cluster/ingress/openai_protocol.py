@@ -124,7 +124,7 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: Annotated[StrictFloat, Field(gt=0.0, le=10.0)] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
     stop_token_ids: list[TokenId] | None = None
-    include_stop_str_in_output: Any = None
+    include_stop_str_in_output: StrictBool | None = None  # vLLM's: the stop string that ends the text stays in it
     # Structured output (`cluster.ingress.structured_request` reads and checks them, naming the field it refuses):
     # OpenAI's, and vLLM's two spellings.
     response_format: Any = None

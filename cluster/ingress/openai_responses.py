@@ -39,10 +39,13 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     }
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
+                      stop_reason: str | int | None = None) -> dict:
     """One choice of a `text_completion` (finish_reason "stop" or "length"; None in a streamed chunk before the
-    end); `logprobs` in OpenAI's completion form (`cluster.ingress.logprob_format`)."""
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    end); `logprobs` in OpenAI's completion form (`cluster.ingress.logprob_format`); once finished, vLLM's
+    `stop_reason` (the stop string or token id that ended it, None for the model's own end or the limit)."""
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    return choice if finish_reason is None else choice | {"stop_reason": stop_reason}
 
 
 def completion_response(request_id: str, model: str, choices: list[dict], usage: dict, created_s: int) -> dict:
@@ -66,8 +69,9 @@ def completion_chunk(
     usage: dict | None = None,
     index: int = 0,
     logprobs: dict | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict:
-    """One streamed `text_completion` chunk.
+    """One streamed `text_completion` chunk (the last of a choice with its `stop_reason`).
 
     With `usage` and no text or finish_reason, this is OpenAI's last usage chunk (empty
     `choices`); with `usage` and a choice, the usage rides along on that chunk.
@@ -76,7 +80,7 @@ def completion_chunk(
     if usage is not None and not text and finish_reason is None:
         chunk["choices"] = []
     else:
-        chunk["choices"] = [completion_choice(index, text or "", finish_reason, logprobs)]
+        chunk["choices"] = [completion_choice(index, text or "", finish_reason, logprobs, stop_reason)]
     if usage is not None:
         chunk["usage"] = usage
     return chunk
@@ -89,15 +93,16 @@ def completion_usage_chunk(request_id: str, model: str, created_s: int, usage: d
 
 def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None,
                 tool_calls: list[dict] | None = None, text_besides_calls: str | None = None,
-                reasoning: str | None = None) -> dict:
+                reasoning: str | None = None, stop_reason: str | int | None = None) -> dict:
     """One assistant message of a `chat.completion`; `logprobs` in OpenAI's chat form ({"content": [...]}); with
     `tool_calls`, the message carries them, and as content only the text besides them; a reasoning model's thinking
-    under vLLM's two names, `reasoning_content` and `reasoning`."""
+    under vLLM's two names, `reasoning_content` and `reasoning`; vLLM's `stop_reason` (as in `completion_choice`)."""
     message = {"role": "assistant", "content": text} if tool_calls is None else {
         "role": "assistant", "content": text_besides_calls, "tool_calls": tool_calls}
     if reasoning is not None:
         message |= {"reasoning_content": reasoning, "reasoning": reasoning}
-    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def chat_response(request_id: str, model: str, choices: list[dict], usage: dict, created_s: int) -> dict:
@@ -124,6 +129,7 @@ def chat_chunk(
     logprobs: dict | None = None,
     tool_calls: list[dict] | None = None,
     reasoning: str | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict:
     """One `chat.completion.chunk` (of choice `index`); `tool_calls` ride in the delta with their positions, a
     reasoning model's thinking under `reasoning_content` and `reasoning`.
@@ -151,7 +157,8 @@ def chat_chunk(
             delta |= {"reasoning_content": reasoning, "reasoning": reasoning}
         if tool_calls is not None:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
-        chunk["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        chunk["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                             **({} if finish_reason is None else {"stop_reason": stop_reason})}]
     if usage is not None:
         chunk["usage"] = usage
     return chunk

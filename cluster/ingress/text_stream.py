@@ -5,7 +5,8 @@ the whole output after each token costs O(n^2) over an answer. So only a short w
 decoded: the tokens since the last settled text plus the ones before them as context,
 and the new text is what the window adds to its context. Text that ends in half a
 character waits for the next token. With stop strings, the last few characters are held
-back until they cannot start one.
+back until they cannot start one; the text ends before the first match (after it with
+`include_stop`, vLLM's include_stop_str_in_output), and `matched_stop` names it.
 """
 
 from collections.abc import Sequence
@@ -16,12 +17,15 @@ class TextStream:
 
     Args:
         tokenizer: a Hugging Face tokenizer (`decode`).
-        stop: stop strings; the text ends before the first one and never shows it.
+        stop: stop strings; the text ends before the first one and never shows it...
+        include_stop: ...or, with this, ends with it.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.include_stop = include_stop
+        self.matched_stop: str | None = None  # the stop string that ended the text
         self._longest_stop = max((len(s) for s in self.stop), default=1)
         self.token_ids: list[int] = []
         self._decoded = ""  # the output's settled text, sent or not
@@ -29,6 +33,7 @@ class TextStream:
         self._context_from = 0  # token where the decoding window starts (context before the new tokens)
         self._new_from = 0  # first token whose text is not settled yet
         self._cut_at: int | None = None  # end of the text once a stop string was found
+        self._match_at: int | None = None  # where that stop string starts
 
     @property
     def text(self) -> str:
@@ -62,8 +67,10 @@ class TextStream:
         self._context_from, self._new_from = self._new_from, len(self.token_ids)
         for stop in self.stop:
             at = self._decoded.find(stop, searched_from)
-            if at != -1 and (self._cut_at is None or at < self._cut_at):
-                self._cut_at = at
+            if at != -1 and (self._match_at is None or at < self._match_at):
+                self._match_at, self.matched_stop = at, stop
+        if self._match_at is not None:
+            self._cut_at = self._match_at + (len(self.matched_stop) if self.include_stop else 0)
 
     def _decode(self, token_ids: list[int]) -> str:
         # No clean-up of spaces (" ." -> "."): it would make a window's text differ from its context's plus the new.

@@ -11,7 +11,6 @@ from pydantic import ValidationInfo
 # On both endpoints: vLLM's extras that change the output and that we do not implement (clients moving from
 # vLLM send them through `extra_body`): a guided-decoding whitespace pattern, beam search, prompt logprobs.
 SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "include_stop_str_in_output": (None, False),
     "guided_whitespace_pattern": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
