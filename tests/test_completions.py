@@ -323,3 +323,20 @@ def test_stop_reason_names_the_stop_and_include_stop_str_in_output_keeps_it(smol
                                                                              "capital")
     assert run({"stop_token_ids": [answer_ids[-1]]})[1:] == ("stop", answer_ids[-1])  # the token that ended it
     assert run({})[1:] == ("stop", None)  # the model's own end: no stop_reason
+
+
+def test_return_token_ids_gives_the_prompts_and_the_answers_ids_as_vllm(smollm2_tokenizer, answer_ids):
+    prompt_ids = smollm2_tokenizer("Hi")["input_ids"]
+    completions = make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))[0]
+    choice = answer(completions, {"prompt": "Hi", "max_tokens": 40, "return_token_ids": True})["choices"][0]
+    assert choice["token_ids"] == answer_ids and choice["prompt_token_ids"] == prompt_ids
+    chat = answer(make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))[0],
+                  {"messages": [{"role": "user", "content": "Hi"}], "return_token_ids": True}, is_chat=True)
+    assert chat["choices"][0]["token_ids"] == answer_ids and chat["prompt_token_ids"][-1] != answer_ids[0]
+    chunks = [c for c in stream(make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))[0],
+                                {"prompt": "Hi", "max_tokens": 40, "return_token_ids": True}) if c.get("choices")]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == answer_ids
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    plain = answer(make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))[0], {"prompt": "Hi"})
+    assert "token_ids" not in plain["choices"][0]

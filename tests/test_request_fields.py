@@ -30,8 +30,9 @@ HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens"
             "logprobs", "top_logprobs", "echo", "best_of", "top_k", "min_p", "repetition_penalty", "min_tokens",
             "stop_token_ids", "ignore_eos", "priority", "response_format", "guided_json", "guided_regex",
             "guided_choice", "guided_grammar", "structured_outputs", "guided_decoding_backend",
-            "forced_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "request_id", "add_special_tokens", "include_stop_str_in_output",
-            "continue_final_message", "add_generation_prompt", "chat_template_kwargs", "reasoning_effort"}
+            "forced_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "request_id", "add_special_tokens",
+            "include_stop_str_in_output", "return_token_ids", "continue_final_message", "add_generation_prompt",
+            "chat_template_kwargs", "reasoning_effort"}
 
 ENDPOINTS = [
     (protocol.CompletionRequest, {**SHARED_UNSUPPORTED, **COMPLETION_UNSUPPORTED},

@@ -93,6 +93,11 @@ class ChoiceAnswer:
             reasoning, content = reasoning + held_reasoning, content + held_content
         return reasoning, content
 
+    @property
+    def token_ids(self) -> list[int]:
+        """The answer's generated token ids, all of them (a stop string's too)."""
+        return list(self._texts.token_ids)
+
     def stop_reason(self, finish_reason: str | None) -> str | int | None:
         """vLLM's stop_reason: the stop string or stop token id that ended the answer; None when the model's own end
         of sequence or the limit did."""

@@ -269,23 +269,39 @@ class Completions:
                     choices.append(protocol.completion_choice(len(choices), answers[i].whole_text, reason,
                                                               answers[i].logprobs,
                                                               answers[i].stop_reason(run.results[i].finish_reason)))
+                if req.return_token_ids:  # vLLM's: the ids, so that a trainer need not tokenize the text again
+                    choices[-1]["token_ids"] = answers[i].token_ids
+                    if not is_chat:
+                        choices[-1]["prompt_token_ids"] = list(run.jobs[i].prompt_token_ids)
         self.metrics.observe_status("ok")
         response = protocol.chat_response if is_chat else protocol.completion_response
-        return response(request_id, self.config.model_id, choices, self._usage(run, answers), created_unix_s(start_s))
+        body = response(request_id, self.config.model_id, choices, self._usage(run, answers), created_unix_s(start_s))
+        if req.return_token_ids and is_chat:
+            body["prompt_token_ids"] = list(run.jobs[0].prompt_token_ids)
+        return body
 
     async def _sse(self, req, is_chat: bool, request_id: str, run: ChoiceRun, events, first, answers,
                    start_s: float):
         model_id, created_s = self.config.model_id, created_unix_s(start_s)
 
         def chunk(index: int, delta: str | None, reason: str | None, role: str | None = None,
-                  logprobs: dict | None = None, reasoning: str | None = None, stop_reason=None) -> bytes:
+                  logprobs: dict | None = None, reasoning: str | None = None, stop_reason=None,
+                  token_ids: tuple[int, ...] = ()) -> bytes:
             if is_chat:
-                return protocol.sse_event(protocol.chat_chunk(request_id, model_id, delta, reason, created_s,
-                                                              role=role, index=index, logprobs=logprobs,
-                                                              reasoning=reasoning, stop_reason=stop_reason))
-            return protocol.sse_event(protocol.completion_chunk(request_id, model_id, delta or "", reason, created_s,
-                                                                index=index, logprobs=logprobs,
-                                                                stop_reason=stop_reason))
+                payload = protocol.chat_chunk(request_id, model_id, delta, reason, created_s, role=role, index=index,
+                                              logprobs=logprobs, reasoning=reasoning, stop_reason=stop_reason)
+            else:
+                payload = protocol.completion_chunk(request_id, model_id, delta or "", reason, created_s, index=index,
+                                                    logprobs=logprobs, stop_reason=stop_reason)
+            if req.return_token_ids:  # vLLM's: each chunk's token ids; the first of a choice, its prompt's
+                payload["choices"][0]["token_ids"] = list(token_ids)
+                if role is not None or (not is_chat and index not in prompt_sent):
+                    prompt_sent.add(index)
+                    (payload if is_chat else payload["choices"][0])["prompt_token_ids"] = list(
+                        run.jobs[index].prompt_token_ids)
+            return protocol.sse_event(payload)
+
+        prompt_sent: set[int] = set()
 
         async def all_events():
             if first is not None:
@@ -304,8 +320,9 @@ class Completions:
                     reasoning, delta = answer.split(delta)
                     if answer.shape.tool_choice is not None:  # a call is sent whole, at its end; thinking as it comes
                         delta, logprobs = "", None
-                    if delta or logprobs or reasoning:
-                        yield chunk(index, delta, None, logprobs=logprobs, reasoning=reasoning or None)
+                    if delta or logprobs or reasoning or req.return_token_ids:
+                        yield chunk(index, delta, None, logprobs=logprobs, reasoning=reasoning or None,
+                                    token_ids=event.token_ids)
                     continue
                 result = run.results[index]
                 reasoning, tail = answer.split(answer.finish(result.finish_reason), final=True)

@@ -150,7 +150,7 @@ class _SamplingRequest(BaseModel):
     logits_processors: Any = None
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
-    return_token_ids: Any = None
+    return_token_ids: StrictBool | None = None  # vLLM's: prompt and answer token ids in the response
     mm_processor_kwargs: Any = None
     service_tier: Any = None
     # NO_EFFECT: accepted, no effect on the answer

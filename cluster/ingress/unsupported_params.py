@@ -25,7 +25,6 @@ SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logits_processors": (None, []),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
-    "return_token_ids": (None, False),
     "mm_processor_kwargs": (None,),
     "service_tier": (None, "auto", "default"),
 }
