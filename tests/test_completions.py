@@ -340,3 +340,11 @@ def test_return_token_ids_gives_the_prompts_and_the_answers_ids_as_vllm(smollm2_
     assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
     plain = answer(make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))[0], {"prompt": "Hi"})
     assert "token_ids" not in plain["choices"][0]
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(smollm2_tokenizer):
+    ids = smollm2_tokenizer("Done", add_special_tokens=False)["input_ids"] + [smollm2_tokenizer.eos_token_id]
+    body = {"prompt": "Hi", "max_tokens": 10}
+    assert answer(make_completions(smollm2_tokenizer, ScriptedWorkers(ids))[0], body)["choices"][0]["text"] == "Done"
+    kept = answer(make_completions(smollm2_tokenizer, ScriptedWorkers(ids))[0], {**body, "skip_special_tokens": False})
+    assert kept["choices"][0]["text"] == "Done" + smollm2_tokenizer.eos_token

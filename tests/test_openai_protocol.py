@@ -166,7 +166,7 @@ def test_openai_penalties_and_vllm_sampling_extras_are_read(build):
     "field, default, value",
     [("guided_whitespace_pattern", None, " *"),
      ("use_beam_search", False, True), ("prompt_logprobs", None, 1),
-     ("allowed_token_ids", None, [1, 2]), ("bad_words", [], ["x"]), ("skip_special_tokens", True, False)],
+     ("allowed_token_ids", None, [1, 2]), ("bad_words", [], ["x"])],
 )
 def test_vllm_extras_we_do_not_serve_are_refused_unless_left_at_their_default(build, field, default, value):
     # Clients moving from vLLM send these through extra_body: dropping them would change answers unnoticed.

@@ -28,6 +28,7 @@ class AnswerShape:
             read from the answer besides it.
         include_stop: the stop string that ends the answer stays in it (vLLM's include_stop_str_in_output).
         stop_token_ids: the request's stop tokens, which `stop_reason` names.
+        skip_special_tokens: special tokens are left out of the text (vLLM's default; false keeps them).
     """
 
     is_chat: bool
@@ -40,6 +41,7 @@ class AnswerShape:
     reasoning_parser: str | None = None
     include_stop: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
 
 
 class ChoiceAnswer:
@@ -50,7 +52,7 @@ class ChoiceAnswer:
         self.shape = shape
         self._prompt_text = prompt_text
         self._prompt_ids = prompt_token_ids
-        self._texts = TextStream(tokenizer, shape.stop, shape.include_stop)
+        self._texts = TextStream(tokenizer, shape.stop, shape.include_stop, shape.skip_special_tokens)
         self._offsets = CompletionLogprobs(tokenizer)
         self._parts: list[dict] = []  # completion form, piece by piece
         self._token_logprobs: list[TokenLogprob] = []

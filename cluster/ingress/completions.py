@@ -91,7 +91,8 @@ class Completions:
                             one_call=is_chat and req.parallel_tool_calls is False,
                             reasoning_parser=self.config.reasoning_parser if is_chat else None,
                             include_stop=bool(req.include_stop_str_in_output),
-                            stop_token_ids=tuple(req.stop_token_ids or ()))
+                            stop_token_ids=tuple(req.stop_token_ids or ()),
+                            skip_special_tokens=req.skip_special_tokens is not False)
         if self.num_in_flight >= self.config.max_concurrent_requests:
             raise queue_full(retry_after_s=1)
         self.num_in_flight += 1  # taken before any await, so a burst cannot slip past the limit

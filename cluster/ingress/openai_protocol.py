@@ -141,7 +141,7 @@ class _SamplingRequest(BaseModel):
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
-    skip_special_tokens: Any = None
+    skip_special_tokens: StrictBool | None = None  # vLLM's: false keeps special tokens in the text
     spaces_between_special_tokens: Any = None
     return_tokens_as_token_ids: Any = None
     # vLLM's: a text prompt gets the tokenizer's own special tokens (BOS where it adds one) unless false

@@ -19,10 +19,13 @@ class TextStream:
         tokenizer: a Hugging Face tokenizer (`decode`).
         stop: stop strings; the text ends before the first one and never shows it...
         include_stop: ...or, with this, ends with it.
+        skip_special_tokens: leave special tokens (an end of turn, say) out of the text, as vLLM does by default.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False) -> None:
+    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
         self.include_stop = include_stop
         self.matched_stop: str | None = None  # the stop string that ended the text
@@ -74,7 +77,8 @@ class TextStream:
 
     def _decode(self, token_ids: list[int]) -> str:
         # No clean-up of spaces (" ." -> "."): it would make a window's text differ from its context's plus the new.
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def _advance(self, upto: int) -> str:
         if upto <= self._num_sent:

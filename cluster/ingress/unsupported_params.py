@@ -18,7 +18,6 @@ SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
-    "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False),
     "cache_salt": (None,),
