@@ -348,3 +348,20 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(smollm2_tokenizer):
     assert answer(make_completions(smollm2_tokenizer, ScriptedWorkers(ids))[0], body)["choices"][0]["text"] == "Done"
     kept = answer(make_completions(smollm2_tokenizer, ScriptedWorkers(ids))[0], {**body, "skip_special_tokens": False})
     assert kept["choices"][0]["text"] == "Done" + smollm2_tokenizer.eos_token
+
+
+def test_prompt_logprobs_in_vllms_form_on_both_endpoints(smollm2_tokenizer, answer_ids):
+    workers = ScriptedWorkers(answer_ids)
+    choice = answer(make_completions(smollm2_tokenizer, workers)[0],
+                    {"prompt": "Hello world", "max_tokens": 4, "prompt_logprobs": 2})["choices"][0]
+    prompt_ids = list(workers.jobs[0].prompt_token_ids)
+    assert workers.jobs[0].params.prompt_logprobs == 2 and choice["prompt_logprobs"][0] is None
+    assert [list(entry) for entry in choice["prompt_logprobs"][1:]] == [[str(t)] for t in prompt_ids[1:]]
+    second = choice["prompt_logprobs"][1][str(prompt_ids[1])]
+    assert second == {"logprob": -1.0, "rank": None, "decoded_token": smollm2_tokenizer.decode(prompt_ids[1:2])}
+    chat = answer(make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))[0],
+                  {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 0}, is_chat=True)
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 3
+    with pytest.raises(Exception, match="not a stream"):
+        protocol.CompletionRequest.model_validate({"model": MODEL_ID, "prompt": "Hi", "stream": True,
+                                                   "prompt_logprobs": 1})

@@ -165,7 +165,7 @@ def test_openai_penalties_and_vllm_sampling_extras_are_read(build):
 @pytest.mark.parametrize(
     "field, default, value",
     [("guided_whitespace_pattern", None, " *"),
-     ("use_beam_search", False, True), ("prompt_logprobs", None, 1),
+     ("use_beam_search", False, True),
      ("allowed_token_ids", None, [1, 2]), ("bad_words", [], ["x"])],
 )
 def test_vllm_extras_we_do_not_serve_are_refused_unless_left_at_their_default(build, field, default, value):

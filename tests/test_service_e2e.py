@@ -164,6 +164,19 @@ def test_an_undeclared_field_is_answered_and_named_in_a_header(service):
     assert plain.status_code == 200 and "x-s3-ignored-fields" not in plain.headers
 
 
+def test_prompt_logprobs_and_token_ids_as_vllm_gives_them(service):
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+            "prompt_logprobs": 1, "return_token_ids": True}
+    choice = post(service, "/v1/completions", json=body).json()["choices"][0]
+    prompt_ids = choice["prompt_token_ids"]
+    assert len(choice["token_ids"]) == 3 and len(choice["prompt_logprobs"]) == len(prompt_ids)
+    assert choice["prompt_logprobs"][0] is None
+    for token_id, entry in zip(prompt_ids[1:], choice["prompt_logprobs"][1:]):
+        assert entry[str(token_id)]["logprob"] <= 0.0 and 1 <= len(entry) <= 2  # the prompt's token and the top one
+        top = [item for item in entry.values() if item["rank"] == 1]
+        assert len(top) == 1 and top[0]["logprob"] >= entry[str(token_id)]["logprob"]
+
+
 def test_a_client_request_id_names_the_response_as_in_vllm(service):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "request_id": "from-body"}
     named = post(service, "/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})

@@ -3,7 +3,8 @@ endpoint's form, with the prompt in front under `echo` (pure: a tokenizer is pas
 
 from dataclasses import dataclass
 
-from cluster.ingress.logprob_format import CompletionLogprobs, chat_logprobs, join_completion_logprobs
+from cluster.ingress.logprob_format import (CompletionLogprobs, chat_logprobs, join_completion_logprobs,
+                                            vllm_prompt_logprobs)
 from cluster.ingress.reasoning import ReasoningStream, split_reasoning
 from cluster.ingress.text_stream import TextStream
 from cluster.ingress.tool_calls import calls_of, text_besides_calls
@@ -61,9 +62,12 @@ class ChoiceAnswer:
         self._reasoning = None if shape.reasoning_parser is None else ReasoningStream(shape.reasoning_parser)
         self.text = ""
         self.num_tokens = 0
+        self._prompt_logprobs = None  # what the first event brought, when the request asked for them
 
     def push(self, event: WorkEvent) -> tuple[str, dict | None]:
         """The text delta and the logprobs (this event's tokens) to send for one worker event."""
+        if event.prompt_logprobs is not None and self._prompt_logprobs is None:
+            self._prompt_logprobs = event.prompt_logprobs
         head, head_logprobs = self._start(event)
         if self.shape.score_only:
             return head, head_logprobs
@@ -94,6 +98,13 @@ class ChoiceAnswer:
             held_reasoning, held_content = self._reasoning.finish()
             reasoning, content = reasoning + held_reasoning, content + held_content
         return reasoning, content
+
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """The prompt's logprobs in vLLM's form, once its first event brought them (None otherwise)."""
+        if self._prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(self._tokenizer, self._prompt_logprobs, self._prompt_ids)
 
     @property
     def token_ids(self) -> list[int]:

@@ -274,11 +274,15 @@ class Completions:
                     choices[-1]["token_ids"] = answers[i].token_ids
                     if not is_chat:
                         choices[-1]["prompt_token_ids"] = list(run.jobs[i].prompt_token_ids)
+                if req.prompt_logprobs is not None and not is_chat:
+                    choices[-1]["prompt_logprobs"] = answers[i].prompt_logprobs
         self.metrics.observe_status("ok")
         response = protocol.chat_response if is_chat else protocol.completion_response
         body = response(request_id, self.config.model_id, choices, self._usage(run, answers), created_unix_s(start_s))
         if req.return_token_ids and is_chat:
             body["prompt_token_ids"] = list(run.jobs[0].prompt_token_ids)
+        if req.prompt_logprobs is not None and is_chat:
+            body["prompt_logprobs"] = answers[0].prompt_logprobs
         return body
 
     async def _sse(self, req, is_chat: bool, request_id: str, run: ChoiceRun, events, first, answers,

@@ -7,6 +7,11 @@ Completions (legacy):  {"tokens": [...], "token_logprobs": [...], "top_logprobs"
 Chat:                  {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
                         "bytes"}]}]}, exactly top_logprobs alternatives each.
 
+vLLM's `prompt_logprobs` (`vllm_prompt_logprobs`): one entry per prompt token, None for the first (nothing
+predicts it), else {token id: {"logprob", "rank", "decoded_token"}} for the prompt's token and the most likely
+alternatives; `rank` is the place in the distribution, 1 the most likely, None for a prompt token outside the
+alternatives returned (the engine does not rank the whole vocabulary).
+
 A token's text is that token decoded alone (a piece of a multi-byte character reads as U+FFFD, and `bytes`
 then holds that replacement's UTF-8, as vLLM's do).
 """
@@ -57,6 +62,22 @@ def chat_logprobs(tokenizer, logprobs: Sequence[TokenLogprob]) -> dict:
     return {"content": [dict(_chat_token(tokenizer, logprob.token_id, logprob.logprob),
                              top_logprobs=[_chat_token(tokenizer, token_id, value) for token_id, value in logprob.top])
                         for logprob in logprobs]}
+
+
+def vllm_prompt_logprobs(tokenizer, logprobs: Sequence[TokenLogprob | None], token_ids: Sequence[int]) -> list:
+    """The prompt's logprobs in vLLM's form (above)."""
+    entries = []
+    for token_id, logprob in zip(token_ids, logprobs):
+        if logprob is None:
+            entries.append(None)
+            continue
+        ranks = {alternative: rank for rank, (alternative, _) in enumerate(logprob.top, start=1)}
+        entry = {str(alternative): {"logprob": value, "rank": rank, "decoded_token": token_text(tokenizer, alternative)}
+                 for rank, (alternative, value) in enumerate(logprob.top, start=1)}
+        entry.setdefault(str(token_id), {"logprob": logprob.logprob, "rank": ranks.get(token_id),
+                                         "decoded_token": token_text(tokenizer, token_id)})
+        entries.append(entry)
+    return entries
 
 
 def _chat_token(tokenizer, token_id: int, logprob: float) -> dict:

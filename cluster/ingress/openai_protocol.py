@@ -137,7 +137,7 @@ class _SamplingRequest(BaseModel):
     guided_whitespace_pattern: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: Logprobs | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     allowed_token_ids: Any = None
     bad_words: Any = None
     truncate_prompt_tokens: Any = None
@@ -197,6 +197,8 @@ class _SamplingRequest(BaseModel):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs come with a whole response here, not a stream: set stream false")
         return self
 
     @property

@@ -47,13 +47,15 @@ def sampling_params(req, num_prompt_tokens: int, is_chat: bool, max_model_len: i
 
 def _logprobs(req, is_chat: bool) -> dict:
     """The logprob counts the engine computes: for the answer (chat: top_logprobs when logprobs is true; completions:
-    logprobs, and at least 0 when best_of ranks the candidates by their logprobs) and, with echo, for the prompt."""
+    logprobs, and at least 0 when best_of ranks the candidates by their logprobs) and for the prompt (vLLM's
+    prompt_logprobs, and with echo, logprobs: the larger)."""
+    prompt = {} if req.prompt_logprobs is None else {"prompt_logprobs": req.prompt_logprobs}  # vLLM's
     if is_chat:
-        return {"logprobs": req.top_logprobs or 0} if req.logprobs else {}
+        return ({"logprobs": req.top_logprobs or 0} if req.logprobs else {}) | prompt
     answer = req.logprobs
     if answer is None and req.best_of is not None and req.best_of > req.n:
         answer = 0
     extras = {} if answer is None else {"logprobs": answer}
     if req.echo and req.logprobs is not None:
-        extras["prompt_logprobs"] = req.logprobs
-    return extras
+        prompt = {"prompt_logprobs": max(req.logprobs, prompt.get("prompt_logprobs", 0))}
+    return extras | prompt

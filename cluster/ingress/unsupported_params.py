@@ -14,7 +14,6 @@ SHARED_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
-    "prompt_logprobs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
