@@ -138,9 +138,10 @@ def test_latency_is_also_kept_per_priority_class():
 def test_vllm_names_a_vllm_users_dashboards_read_are_exported_beside_ours():
     metrics = ServiceMetrics(model_name="smollm2")
     metrics.set_cluster(ClusterSnapshot(workers=(make_worker("w0", num_used_blocks=30), make_worker("w1")),
-                                        num_queued=3))
-    metrics.observe_finished(0.2, 0.01, 1.5, 40, 37, num_prompt_tokens=12)
-    metrics.observe_finished(0.4, None, 0.4, None, 1, num_prompt_tokens=5)
+                                        num_queued=3, num_preemptions=4, num_prefix_query_tokens=90,
+                                        num_prefix_hit_tokens=32))
+    metrics.observe_finished(0.2, 0.01, 1.5, 40, 37, num_prompt_tokens=12, queued_s=0.3)
+    metrics.observe_finished(0.4, None, 0.4, None, 1, num_prompt_tokens=5, finish_reason="length")
     values = samples(metrics)
     label = (("model_name", "smollm2"),)
     assert values[("vllm:num_requests_running", label)] == 4  # 2 running on each worker
@@ -151,3 +152,10 @@ def test_vllm_names_a_vllm_users_dashboards_read_are_exported_beside_ours():
     assert values[("vllm:time_to_first_token_seconds_count", label)] == 2
     assert values[("vllm:e2e_request_latency_seconds_sum", label)] == pytest.approx(1.9)
     assert values[("vllm:e2e_request_latency_seconds_bucket", (("le", "0.5"), *label))] == 1
+    assert values[("vllm:request_success_total", (("finished_reason", "stop"), *label))] == 1
+    assert values[("vllm:request_success_total", (("finished_reason", "length"), *label))] == 1
+    assert values[("vllm:inter_token_latency_seconds_count", label)] == 36  # each of the 36 gaps of 37 tokens
+    assert values[("vllm:request_queue_time_seconds_sum", label)] == pytest.approx(0.3)
+    assert values[("vllm:num_preemptions_total", label)] == 4
+    assert (values[("vllm:prefix_cache_queries_total", label)], values[("vllm:prefix_cache_hits_total", label)]) == \
+        (90, 32)

@@ -219,7 +219,8 @@ class Completions:
         first_s = result.first_token_s or finish_s
         tpot = (finish_s - first_s) / (num_out - 1) if num_out > 1 else None
         self.metrics.observe_finished(first_s - start_s, tpot, finish_s - start_s, job.point_output_tokens, num_out,
-                                      job.priority, len(job.prompt_token_ids))
+                                      job.priority, len(job.prompt_token_ids),
+                                      openai_finish_reason(result.finish_reason), result.queued_s)
 
     @staticmethod
     def _finish_reason(answer: ChoiceAnswer, result: GenerationResult) -> str:

@@ -72,6 +72,9 @@ class ClusterSnapshot:
         num_preemptions: sequences preempted, since the service began.
         num_migrations: sequences moved to another worker, since the service began.
         num_requeues: requests re-placed after their worker died, since the service began.
+        num_prefix_query_tokens: prompt tokens the workers looked up in their prefix caches, summed over the workers
+            now known (each counts since it started).
+        num_prefix_hit_tokens: of those, tokens found cached.
     """
 
     workers: tuple[WorkerGauge, ...] = ()
@@ -80,9 +83,12 @@ class ClusterSnapshot:
     num_preemptions: int = 0
     num_migrations: int = 0
     num_requeues: int = 0
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
     def __post_init__(self):
-        for name in ("num_queued", "num_overruns", "num_preemptions", "num_migrations", "num_requeues"):
+        for name in ("num_queued", "num_overruns", "num_preemptions", "num_migrations", "num_requeues",
+                     "num_prefix_query_tokens", "num_prefix_hit_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         worker_ids = [str(worker.worker_id) for worker in self.workers]
@@ -143,6 +149,17 @@ class _ClusterCollector(Collector):
             family = GaugeMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        vllm_totals = {
+            "vllm:num_preemptions": ("Sequences preempted (vLLM's name).", snapshot.num_preemptions),
+            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix caches (vLLM's name).",
+                                          snapshot.num_prefix_query_tokens),
+            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix caches (vLLM's name).",
+                                       snapshot.num_prefix_hit_tokens),
+        }
+        for name, (documentation, total) in vllm_totals.items():
+            family = CounterMetricFamily(name, documentation, labels=["model_name"])
+            family.add_metric([self.model_name], total)
+            yield family
 
 
 class ServiceMetrics:
@@ -167,6 +184,14 @@ class ServiceMetrics:
                                       buckets=_TTFT_BUCKETS_S, **labelled)
         self._vllm_latency_s = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token (vLLM's name).",
                                          buckets=_LATENCY_BUCKETS_S, **labelled)
+        self._vllm_success = Counter("vllm:request_success", "Finished requests, by finish reason (vLLM's name).",
+                                     labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self._vllm_inter_token_s = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens (vLLM's name; here each request's mean "
+            "gap, once per gap).", buckets=_TPOT_BUCKETS_S, **labelled)
+        self._vllm_queue_s = Histogram("vllm:request_queue_time_seconds",
+                                       "Time waiting for KV room before placement (vLLM's name).",
+                                       buckets=_LATENCY_BUCKETS_S, **labelled)
         self._requests = Counter(
             "s3_requests", "Requests answered, by outcome (see cluster/ingress/metrics.py).", ["status"],
             registry=self.registry,
@@ -228,6 +253,8 @@ class ServiceMetrics:
         true_tokens: int,
         priority: int = 0,
         num_prompt_tokens: int = 0,
+        finish_reason: str = "stop",
+        queued_s: float = 0.0,
     ) -> None:
         """Records one finished request's timings and, when it had one, its prediction error.
 
@@ -241,14 +268,21 @@ class ServiceMetrics:
             true_tokens: tokens actually generated.
             priority: the request's class (also observed per class).
             num_prompt_tokens: the request's prompt tokens (vLLM's prompt token counter).
+            finish_reason: why it ended ("stop", "length", "abort"; vLLM's request_success label).
+            queued_s: time it waited for KV room before placement.
         """
         self._ttft_s.observe(ttft_s)
         self._vllm_ttft_s.labels(model_name=self.model_name).observe(ttft_s)
         self._vllm_latency_s.labels(model_name=self.model_name).observe(latency_s)
         self._vllm_prompt_tokens.labels(model_name=self.model_name).inc(num_prompt_tokens)
         self._vllm_generation_tokens.labels(model_name=self.model_name).inc(true_tokens)
+        self._vllm_success.labels(model_name=self.model_name, finished_reason=finish_reason).inc()
+        self._vllm_queue_s.labels(model_name=self.model_name).observe(queued_s)
         if tpot_s is not None:
             self._tpot_s.observe(tpot_s)
+            inter_token = self._vllm_inter_token_s.labels(model_name=self.model_name)
+            for _ in range(max(true_tokens - 1, 1)):
+                inter_token.observe(tpot_s)
         self._latency_s.observe(latency_s)
         self._class_ttft_s.labels(priority=str(priority)).observe(ttft_s)
         self._class_latency_s.labels(priority=str(priority)).observe(latency_s)
@@ -284,4 +318,6 @@ def cluster_snapshot(status):
     return ClusterSnapshot(
         workers=tuple(gauges), num_queued=status.num_pending,
         num_overruns=counters.get("overruns", 0), num_preemptions=counters.get("preemptions", 0),
-        num_migrations=counters.get("migrations", 0), num_requeues=counters.get("requeues", 0))
+        num_migrations=counters.get("migrations", 0), num_requeues=counters.get("requeues", 0),
+        num_prefix_query_tokens=sum(s.num_prompt_tokens for s in status.stats),
+        num_prefix_hit_tokens=sum(s.num_prefix_hit_tokens for s in status.stats))
