@@ -17,6 +17,7 @@ from cluster.control.placement import DEFAULT_LATE_BINDING, WORKER_QUEUE_SEQS
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS, check_routing
 from cluster.ingress.reasoning import REASONING_PARSERS
+from cluster.ingress.tool_parsers import TOOL_PARSER_NAMES
 from predictor_service.probe_files import check_probe_folder
 from workers.actors.worker_settings import WorkerSettings
 from workers.scheduling.policies import SERVING_POLICY_NAMES
@@ -100,6 +101,12 @@ class ServiceSettings(BaseModel):
         128, ge=1, description="requests waiting in the controller's queue (for KV room, or with late_binding for a "
                                "worker that can start them); beyond it clients get 429")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest accepted HTTP body")
+    tool_call_parser: str | None = Field(
+        None, description="the format a model writes tool calls in under tool_choice auto, as vLLM's "
+                          "--tool-call-parser: hermes (<tool_call> JSON: Hermes, Qwen 2.5 and 3), llama3_json (Llama "
+                          "3.1-3.3), mistral ([TOOL_CALLS]), qwen3_coder (<function=...> XML); none reads Hermes' tags "
+                          "where the chat template writes them",
+        json_schema_extra={"choices": TOOL_PARSER_NAMES})
     reasoning_parser: str | None = Field(
         None, description="split a reasoning model's thinking from its answer into the message's reasoning_content "
                           "(and reasoning), streamed and not, as vLLM's --reasoning-parser: qwen3 (the model opens "
@@ -179,6 +186,9 @@ class ServiceSettings(BaseModel):
         self.worker_settings()  # the workers' own checks, here in the caller's process
         check_min_gap(self.rebalance_min_gap)
         check_routing(self.routing)
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSER_NAMES:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSER_NAMES)}, got "
+                             f"{self.tool_call_parser!r}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
                              f"{self.reasoning_parser!r}")

@@ -72,7 +72,7 @@ def make_completions(tokenizer, workers: ScriptedWorkers, prefix_caching: bool =
     observed = []
     config = SimpleNamespace(model_id=MODEL_ID, max_model_len=2048, default_max_tokens=64, max_concurrent_requests=8,
                              prefix_caching=prefix_caching, prefix_aware_placement=False, block_size=16,
-                             reasoning_parser=reasoning_parser)
+                             reasoning_parser=reasoning_parser, tool_call_parser=None)
     metrics = SimpleNamespace(observe_status=observed.append, observe_overhead=lambda s: None,
                               observe_finished=lambda *args: observed.append("finished"))
 

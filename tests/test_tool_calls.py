@@ -126,7 +126,7 @@ def test_auto_without_a_call_is_a_text_answer_and_an_unread_format_is_a_400(herm
     other = copy.deepcopy(smollm2_tokenizer)
     other.chat_template = HERMES_TEMPLATE.replace("<tool_call>", "[CALL]").replace("</tool_call>", "[/CALL]")
     completions, _ = make_completions(other, _workers(other, "x"))
-    with pytest.raises(APIError, match="not one this server reads"):
+    with pytest.raises(APIError, match="no --tool-call-parser is set"):
         answer(completions, ASK, is_chat=True)
 
 

@@ -39,6 +39,7 @@ class AnswerShape:
     score_only: bool = False
     tool_choice: str | None = None
     one_call: bool = False  # parallel_tool_calls false: the first call only
+    tool_parser: str | None = None  # under "auto": the format the calls are read in (`cluster.ingress.tool_parsers`)
     reasoning_parser: str | None = None
     include_stop: bool = False
     stop_token_ids: tuple[int, ...] = ()
@@ -138,14 +139,15 @@ class ChoiceAnswer:
         """OpenAI's `tool_calls` of the answer (read once: their ids stay); None for text, or a forced call cut
         short by the limit."""
         if self._calls is None and self.shape.tool_choice is not None:
-            calls = calls_of(self.shape.tool_choice, self.content)
+            calls = calls_of(self.shape.tool_choice, self.content, self.shape.tool_parser)
             self._calls = (calls[:1] if calls and self.shape.one_call else calls,)
         return None if self._calls is None else self._calls[0]
 
     @property
     def text_besides_calls(self) -> str | None:
         """Under tool_choice "auto", the text outside the calls (None when there is none)."""
-        return None if self.shape.tool_choice is None else text_besides_calls(self.shape.tool_choice, self.content)
+        return None if self.shape.tool_choice is None else text_besides_calls(self.shape.tool_choice, self.content,
+                                                                               self.shape.tool_parser)
 
     @property
     def whole_text(self) -> str:

@@ -25,7 +25,7 @@ from cluster.ingress.generation import LOST_ACTOR_ERRORS, GenerationJob, Generat
 from cluster.ingress.metrics import ServiceMetrics
 from cluster.ingress.openai_responses import created_unix_s, openai_finish_reason
 from cluster.ingress.request_sampling import sampling_params
-from cluster.ingress.tool_calls import template_messages, tool_choice
+from cluster.ingress.tool_calls import auto_parser, template_messages, tool_choice
 from predictor_service.length_example import constrained_text, join_messages
 from workers.engine.models import NoChatTemplate, chat_token_ids
 from workers.scheduling.prefix_cache import block_hashes
@@ -89,6 +89,8 @@ class Completions:
                             echo=not is_chat and req.echo, score_only=not is_chat and req.max_tokens == 0,
                             tool_choice=None if forced in (None, "none") else forced,
                             one_call=is_chat and req.parallel_tool_calls is False,
+                            tool_parser=auto_parser(req, self.tokenizer, self.config.tool_call_parser) if is_chat
+                            else None,
                             reasoning_parser=self.config.reasoning_parser if is_chat else None,
                             include_stop=bool(req.include_stop_str_in_output),
                             stop_token_ids=tuple(req.stop_token_ids or ()),

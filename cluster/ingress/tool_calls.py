@@ -6,11 +6,12 @@
     "required"                  under {"name": one of the functions, "arguments": its parameters} (a Lark
                                 grammar holding each schema whole, so its own $refs resolve): one call
                                 (finish_reason "tool_calls")
-    "auto" (the default with tools)   the model decides, in its own tool-call format: a chat template that renders
-                                tools and writes calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>
-                                (Hermes' format: Qwen 2.5 and 3 among others) is read; the answer's text is
-                                buffered and sent once complete. Templates without a tool format (SmolLM2's,
-                                Gemma 3's) or with another one are a 400 saying so
+    "auto" (the default with tools)   the model decides, in its own tool-call format, read by the configured
+                                `--tool-call-parser` (`cluster.ingress.tool_parsers`: hermes, llama3_json, mistral,
+                                qwen3_coder), or without one by the hermes parser when the template writes
+                                <tool_call> tags (Qwen 2.5 and 3 among others); the answer's text is buffered and
+                                sent once complete. A template that takes no tools (SmolLM2's, Gemma 3's), or no
+                                parser for its format, is a 400 saying so
 
 The model learns of the tools through its template when the template takes them, else through a system message
 listing their schemas. A call in an earlier assistant message, and a `tool` message with its result, are rendered
@@ -18,16 +19,13 @@ the same way.
 """
 
 import json
-import re
 import uuid
 from typing import Any
 
 from cluster.ingress.errors import bad_request
+from cluster.ingress.tool_parsers import TOOL_PARSERS, parser_for
 from workers.values.grammar import JSON_LAYOUT
 from workers.values.sampling_params import GrammarSpec
-
-HERMES_OPEN = "<tool_call>"
-HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def tool_choice(req) -> str | None:
@@ -69,17 +67,28 @@ def tool_grammar(req) -> GrammarSpec | None:
     return GrammarSpec("grammar", "\n".join(rules))
 
 
+def auto_parser(req, tokenizer, configured: str | None) -> str | None:
+    """The tool parser that reads an "auto" answer (None for any other tool_choice); a 400 when the chat template
+    takes no tools, or no parser is configured and it writes no Hermes tags."""
+    if tool_choice(req) != "auto":
+        return None
+    template = getattr(tokenizer, "chat_template", None) or ""
+    parser = parser_for(configured, template) if "tools" in template else None
+    if parser is None:
+        why = ("its tool-call format is not Hermes' <tool_call> tags, and no --tool-call-parser is set ("
+               f"{', '.join(TOOL_PARSERS)})" if "tools" in template
+               else "it has no tool-call format (it renders no tools)")
+        raise bad_request(f"tool_choice \"auto\" lets the model call tools in its own format, and this model's chat "
+                          f"template: {why}; use tool_choice \"required\" or name a function", "tool_choice")
+    return parser.name
+
+
 def template_messages(req, messages: list[dict], tokenizer) -> tuple[list[dict], list[dict] | None]:
     """The messages (and tools) to hand the chat template: as they are when it takes tools, else with the tools
-    listed in a system message and calls written as JSON; a 400 for "auto" without a tool format read here."""
+    listed in a system message and calls written as JSON."""
     choice = tool_choice(req)
     template = getattr(tokenizer, "chat_template", None) or ""
     takes_tools = "tools" in template
-    if choice == "auto" and not (takes_tools and HERMES_OPEN in template):
-        why = ("its tool-call format is not one this server reads (Hermes' <tool_call> JSON)" if takes_tools
-               else "it has no tool-call format")
-        raise bad_request(f"tool_choice \"auto\" lets the model call tools in its own format, and this model's chat "
-                          f"template: {why}; use tool_choice \"required\" or name a function", "tool_choice")
     if takes_tools:  # calls' arguments as objects, as templates expect them (Qwen 2.5's would encode text again)
         return ([{**m, "tool_calls": [_with_object_arguments(c) for c in m["tool_calls"]]} if m.get("tool_calls")
                  else m for m in messages], [tool.model_dump() for tool in req.tools] if req.tools else None)
@@ -94,13 +103,12 @@ def template_messages(req, messages: list[dict], tokenizer) -> tuple[list[dict],
     return rendered, None
 
 
-def calls_of(choice: str, text: str) -> list[dict] | None:
+def calls_of(choice: str, text: str, parser: str | None = None) -> list[dict] | None:
     """OpenAI's `tool_calls` of an answer: for a forced call (generated under `tool_grammar`) the call, None when it
-    ran out of tokens; under "auto" the Hermes-format calls in the text, None when it has none."""
+    ran out of tokens; under "auto" the calls `parser` reads in the text, None when it has none."""
     if choice == "auto":
-        found = [_hermes_call(block) for block in HERMES_CALL.findall(text)]
-        calls = [call for call in found if call is not None]
-        return [_call(name, arguments) for name, arguments in calls] or None
+        calls = TOOL_PARSERS[parser or "hermes"].calls(text)
+        return None if calls is None else [_call(name, arguments) for name, arguments in calls]
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError:
@@ -108,27 +116,16 @@ def calls_of(choice: str, text: str) -> list[dict] | None:
     return [_call(parsed["name"], parsed["arguments"]) if choice == "required" else _call(choice, parsed)]
 
 
-def text_besides_calls(choice: str, text: str) -> str | None:
+def text_besides_calls(choice: str, text: str, parser: str | None = None) -> str | None:
     """Under "auto", the answer's text outside its calls (None when there is none); a forced call has no text."""
     if choice != "auto":
         return None
-    rest = HERMES_CALL.sub("", text).strip()
-    return rest or None
+    return TOOL_PARSERS[parser or "hermes"].besides(text)
 
 
 def _call(name: str, arguments: Any) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments)}}
-
-
-def _hermes_call(block: str) -> tuple[str, Any] | None:
-    try:
-        parsed = json.loads(block)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
-        return None
-    return parsed["name"], parsed.get("arguments", parsed.get("parameters", {}))
 
 
 def _functions(req) -> dict[str, dict[str, Any]]:

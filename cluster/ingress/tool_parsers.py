@@ -1,0 +1,150 @@
+"""The tool-call formats models write when they may call tools ("auto"), read as vLLM's `--tool-call-parser` names them.
+
+    hermes        <tool_call>{"name": "f", "arguments": {...}}</tool_call>, any number (Hermes, Qwen 2.5 and 3)
+    llama3_json   {"name": "f", "parameters": {...}} as the answer, several joined by ";", after an optional
+                  <|python_tag|> (Llama 3.1 to 3.3)
+    mistral       [TOOL_CALLS] then a JSON list of {"name", "arguments"} (v3 tokenizers) or name{...} pairs (v11)
+    qwen3_coder   <tool_call><function=f><parameter=p>value</parameter>...</function></tool_call> (Qwen3-Coder;
+                  a value is JSON where it parses, else text)
+
+Each parser gives the calls an answer holds, as (name, arguments) pairs, and the text besides them (pure).
+"""
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_QWEN_CALL = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+_QWEN_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_LLAMA_TAG = "<|python_tag|>"
+_MISTRAL_TAG = "[TOOL_CALLS]"
+
+Call = tuple[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolParser:
+    """One format: `calls(text)` (None when the answer holds none), `besides(text)` (the answer's other text, None
+    when there is none), and `marker`, a string whose presence in a chat template shows the format."""
+
+    name: str
+    marker: str
+    calls: Callable[[str], list[Call] | None]
+    besides: Callable[[str], str | None]
+
+
+def _object_call(value: Any) -> Call | None:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    return value["name"], value.get("arguments", value.get("parameters", {}))
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def _hermes_calls(text: str) -> list[Call] | None:
+    calls = [call for block in _HERMES.findall(text) if (call := _object_call(_json(block))) is not None]
+    return calls or None
+
+
+def _hermes_besides(text: str) -> str | None:
+    return _HERMES.sub("", text).strip() or None
+
+
+def _llama_calls(text: str) -> list[Call] | None:
+    body = text.strip().removeprefix(_LLAMA_TAG).strip()
+    if not body.startswith("{"):
+        return None
+    calls = [_object_call(_json(part)) for part in _split_top_level(body, ";")]
+    return calls if calls and all(call is not None for call in calls) else None
+
+
+def _llama_besides(text: str) -> str | None:
+    return None if _llama_calls(text) is not None else text.strip() or None
+
+
+def _mistral_calls(text: str) -> list[Call] | None:
+    at = text.find(_MISTRAL_TAG)
+    if at < 0:
+        return None
+    body = text[at + len(_MISTRAL_TAG):].strip()
+    listed = _json(body)
+    if isinstance(listed, list):
+        calls = [_object_call(item) for item in listed]
+        return calls if calls and all(call is not None for call in calls) else None
+    calls = []
+    for part in body.split(_MISTRAL_TAG):  # v11: name{arguments}, each after its own tag
+        name, brace, arguments = part.strip().partition("{")
+        parsed = _json(brace + arguments) if brace else None
+        if not name.strip() or not isinstance(parsed, dict):
+            return None
+        calls.append((name.strip(), parsed))
+    return calls or None
+
+
+def _mistral_besides(text: str) -> str | None:
+    return text.split(_MISTRAL_TAG, 1)[0].strip() or None
+
+
+def _qwen_calls(text: str) -> list[Call] | None:
+    calls = []
+    for name, body in _QWEN_CALL.findall(text):
+        arguments = {}
+        for parameter, value in _QWEN_PARAMETER.findall(body):
+            parsed = _json(value)
+            arguments[parameter] = value if parsed is None else parsed
+        calls.append((name, arguments))
+    return calls or None
+
+
+def _qwen_besides(text: str) -> str | None:
+    return _QWEN_CALL.sub("", text).strip() or None
+
+
+def _split_top_level(text: str, separator: str) -> list[str]:
+    """`text` split at `separator`s outside JSON strings and brackets."""
+    parts, depth, in_string, escaped, start = [], 0, False, False, 0
+    for i, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+            continue
+        if char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+        elif char == separator and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return [part for part in parts if part]
+
+
+TOOL_PARSERS = {parser.name: parser for parser in (
+    ToolParser("hermes", "<tool_call>", _hermes_calls, _hermes_besides),
+    ToolParser("llama3_json", "<|python_tag|>", _llama_calls, _llama_besides),
+    ToolParser("mistral", _MISTRAL_TAG, _mistral_calls, _mistral_besides),
+    ToolParser("qwen3_coder", "<function=", _qwen_calls, _qwen_besides),
+)}
+TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)
+
+
+def parser_for(configured: str | None, template: str) -> ToolParser | None:
+    """The configured parser, or without one the hermes parser when the template writes Hermes' tags (the format
+    read before parsers could be chosen); None when neither applies."""
+    if configured is not None:
+        return TOOL_PARSERS[configured]
+    return TOOL_PARSERS["hermes"] if "<tool_call>" in template and "<function=" not in template else None
