@@ -153,6 +153,14 @@ def test_a_call_cut_by_the_limit_finishes_length_and_parallel_false_keeps_one(he
     named = {"type": "function", "function": {"name": "weather"}}
     body = answer(completions, {**ASK, "tool_choice": named, "max_tokens": 3}, is_chat=True)
     assert body["choices"][0]["finish_reason"] == "length"
+    cut = body["choices"][0]["message"]["tool_calls"][0]["function"]  # still a call, its arguments as far as they came
+    assert cut["name"] == "weather" and '{"city": "Paris"}'.startswith(cut["arguments"]) and cut["arguments"]
+    said = '{"name": "weather", "arguments": {"city": "Paris"}}'
+    completions, _ = make_completions(smollm2_tokenizer, _workers(smollm2_tokenizer, said))
+    required = answer(completions, {**ASK, "tool_choice": "required", "max_tokens": 11}, is_chat=True)["choices"][0]
+    call = required["message"]["tool_calls"][0]["function"]
+    assert required["finish_reason"] == "length" and call["name"] == "weather"
+    assert '{"city": "Paris"}}'.startswith(call["arguments"])
     two = ('<tool_call>{"name": "weather", "arguments": {"city": "A"}}</tool_call>'
            '<tool_call>{"name": "time_in", "arguments": {}}</tool_call>')
     completions, _ = make_completions(hermes_tokenizer, _workers(hermes_tokenizer, two))

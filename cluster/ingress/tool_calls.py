@@ -19,6 +19,7 @@ the same way.
 """
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -26,6 +27,8 @@ from cluster.ingress.errors import bad_request
 from cluster.ingress.tool_parsers import TOOL_PARSERS, parser_for
 from workers.values.grammar import JSON_LAYOUT
 from workers.values.sampling_params import GrammarSpec
+
+_REQUIRED_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')  # what tool_grammar writes first
 
 
 def tool_choice(req) -> str | None:
@@ -104,15 +107,16 @@ def template_messages(req, messages: list[dict], tokenizer) -> tuple[list[dict],
 
 
 def calls_of(choice: str, text: str, parser: str | None = None) -> list[dict] | None:
-    """OpenAI's `tool_calls` of an answer: for a forced call (generated under `tool_grammar`) the call, None when it
-    ran out of tokens; under "auto" the calls `parser` reads in the text, None when it has none."""
+    """OpenAI's `tool_calls` of an answer: for a forced call (generated under `tool_grammar`) the call, its arguments
+    cut short as they came when the limit cut it (as OpenAI returns such a call, with finish_reason "length"); under
+    "auto" the calls `parser` reads in the text, None when it has none."""
     if choice == "auto":
         calls = TOOL_PARSERS[parser or "hermes"].calls(text)
         return None if calls is None else [_call(name, arguments) for name, arguments in calls]
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError:
-        return None
+        return [_cut_call(choice, text)] if text.strip() else None
     return [_call(parsed["name"], parsed["arguments"]) if choice == "required" else _call(choice, parsed)]
 
 
@@ -124,8 +128,21 @@ def text_besides_calls(choice: str, text: str, parser: str | None = None) -> str
 
 
 def _call(name: str, arguments: Any) -> dict:
+    return _raw_call(name, json.dumps(arguments))
+
+
+def _raw_call(name: str, arguments: str) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)}}
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _cut_call(choice: str, text: str) -> dict:
+    """A forced call the limit cut: a named one's text is its arguments; under "required" the grammar wrote
+    {"name": ..., "arguments": first, so the name is known once its string closed (empty before)."""
+    if choice != "required":
+        return _raw_call(choice, text)
+    head = _REQUIRED_HEAD.match(text)
+    return _raw_call(json.loads(head.group(1)), text[head.end():]) if head else _raw_call("", "")
 
 
 def _functions(req) -> dict[str, dict[str, Any]]:
