@@ -365,3 +365,16 @@ def test_prompt_logprobs_in_vllms_form_on_both_endpoints(smollm2_tokenizer, answ
     with pytest.raises(Exception, match="not a stream"):
         protocol.CompletionRequest.model_validate({"model": MODEL_ID, "prompt": "Hi", "stream": True,
                                                    "prompt_logprobs": 1})
+
+
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(smollm2_tokenizer, answer_ids):
+    body = {"prompt": "Hi", "max_tokens": 40, "stream_options": {"include_usage": True,
+                                                                 "continuous_usage_stats": True}}
+    chunks = stream(make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))[0], body)
+    with_choices = [c for c in chunks if c.get("choices")]
+    counts = [c["usage"]["completion_tokens"] for c in with_choices]
+    assert counts == sorted(counts) and counts[-1] == len(answer_ids) and counts[0] <= 2
+    assert chunks[-1]["usage"]["completion_tokens"] == len(answer_ids)  # the last usage chunk, as before
+    plain = stream(make_completions(smollm2_tokenizer, ScriptedWorkers(answer_ids))[0],
+                   {"prompt": "Hi", "max_tokens": 40})
+    assert all("usage" not in c or c["usage"] is None for c in plain)

@@ -301,6 +301,8 @@ class Completions:
             else:
                 payload = protocol.completion_chunk(request_id, model_id, delta or "", reason, created_s, index=index,
                                                     logprobs=logprobs, stop_reason=stop_reason)
+            if req.continuous_usage and payload.get("choices"):
+                payload["usage"] = self._usage(run, answers)
             if req.return_token_ids:  # vLLM's: each chunk's token ids; the first of a choice, its prompt's
                 payload["choices"][0]["token_ids"] = list(token_ids)
                 if role is not None or (not is_chat and index not in prompt_sent):

@@ -92,11 +92,13 @@ class StreamOptions(BaseModel):
 
     Attributes:
         include_usage: send a last chunk with empty `choices` and the request's `usage`.
+        continuous_usage_stats: vLLM's: every chunk also carries the usage so far.
     """
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class _SamplingRequest(BaseModel):
@@ -212,6 +214,11 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries the usage so far (vLLM's stream_options.continuous_usage_stats)."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):
