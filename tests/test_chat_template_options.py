@@ -67,3 +67,17 @@ def test_continue_final_message_continues_the_assistants_words(thinking_tokenize
 def test_contradictory_template_options_are_refused(extra, message):
     with pytest.raises(ValidationError, match=message):
         protocol.ChatCompletionRequest.model_validate({"model": "m", **ASK, **extra})
+
+
+def test_a_messages_name_and_earlier_reasoning_reach_the_template(smollm2_tokenizer):
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m.role }}{% if m.name %}:{{ m.name }}{% endif %}|>"
+                               "{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}{{ m.content }}"
+                               "{% endfor %}<|assistant|>")
+    body = {**ASK, "messages": [{"role": "user", "content": "2+2?", "name": "ann"},
+                                {"role": "assistant", "content": "4", "reasoning_content": "two twos"},
+                                {"role": "user", "content": "And 3+3?"}]}
+    assert _prompt(tokenizer, body) == "<|user:ann|>2+2?<|assistant|>(two twos)4<|user|>And 3+3?<|assistant|>"
+    with pytest.raises(ValidationError, match="only assistant messages carry reasoning_content"):
+        protocol.ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "x", "reasoning_content": "y"}]})

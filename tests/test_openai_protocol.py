@@ -187,7 +187,7 @@ def test_chat_request_messages_and_max_tokens():
     )
     assert proto.chat_messages(req) == [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "a\nb"},
+        {"role": "user", "content": "a\nb", "name": "u"},  # the name goes to the template, as vLLM hands it
         {"role": "assistant", "content": "ok"},
     ]
     assert proto.requested_max_tokens(req) == 12

@@ -18,12 +18,12 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 def test_undeclared_fields_are_named_by_their_path_at_every_depth():
     body = {**CHAT, "reasoning_budget": 5, "stream": True, "stream_options": {"include_usage": True, "more": 1},
-            "messages": [{"role": "user", "content": "hi", "name": "ann"},
-                         {"role": "assistant", "content": "yo", "reasoning_content": "hm", "name": "bot"}],
+            "messages": [{"role": "user", "content": "hi", "nick": "ann"},
+                         {"role": "assistant", "content": "yo", "thought": "hm", "name": "bot"}],
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "x": 1},
                        "cache_control": {}}]}
     assert unknown_fields(body, protocol.ChatCompletionRequest) == [
-        "messages[].name", "messages[].reasoning_content", "reasoning_budget", "stream_options.more",
+        "messages[].nick", "messages[].thought", "reasoning_budget", "stream_options.more",
         "tools[].cache_control", "tools[].function.x"]
     assert unknown_fields({"model": "m", "prompt": "hi", "suffix": None, "top_k": 3},
                           protocol.CompletionRequest) == []  # declared, whatever they do

@@ -49,6 +49,9 @@ class ChatMessage(BaseModel):
             accepted and its text parts joined with newlines. None only in an assistant message with tool_calls.
         tool_calls: an assistant's earlier calls, in OpenAI's form.
         tool_call_id: a tool message's call.
+        name: the speaker's name (OpenAI's), handed to the chat template as vLLM does.
+        reasoning_content: an assistant's earlier thinking (vLLM's, also as `reasoning`), handed to the chat
+            template, which renders it or leaves it out as the model was trained.
     """
 
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -57,6 +60,9 @@ class ChatMessage(BaseModel):
     content: StrictStr | None = None
     tool_calls: list[dict[StrictStr, Any]] | None = None
     tool_call_id: StrictStr | None = None
+    name: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+    reasoning: StrictStr | None = None
 
     @model_validator(mode="after")
     def _content_or_calls(self):
@@ -64,6 +70,8 @@ class ChatMessage(BaseModel):
             raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if (self.reasoning_content is not None or self.reasoning is not None) and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
         for call in self.tool_calls or ():
             function = call.get("function")
             if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(

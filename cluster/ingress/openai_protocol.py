@@ -377,11 +377,14 @@ def prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """The conversation as role/content dicts (with tool_calls and tool_call_id where set), the form chat templates
-    take."""
+    """The conversation as role/content dicts (with tool_calls, tool_call_id, name and an assistant's earlier
+    reasoning_content where set), the form chat templates take."""
     return [{"role": message.role, "content": message.content,
              **({"tool_calls": message.tool_calls} if message.tool_calls else {}),
-             **({"tool_call_id": message.tool_call_id} if message.tool_call_id else {})} for message in req.messages]
+             **({"tool_call_id": message.tool_call_id} if message.tool_call_id else {}),
+             **({"name": message.name} if message.name is not None else {}),
+             **({"reasoning_content": thinking} if (thinking := message.reasoning_content or message.reasoning)
+                else {})} for message in req.messages]
 
 
 def template_options(req: ChatCompletionRequest) -> tuple[bool, bool, dict[str, Any]]:

@@ -165,4 +165,5 @@ def _as_text(message: dict) -> dict:
         return {"role": "assistant", "content": json.dumps(calls[0] if len(calls) == 1 else calls)}
     if message["role"] == "tool":
         return {"role": "user", "content": f"The call returned: {message.get('content') or ''}"}
-    return {"role": message["role"], "content": message.get("content") or ""}
+    kept = {key: message[key] for key in ("name", "reasoning_content") if key in message}
+    return {**kept, "role": message["role"], "content": message.get("content") or ""}

@@ -4,7 +4,7 @@ The generation endpoints' models ignore fields they do not declare (the official
 a few that have no use here, and newer clients send fields before we declare them), so the
 router names them: the response carries `x-s3-ignored-fields` with their names, each router
 replica logs a name the first time it sees it, and with `strict_request_fields` they are a 400.
-A nested field is named by its path: `stream_options.foo`, `messages[].name`,
+A nested field is named by its path: `stream_options.foo`, `messages[].foo`,
 `tools[].function.foo`.
 """
 
