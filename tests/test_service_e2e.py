@@ -177,6 +177,17 @@ def test_prompt_logprobs_and_token_ids_as_vllm_gives_them(service):
         assert len(top) == 1 and top[0]["logprob"] >= entry[str(token_id)]["logprob"]
 
 
+def test_the_responses_api_through_the_official_client(client):
+    kwargs = {"model": MODEL, "input": "Name a colour.", "instructions": "Answer in one word.",
+              "max_output_tokens": 8, "temperature": 0.0, "store": False}
+    whole = client.responses.create(**kwargs)
+    assert whole.status in ("completed", "incomplete") and whole.output_text
+    events = list(client.responses.create(**kwargs, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{whole.status}"
+    streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert streamed == events[-1].response.output_text == whole.output_text  # greedy: the same answer
+
+
 def test_a_client_request_id_names_the_response_as_in_vllm(service):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "request_id": "from-body"}
     named = post(service, "/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})

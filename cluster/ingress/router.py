@@ -32,7 +32,9 @@ from cluster.ingress.errors import (APIError, bad_request, body_too_large, check
                                     not_found_model, unavailable, validation_error)
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
+from cluster.ingress.event_stream import EventStream
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
+from cluster.ingress.responses_api import ResponsesRequest, chat_body, response_events, response_from_chat
 from cluster.ingress.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
 from cluster.ingress.unknown_fields import IGNORED_FIELDS_HEADER, UnknownFieldLog, unknown_fields
 from workers.engine.models import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
@@ -175,6 +177,31 @@ class Router:
         if unknown:
             response.headers[IGNORED_FIELDS_HEADER] = ", ".join(unknown)
         return response
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request):
+        return await self._counted(self._respond(request))
+
+    async def _respond(self, request: Request):
+        """OpenAI's Responses API, answered through the chat endpoint (`cluster.ingress.responses_api`)."""
+        self._check_key(request)
+        req, unknown = await self._parse(request, ResponsesRequest)
+        self._check_unknown(unknown)
+        self._check_model(req)
+        try:
+            chat_req = protocol.ChatCompletionRequest.model_validate(chat_body(req))
+        except ValidationError as error:
+            raise validation_error(list(error.errors())) from None
+        except ValueError as error:
+            raise bad_request(str(error), "input") from None
+        chat = await self.completions.answer(chat_req, True, client_request_id(request.headers.get("x-request-id"),
+                                                                                None))
+        headers = {key: value for key, value in chat.headers.items() if key.startswith("x-")}
+        if unknown:
+            headers[IGNORED_FIELDS_HEADER] = ", ".join(unknown)
+        if req.stream:
+            return EventStream(response_events(req, chat.body_iterator), headers=headers, on_close=chat.on_close)
+        return JSONResponse(response_from_chat(req, json.loads(chat.body)), headers=headers)
 
     async def _counted(self, handling):
         """Count refused requests by status code (finished ones are counted where they finish)."""
