@@ -70,7 +70,8 @@ class ServiceSettings(BaseModel):
     default_max_tokens: int | None = Field(
         None, ge=1, description="max_tokens when a request does not set it; none (the default, as in vLLM): the rest "
                                 "of the context. s3_peak plans such a request by its predicted length, not the "
-                                "limit, so a long limit costs no reserved KV")
+                                "limit, so a long limit costs no reserved KV; policies that reserve max_tokens "
+                                "(max_reserve) reserve the whole context for it")
     quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(
         None, description="predictor versions directory (LATEST); default: the shipped artifact or baseline")

@@ -2,6 +2,7 @@
 reasoning_effort reach a template that reads them and are a 400 for one that does not; continue_final_message
 continues the assistant's last message; add_generation_prompt false opens no turn."""
 
+import asyncio
 import copy
 
 import pytest
@@ -41,13 +42,24 @@ def test_template_variables_reach_a_template_that_reads_them(thinking_tokenizer)
     assert _prompt(thinking_tokenizer, {**ASK, "reasoning_effort": "low"}).endswith("[effort low]")
 
 
-def test_a_variable_the_template_never_reads_is_a_400_naming_it(smollm2_tokenizer):
-    for body, param in (({**ASK, "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
-                        ({**ASK, "reasoning_effort": "high"}, "reasoning_effort")):
-        with pytest.raises(APIError) as raised:
-            _prompt(smollm2_tokenizer, body)
-        error = raised.value.body()["error"]
-        assert raised.value.status_code == 400 and error["param"] == param and "does not read" in error["message"]
+def test_a_variable_the_template_never_reads_is_named_in_the_ignored_fields_header(smollm2_tokenizer):
+    workers = ScriptedWorkers(smollm2_tokenizer("4", add_special_tokens=False)["input_ids"])
+    completions = make_completions(smollm2_tokenizer, workers)[0]
+    body = {**ASK, "chat_template_kwargs": {"enable_thinking": False}, "reasoning_effort": "high", "model": "m"}
+
+    async def run():
+        return await completions.answer(protocol.ChatCompletionRequest.model_validate(body), True, None, ("x",))
+
+    response = asyncio.run(run())
+    assert response.headers["x-s3-ignored-fields"] == "x, chat_template_kwargs.enable_thinking, reasoning_effort"
+
+
+def test_a_template_that_cannot_render_the_messages_is_a_400(thinking_tokenizer):
+    tokenizer = copy.deepcopy(thinking_tokenizer)
+    tokenizer.chat_template = "{{ raise_exception('no system role') }}"
+    with pytest.raises(APIError) as raised:
+        _prompt(tokenizer, ASK)
+    assert raised.value.status_code == 400 and "cannot render" in raised.value.message
 
 
 def test_continue_final_message_continues_the_assistants_words(thinking_tokenizer):

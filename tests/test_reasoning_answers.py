@@ -1,6 +1,7 @@
 """A reasoning model's answer through the chat endpoint (scripted worker streams, no Ray): its thinking in
 `reasoning_content` and `reasoning`, the rest in `content`, streamed and not, in the openai package's own types."""
 
+import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from test_completions import ScriptedWorkers, answer, make_completions, stream  # noqa: F401 (fixture)
@@ -56,11 +57,14 @@ def test_deepseek_r1_answers_start_inside_the_block(smollm2_tokenizer):
     assert (_joined(chunks, "reasoning_content"), _joined(chunks, "content")) == ("2+2 is 4.", "Four.")
 
 
-def test_a_forced_tool_call_is_read_from_the_answer_besides_the_thinking(smollm2_tokenizer):
-    text = '<think>Paris, then.</think>{"city": "Paris"}'
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_an_answer_under_a_grammar_has_no_think_block_and_is_all_content(smollm2_tokenizer, parser):
     named = {"type": "function", "function": {"name": "weather"}}
-    body = answer(_completions(smollm2_tokenizer, text), {**ASK, "tools": [WEATHER], "tool_choice": named},
-                  is_chat=True)
+    body = answer(_completions(smollm2_tokenizer, '{"city": "Paris"}', parser),
+                  {**ASK, "tools": [WEATHER], "tool_choice": named}, is_chat=True)
     message = body["choices"][0]["message"]
-    assert message["reasoning_content"] == "Paris, then." and message["tool_calls"][0]["function"]["arguments"] == \
+    assert "reasoning_content" not in message and message["tool_calls"][0]["function"]["arguments"] == \
         '{"city": "Paris"}'
+    json_body = answer(_completions(smollm2_tokenizer, '{"a": 1}', parser),
+                       {**ASK, "response_format": {"type": "json_object"}}, is_chat=True)
+    assert json_body["choices"][0]["message"]["content"] == '{"a": 1}'

@@ -31,8 +31,8 @@ HONOURED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens"
             "stop_token_ids", "ignore_eos", "priority", "response_format", "guided_json", "guided_regex",
             "guided_choice", "guided_grammar", "structured_outputs", "guided_decoding_backend",
             "forced_output_tokens", "tools", "tool_choice", "parallel_tool_calls", "request_id", "add_special_tokens",
-            "include_stop_str_in_output", "return_token_ids", "skip_special_tokens", "prompt_logprobs", "continue_final_message", "add_generation_prompt",
-            "chat_template_kwargs", "reasoning_effort"}
+            "include_stop_str_in_output", "return_token_ids", "skip_special_tokens", "prompt_logprobs",
+            "continue_final_message", "add_generation_prompt", "chat_template_kwargs", "reasoning_effort"}
 
 ENDPOINTS = [
     (protocol.CompletionRequest, {**SHARED_UNSUPPORTED, **COMPLETION_UNSUPPORTED},

@@ -2,6 +2,7 @@
 the openai package's own types, function calls both ways, a cut answer, and what a stateless server refuses."""
 
 import asyncio
+import copy
 import json
 
 import pytest
@@ -16,6 +17,15 @@ MODEL = "smollm2"
 WEATHER = {"type": "function", "name": "weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}}, "required": ["city"]}}
 EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+@pytest.fixture
+def hermes_template_tokenizer(smollm2_tokenizer):
+    from test_tool_calls import HERMES_TEMPLATE
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    return tokenizer
 
 
 def _run(tokenizer, said: str, body: dict, parser: str | None = None):
@@ -95,3 +105,12 @@ def test_tools_other_than_functions_and_unknown_items_are_refused():
         chat_body(ResponsesRequest.model_validate({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}))
     with pytest.raises(ValueError, match="'image_generation_call' are not supported"):
         chat_body(ResponsesRequest.model_validate({"model": MODEL, "input": [{"type": "image_generation_call"}]}))
+
+
+def test_a_text_item_closes_before_a_call_item_opens(hermes_template_tokenizer):
+    said = 'Let me look.<tool_call>{"name": "weather", "arguments": {"city": "Paris"}}</tool_call>'
+    events, _ = _run(hermes_template_tokenizer, said, {"input": "Weather?", "tools": [WEATHER], "stream": True})
+    kinds = [(e["type"], e.get("output_index")) for e in events if e["type"].startswith("response.output_item")]
+    assert kinds == [("response.output_item.added", 0), ("response.output_item.done", 0),
+                     ("response.output_item.added", 1), ("response.output_item.done", 1)]
+    assert EVENTS.validate_python(events[-1]).response.output[1].name == "weather"

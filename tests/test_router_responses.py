@@ -49,10 +49,11 @@ def test_a_handler_failing_with_our_bug_is_counted_as_the_500_the_app_answers():
     assert observed == ["500"]
 
 
-def test_the_client_request_id_is_the_header_before_the_body_field_as_vllm_takes_it():
+def test_the_client_request_id_is_the_body_field_else_the_header():
     from cluster.ingress.router import client_request_id
 
-    assert client_request_id("trace-42", "body-1") == "trace-42"
+    assert client_request_id("trace-42", "body-1") == "body-1"  # Serve sets the header on every request
+    assert client_request_id("trace-42", None) == "trace-42"
     assert client_request_id(None, "body-1") == "body-1" and client_request_id(None, None) is None
     for bad in ("", "has space", "x" * 257):
         with pytest.raises(APIError) as raised:

@@ -189,10 +189,11 @@ def test_the_responses_api_through_the_official_client(client):
 
 
 def test_a_client_request_id_names_the_response_as_in_vllm(service):
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "request_id": "from-body"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     named = post(service, "/v1/completions", json=body, headers={"X-Request-Id": "trace-7"})
-    assert named.json()["id"] == "cmpl-trace-7" and named.headers["x-request-id"] == "trace-7"
-    assert post(service, "/v1/completions", json=body).json()["id"] == "cmpl-from-body"
+    assert named.json()["id"] == "cmpl-trace-7" and named.headers["x-request-id"] == "trace-7"  # echoed by Serve
+    body["request_id"] = "from-body"
+    assert post(service, "/v1/completions", json=body, headers={"X-Request-Id": "t"}).json()["id"] == "cmpl-from-body"
     again = post(service, "/v1/completions", json=body)  # the same id twice is served: the jobs keep their own
     assert again.status_code == 200 and again.json()["id"] == "cmpl-from-body"
 

@@ -54,7 +54,7 @@ def test_strict_request_fields_refuses_them_with_a_400_naming_them():
         RouterClass._check_unknown(_router(strict=True), ["messages[].name", "thinking"])
     error = raised.value.body()["error"]
     assert raised.value.status_code == 400 and error["param"] == "messages[].name"
-    assert "'messages[].name', 'thinking'" in error["message"] and "strict_request_fields" in error["message"]
+    assert "messages[].name, thinking" in error["message"] and "strict_request_fields" in error["message"]
     RouterClass._check_unknown(_router(strict=True), [])  # nothing unknown: served
 
 
@@ -67,3 +67,14 @@ def test_without_it_each_name_is_logged_once(caplog):
     logged = [record.getMessage() for record in caplog.records]
     assert len(logged) == 2 and "'thinking'" in logged[0] and "'verbosity_level'" in logged[1]
     assert "x-s3-ignored-fields" in logged[0]
+
+
+def test_the_header_carries_only_printable_short_names_and_counts_the_rest():
+    from cluster.ingress.unknown_fields import MAX_HEADER_NAMES, header_value
+
+    assert header_value(["a", "b"]) == "a, b"
+    assert header_value(["ok", "é", "x\r\ny", "z" * 65]) == "ok, +3 more"  # never echoed raw into a header
+    many = [f"f{i}" for i in range(MAX_HEADER_NAMES + 4)]
+    assert header_value(many).endswith(f"f{MAX_HEADER_NAMES - 1}, +4 more")
+    log = UnknownFieldLog()
+    assert log.first_seen(["x\r\ny", "a", "a"]) == ["(a name of 4 characters, not shown)", "a"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import redis
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 
 from cluster.config import ServiceConfig
 from cluster.control.messages import PlacementTimeoutError, QueueFullError
@@ -26,6 +27,7 @@ from cluster.ingress.metrics import ServiceMetrics
 from cluster.ingress.openai_responses import created_unix_s, openai_finish_reason
 from cluster.ingress.request_sampling import sampling_params
 from cluster.ingress.tool_calls import auto_parser, template_messages, tool_choice
+from cluster.ingress.unknown_fields import IGNORED_FIELDS_HEADER, header_value
 from predictor_service.length_example import constrained_text, join_messages
 from workers.engine.models import NoChatTemplate, chat_token_ids
 from workers.scheduling.prefix_cache import block_hashes
@@ -37,7 +39,6 @@ MAX_PLACEMENT_PREFIX_BLOCKS = 64  # leading prompt blocks whose hashes go with a
 OVERHEAD_HEADER = "x-s3-overhead-ms"  # router + predictor + placement, without time queued for KV room
 PREDICT_HEADER = "x-s3-predict-ms"  # the predictor calls
 PLACE_HEADER = "x-s3-place-ms"  # the first choice's controller call, without time queued for KV room
-REQUEST_ID_HEADER = "x-request-id"  # the client's request id, echoed (vLLM's --enable-request-id-headers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,7 @@ class Prompt:
     text: str  # what the length predictor reads (chat: the messages joined as it was trained)
     echo_text: str  # what echo puts in front of the answer
     token_ids: tuple[int, ...]
+    ignored: tuple[str, ...] = ()  # what the request set that the chat template never reads (named in a header)
 
 
 def _nth_seed(params: SamplingParams, index: int) -> SamplingParams:
@@ -74,27 +76,29 @@ class Completions:
         self._prefix_root = prefix_root
         self.num_in_flight = 0
 
-    async def answer(self, req, is_chat: bool, client_request_id: str | None = None):
+    async def answer(self, req, is_chat: bool, client_request_id: str | None = None, ignored_fields: tuple = ()):
         """The response to a parsed request: JSONResponse or EventStream; APIError for what cannot be served.
 
-        `client_request_id` (an X-Request-Id header, else the body's `request_id`, as vLLM takes them) names the
-        response: its id is "chatcmpl-" or "cmpl-" and it, and the x-request-id header echoes it. The jobs keep ids of
-        their own, unique whatever clients send."""
+        `client_request_id` (the body's `request_id`, else an X-Request-Id header) names the response: its id is
+        "chatcmpl-" or "cmpl-" and it. The jobs keep ids of their own, unique whatever clients send.
+        `ignored_fields`, with what the chat template never reads, is named in the x-s3-ignored-fields header."""
         start_s = time.monotonic()
         prompts = ([self._encode_chat(req)] if is_chat else
                    [self._encode(p, req.add_special_tokens is not False) for p in protocol.prompts(req)])
-        params = [self._sampling(req, len(prompt.token_ids), is_chat) for prompt in prompts]
         forced = tool_choice(req) if is_chat else None
+        tool_parser = auto_parser(req, self.tokenizer, self.config.tool_call_parser) if is_chat else None
+        # Mistral's [TOOL_CALLS] is a special token: kept in the text that parser reads, as vLLM keeps it.
+        skip_special_tokens = req.skip_special_tokens is not False and tool_parser != "mistral"
+        params = [self._sampling(req, len(prompt.token_ids), is_chat, skip_special_tokens) for prompt in prompts]
+        # An answer under a grammar (a forced call, structured output) has no think block to split off.
+        thinks = is_chat and params[0].grammar is None
         shape = AnswerShape(is_chat, req.stop_sequences, bool(req.logprobs) if is_chat else req.logprobs is not None,
                             echo=not is_chat and req.echo, score_only=not is_chat and req.max_tokens == 0,
                             tool_choice=None if forced in (None, "none") else forced,
-                            one_call=is_chat and req.parallel_tool_calls is False,
-                            tool_parser=auto_parser(req, self.tokenizer, self.config.tool_call_parser) if is_chat
-                            else None,
-                            reasoning_parser=self.config.reasoning_parser if is_chat else None,
+                            one_call=is_chat and req.parallel_tool_calls is False, tool_parser=tool_parser,
+                            reasoning_parser=self.config.reasoning_parser if thinks else None,
                             include_stop=bool(req.include_stop_str_in_output),
-                            stop_token_ids=tuple(req.stop_token_ids or ()),
-                            skip_special_tokens=req.skip_special_tokens is not False)
+                            stop_token_ids=tuple(req.stop_token_ids or ()), skip_special_tokens=skip_special_tokens)
         if self.num_in_flight >= self.config.max_concurrent_requests:
             raise queue_full(retry_after_s=1)
         self.num_in_flight += 1  # taken before any await, so a burst cannot slip past the limit
@@ -120,8 +124,10 @@ class Completions:
         self.metrics.observe_overhead(overhead_s)
         # Router + predictor + placement time, for load generators measuring the service's own cost.
         headers = {OVERHEAD_HEADER: f"{overhead_s * 1000:.3f}", PREDICT_HEADER: f"{predict_s * 1000:.3f}",
-                   PLACE_HEADER: f"{leader.place_call_s * 1000:.3f}",
-                   **({} if client_request_id is None else {REQUEST_ID_HEADER: client_request_id})}
+                   PLACE_HEADER: f"{leader.place_call_s * 1000:.3f}"}
+        ignored = [*ignored_fields, *(name for prompt in prompts for name in prompt.ignored)]
+        if ignored:
+            headers[IGNORED_FIELDS_HEADER] = header_value(ignored)
         answers = [ChoiceAnswer(self.tokenizer, shape, prompt.echo_text, prompt.token_ids)
                    for group, prompt in zip(groups, prompts) for _ in group]
         if req.stream:
@@ -140,19 +146,19 @@ class Completions:
         messages, tools = template_messages(req, protocol.chat_messages(req), self.tokenizer)
         add_generation_prompt, continue_final_message, template_kwargs = protocol.template_options(req)
         template = getattr(self.tokenizer, "chat_template", None)
-        unread = [name for name in template_kwargs if isinstance(template, str) and name not in template]
-        if unread:
-            raise bad_request(f"this model's chat template does not read {', '.join(map(repr, unread))}, so it would "
-                              "change nothing; leave it out", "reasoning_effort" if unread == ["reasoning_effort"]
-                              else "chat_template_kwargs")
+        # A variable the template never reads changes nothing (vLLM drops it too): named in the ignored-fields header.
+        unread = tuple(name for name in template_kwargs if isinstance(template, str) and name not in template)
         try:
             ids = chat_token_ids(self.tokenizer, messages, tools, add_generation_prompt, continue_final_message,
                                  template_kwargs)
         except NoChatTemplate as error:
             raise bad_request(str(error), "messages") from None
+        except (TemplateError, ValueError, TypeError, KeyError) as error:  # the template refused these messages
+            raise bad_request(f"the chat template cannot render these messages: {error}", "messages") from None
         if not ids:
             raise bad_request("the prompt is empty after tokenization", "messages")
-        return Prompt(join_messages(messages), "", tuple(ids))  # joined as the predictor was trained
+        ignored = tuple(name if name == "reasoning_effort" else f"chat_template_kwargs.{name}" for name in unread)
+        return Prompt(join_messages(messages), "", tuple(ids), ignored)  # joined as the predictor was trained
 
     def _encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> Prompt:
         """A completion prompt: token ids as sent, text tokenized with the tokenizer's own special tokens (BOS where
@@ -167,9 +173,9 @@ class Completions:
             raise bad_request("the prompt is empty after tokenization", "prompt")
         return Prompt(prompt, prompt, tuple(ids))
 
-    def _sampling(self, req, num_prompt_tokens: int, is_chat: bool):
+    def _sampling(self, req, num_prompt_tokens: int, is_chat: bool, skip_special_tokens: bool = True):
         return sampling_params(req, num_prompt_tokens, is_chat, self.config.max_model_len,
-                               self.config.default_max_tokens, len(self.tokenizer))
+                               self.config.default_max_tokens, len(self.tokenizer), skip_special_tokens)
 
     async def _jobs(self, req, request_id: str, index: int, prompt: Prompt, params, is_chat: bool
                     ) -> list[GenerationJob]:

@@ -188,7 +188,7 @@ class ServiceMetrics:
                                      labelnames=["model_name", "finished_reason"], registry=self.registry)
         self._vllm_inter_token_s = Histogram(
             "vllm:inter_token_latency_seconds", "Time between output tokens (vLLM's name; here each request's mean "
-            "gap, once per gap).", buckets=_TPOT_BUCKETS_S, **labelled)
+            "gap, once per request).", buckets=_TPOT_BUCKETS_S, **labelled)
         self._vllm_queue_s = Histogram("vllm:request_queue_time_seconds",
                                        "Time waiting for KV room before placement (vLLM's name).",
                                        buckets=_LATENCY_BUCKETS_S, **labelled)
@@ -280,9 +280,7 @@ class ServiceMetrics:
         self._vllm_queue_s.labels(model_name=self.model_name).observe(queued_s)
         if tpot_s is not None:
             self._tpot_s.observe(tpot_s)
-            inter_token = self._vllm_inter_token_s.labels(model_name=self.model_name)
-            for _ in range(max(true_tokens - 1, 1)):
-                inter_token.observe(tpot_s)
+            self._vllm_inter_token_s.labels(model_name=self.model_name).observe(tpot_s)
         self._latency_s.observe(latency_s)
         self._class_ttft_s.labels(priority=str(priority)).observe(ttft_s)
         self._class_latency_s.labels(priority=str(priority)).observe(latency_s)

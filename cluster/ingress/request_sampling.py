@@ -11,7 +11,7 @@ _EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetitio
 
 
 def sampling_params(req, num_prompt_tokens: int, is_chat: bool, max_model_len: int, default_max_tokens: int | None,
-                    vocab_size: int) -> SamplingParams:
+                    vocab_size: int, skip_special_tokens: bool = True) -> SamplingParams:
     """`req` (a Completion or ChatCompletion request) as SamplingParams, max_tokens the rest of the context when
     neither the request nor `default_max_tokens` sets it; APIError (400) for what cannot be served:
     a prompt that fills the context, max_tokens past it, forced or minimum lengths past max_tokens, token ids
@@ -42,7 +42,7 @@ def sampling_params(req, num_prompt_tokens: int, is_chat: bool, max_model_len: i
     return SamplingParams(max_tokens=max(max_tokens, 1), temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                           stop=req.stop_sequences, ignore_eos=req.ignore_eos, forced_output_tokens=forced,
                           stop_token_ids=tuple(req.stop_token_ids or ()), logit_bias=req.logit_bias_pairs,
-                          grammar=grammar, **extras)
+                          grammar=grammar, skip_special_tokens=skip_special_tokens, **extras)
 
 
 def _logprobs(req, is_chat: bool) -> dict:

@@ -6,7 +6,8 @@ items, `reasoning` items whose text goes back to the template as the assistant's
 `instructions` (a system message), function `tools`, `tool_choice`, `parallel_tool_calls`, `text.format`
 (json_schema, json_object), `reasoning.effort`, `max_output_tokens`, `temperature`, `top_p`, `stream`. Nothing is
 stored: `store: true`, `previous_response_id`, `conversation` and `background` are 400s saying so, as are tool kinds
-other than functions; fields that name or tag a request (`metadata`, `user`, ...) have no effect.
+other than functions; `include` (encrypted reasoning and such: nothing is kept to include) is named in the
+x-s3-ignored-fields header; fields that name or tag a request (`metadata`, `user`, ...) have no effect.
 
 Output items: the thinking (with a reasoning parser) as a `reasoning` item, the text as a `message`, each call as a
 `function_call`; an answer cut by `max_output_tokens` is `incomplete`.
@@ -62,7 +63,7 @@ class ResponsesRequest(BaseModel):
     def _stateless(self):
         refused = {"store": self.store is True, "previous_response_id": self.previous_response_id is not None,
                    "conversation": self.conversation is not None, "background": self.background is True,
-                   "include": bool(self.include), "max_tool_calls": self.max_tool_calls is not None}
+                   "max_tool_calls": self.max_tool_calls is not None}
         for field, is_set in refused.items():
             if is_set:
                 raise ValueError(f"'{field}' is not supported: this server keeps no responses (send the whole "
@@ -94,7 +95,10 @@ def chat_body(req: ResponsesRequest) -> dict:
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
         elif kind == "reasoning":
-            thinking = "".join(part.get("text", "") for part in (item.get("content") or item.get("summary") or []))
+            parts = item.get("content") or item.get("summary") or []
+            if not isinstance(parts, list) or not all(isinstance(part, dict) for part in parts):
+                raise ValueError("a reasoning item's content and summary must be lists of {\"type\", \"text\"} parts")
+            thinking = "".join(str(part.get("text", "")) for part in parts)
         else:
             raise ValueError(f"input items of type {kind!r} are not supported here (message, function_call, "
                              "function_call_output, reasoning)")
@@ -112,6 +116,9 @@ def chat_body(req: ResponsesRequest) -> dict:
         body["tool_choice"] = ({"type": "function", "function": {"name": choice.get("name")}}
                                if isinstance(choice, dict) else choice)
     text_format = (req.text or {}).get("format") or {"type": "text"}
+    if not isinstance(text_format, dict):
+        raise ValueError(f"text.format must be an object such as {{\"type\": \"json_schema\", ...}}, got "
+                         f"{text_format!r}")
     if text_format.get("type") == "json_schema":
         body["response_format"] = {"type": "json_schema", "json_schema": {
             key: text_format[key] for key in ("name", "schema", "strict", "description") if key in text_format}}
@@ -231,7 +238,7 @@ class _EventStream:
         return events
 
     def _call(self, call: dict) -> list[bytes]:
-        events = self._close_reasoning()
+        events = self._close_reasoning() + self._close_text()  # each item closes before the next opens
         index = len(self.output)
         item = {**_call_item(call), "arguments": "", "status": "in_progress"}
         self.output.append(item)
@@ -254,19 +261,21 @@ class _EventStream:
                            content_index=0, text=item["content"][0]["text"]),
                 self.event("response.output_item.done", output_index=self.reasoning_index, item=item)]
 
+    def _close_text(self) -> list[bytes]:
+        if self.text_index is None or self.output[self.text_index]["status"] != "in_progress":
+            return []
+        item = self.output[self.text_index]
+        part = item["content"][0]
+        item["status"] = "incomplete" if self.finish_reason == "length" else "completed"
+        return [self.event("response.output_text.done", item_id=item["id"], output_index=self.text_index,
+                           content_index=0, text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", item_id=item["id"], output_index=self.text_index,
+                           content_index=0, part=part),
+                self.event("response.output_item.done", output_index=self.text_index, item=item)]
+
     def finish(self) -> list[bytes]:
-        events = self._close_reasoning()
-        cut = self.finish_reason == "length"
-        if self.text_index is not None:
-            item = self.output[self.text_index]
-            part = item["content"][0]
-            item["status"] = "incomplete" if cut else "completed"
-            events.append(self.event("response.output_text.done", item_id=item["id"], output_index=self.text_index,
-                                     content_index=0, text=part["text"], logprobs=[]))
-            events.append(self.event("response.content_part.done", item_id=item["id"], output_index=self.text_index,
-                                     content_index=0, part=part))
-            events.append(self.event("response.output_item.done", output_index=self.text_index, item=item))
-        status = "incomplete" if cut else "completed"
+        events = self._close_reasoning() + self._close_text()
+        status = "incomplete" if self.finish_reason == "length" else "completed"
         events.append(self.event(f"response.{status}", response=self.snapshot(status)))
         return events
 

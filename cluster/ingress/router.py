@@ -30,13 +30,13 @@ from cluster.ingress.dashboard import (DASHBOARD_HTML, RouterNumbers, Throughput
                                        generated_tokens_by_worker)
 from cluster.ingress.errors import (APIError, bad_request, body_too_large, check_api_key, install_error_handlers,
                                     not_found_model, unavailable, validation_error)
+from cluster.ingress.event_stream import EventStream
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
 from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
-from cluster.ingress.event_stream import EventStream
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.responses_api import ResponsesRequest, chat_body, response_events, response_from_chat
 from cluster.ingress.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
-from cluster.ingress.unknown_fields import IGNORED_FIELDS_HEADER, UnknownFieldLog, unknown_fields
+from cluster.ingress.unknown_fields import IGNORED_FIELDS_HEADER, UnknownFieldLog, header_value, unknown_fields
 from workers.engine.models import load_tokenizer, resolve_model_dir, resolve_tokenizer_dir
 from workers.scheduling.policies import length_range_tokens, make_rule
 from workers.scheduling.prefix_cache import prefix_cache_salt, salt_hash
@@ -140,8 +140,9 @@ class Router:
     def _check_unknown(self, names: list[str]) -> None:
         """Refuse undeclared fields under strict_request_fields; otherwise log each name the first time."""
         if names and self.config.strict_request_fields:
-            raise bad_request(f"unknown field(s) {', '.join(map(repr, names))}: this server refuses fields it does not "
-                              "declare (strict_request_fields); leave them out", param=names[0])
+            raise bad_request(f"unknown field(s) {header_value(names)}: this server refuses fields it does not "
+                              "declare (strict_request_fields); leave them out",
+                              param=header_value(names[:1]) or None)
         for name in self.unknown_field_log.first_seen(names):
             logger.warning("request field %r is not declared here and is ignored (each response that carries it names "
                            "it in %s; strict_request_fields makes it a 400)", name, IGNORED_FIELDS_HEADER)
@@ -172,11 +173,8 @@ class Router:
         req, unknown = await self._parse(request, model_cls)
         self._check_unknown(unknown)
         self._check_model(req)
-        response = await self.completions.answer(req, is_chat, client_request_id(request.headers.get("x-request-id"),
-                                                                                  req.request_id))
-        if unknown:
-            response.headers[IGNORED_FIELDS_HEADER] = ", ".join(unknown)
-        return response
+        return await self.completions.answer(req, is_chat, client_request_id(request.headers.get("x-request-id"),
+                                                                              req.request_id), tuple(unknown))
 
     @app.post("/v1/responses")
     async def responses(self, request: Request):
@@ -194,11 +192,10 @@ class Router:
             raise validation_error(list(error.errors())) from None
         except ValueError as error:
             raise bad_request(str(error), "input") from None
+        ignored = (*unknown, *(["include"] if req.include else []))  # nothing stored, so nothing to include
         chat = await self.completions.answer(chat_req, True, client_request_id(request.headers.get("x-request-id"),
-                                                                                None))
+                                                                                None), ignored)
         headers = {key: value for key, value in chat.headers.items() if key.startswith("x-")}
-        if unknown:
-            headers[IGNORED_FIELDS_HEADER] = ", ".join(unknown)
         if req.stream:
             return EventStream(response_events(req, chat.body_iterator), headers=headers, on_close=chat.on_close)
         return JSONResponse(response_from_chat(req, json.loads(chat.body)), headers=headers)
@@ -293,9 +290,13 @@ class Router:
 
 
 def client_request_id(header: str | None, body_field: str | None) -> str | None:
-    """The id a client gives its request, as vLLM takes it: an X-Request-Id header before the body's `request_id`."""
-    if header is None:
+    """The id a client gives its request: vLLM's `request_id` field, else an X-Request-Id header (vLLM reads the
+    header first; Ray Serve gives every request one, its own where the client sent none, and echoes it in the
+    response's x-request-id)."""
+    if body_field is not None:
         return body_field
+    if header is None:
+        return None
     if not re.fullmatch(r"[\x21-\x7e]{1,256}", header):
         raise bad_request("the X-Request-Id header must be 1 to 256 visible ASCII characters", param="X-Request-Id")
     return header

@@ -15,6 +15,9 @@ from typing import Any
 from pydantic import BaseModel
 
 IGNORED_FIELDS_HEADER = "x-s3-ignored-fields"
+MAX_HEADER_NAMES = 16  # names a header lists; "+N more" stands for the rest
+MAX_NAME_CHARS = 64  # a longer name, or one with characters a header cannot carry, is counted, not shown
+MAX_LOGGED_NAMES = 256  # distinct names a replica logs; beyond them, new names are no longer logged
 
 
 def unknown_fields(payload: Any, model_cls: type[BaseModel], prefix: str = "") -> list[str]:
@@ -54,14 +57,28 @@ def _models_in(annotation: Any, in_list: bool = False) -> list[tuple[type[BaseMo
     return []
 
 
+def header_value(names: list[str]) -> str:
+    """`names` as a header can carry them: printable ASCII names of at most `MAX_NAME_CHARS`, at most
+    `MAX_HEADER_NAMES` of them, then "+N more" for the rest (a client's keys are echoed, never raw)."""
+    shown = [name for name in names if _showable(name)]
+    listed = shown[:MAX_HEADER_NAMES]
+    rest = len(names) - len(listed)
+    return ", ".join(listed + ([f"+{rest} more"] if rest else []))
+
+
 class UnknownFieldLog:
-    """The unknown field names a router replica has already logged (each is logged once, however often it comes)."""
+    """The unknown field names a router replica has already logged (each is logged once, however often it comes,
+    and at most `MAX_LOGGED_NAMES` of them)."""
 
     def __init__(self) -> None:
         self.seen: set[str] = set()
 
     def first_seen(self, names: list[str]) -> list[str]:
-        """Those of `names` not seen before, now remembered."""
-        new = [name for name in names if name not in self.seen]
+        """Those of `names` not seen before, now remembered (none once `MAX_LOGGED_NAMES` were)."""
+        new = [name for name in dict.fromkeys(names) if name not in self.seen][:MAX_LOGGED_NAMES - len(self.seen)]
         self.seen.update(new)
-        return new
+        return [name if _showable(name) else f"(a name of {len(name)} characters, not shown)" for name in new]
+
+
+def _showable(name: str) -> bool:
+    return len(name) <= MAX_NAME_CHARS and name.isascii() and name.isprintable()

@@ -360,19 +360,22 @@ class Engine:
         if len(seq.output_token_ids) >= params.min_tokens:  # before min_tokens nothing but the limit stops it
             if not params.ignore_eos and token_id in self.eos_token_ids or token_id in params.stop_token_ids:
                 return "stop"
-            if params.stop and hits_stop_string(self.tokenizer, seq.output_token_ids, params.stop):
+            if params.stop and hits_stop_string(self.tokenizer, seq.output_token_ids, params.stop,
+                                                params.skip_special_tokens):
                 return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
 
-def hits_stop_string(tokenizer, output_token_ids: list[int], stops: tuple[str, ...]) -> bool:
-    """Whether the output's text contains a stop string, checked after each new token. Only the tail can hold
-    a new match: as many tokens as the longest stop has UTF-8 bytes (a byte-level token carries one byte at
-    least: "日本語" may take 9), plus 4 for a character split across the window's start."""
+def hits_stop_string(tokenizer, output_token_ids: list[int], stops: tuple[str, ...],
+                     skip_special_tokens: bool = True) -> bool:
+    """Whether the output's text (special tokens left out unless `skip_special_tokens` is false, as the client gets
+    it) contains a stop string, checked after each new token. Only the tail can hold a new match: as many tokens as
+    the longest stop has UTF-8 bytes (a byte-level token carries one byte at least: "日本語" may take 9), plus 4 for
+    a character split across the window's start."""
     longest_bytes = max(len(stop.encode("utf-8")) for stop in stops)
-    tail = tokenizer.decode(output_token_ids[-(longest_bytes + 4):], skip_special_tokens=True,
+    tail = tokenizer.decode(output_token_ids[-(longest_bytes + 4):], skip_special_tokens=skip_special_tokens,
                             clean_up_tokenization_spaces=False)
     return any(stop in tail for stop in stops)
 

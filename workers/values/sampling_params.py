@@ -61,6 +61,8 @@ class SamplingParams:
         grammar: the output must match it (structured output): tokens it does not allow are never picked, and
             the output ends ("stop") once it is complete and can grow no further, whatever ignore_eos and
             forced_output_tokens say; where min_tokens' bans would leave it no token, it wins. None: free text.
+        skip_special_tokens: stop strings are matched in the text without special tokens (vLLM's default), or, when
+            false, with them (the text the client then gets).
     """
 
     max_tokens: int = 256
@@ -81,6 +83,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: GrammarSpec | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
