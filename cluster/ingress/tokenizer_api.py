@@ -5,16 +5,18 @@
     POST /detokenize  {"model", "tokens": [ids]}                                     -> {"prompt"}
 
 A chat is tokenized as `/v1/chat/completions` tokenizes it (the model's chat template, ready for the assistant's
-turn); a prompt as `/v1/completions` does, with the tokenizer's own special tokens (BOS where its setting adds one)
+turn unless `add_generation_prompt` is false or `continue_final_message` true; a message's tool calls, name and
+earlier reasoning, and `chat_template_kwargs`, reach the template); a prompt as `/v1/completions` does, with the tokenizer's own special tokens (BOS where its setting adds one)
 unless `add_special_tokens` is false, as vLLM's do.
 """
 
-from typing import Annotated
+from typing import Annotated, Any
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from cluster.ingress.errors import bad_request
-from cluster.ingress.openai_protocol import ChatMessage
+from cluster.ingress.openai_protocol import ChatMessage, chat_messages
 from workers.engine.models import NoChatTemplate, chat_token_ids
 
 
@@ -28,13 +30,15 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
 
     @model_validator(mode="after")
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send either prompt or messages")
-        if self.messages is not None and not self.add_generation_prompt:
-            raise ValueError("add_generation_prompt false is not supported; leave it unset")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
 
 
@@ -51,9 +55,12 @@ def tokenize_answer(req: TokenizeRequest, tokenizer, max_model_len: int) -> dict
     """The answer to `/tokenize`; a 400 for chat messages to a model without a chat template."""
     if req.messages is not None:
         try:
-            ids = chat_token_ids(tokenizer, [{"role": m.role, "content": m.content} for m in req.messages])
+            ids = chat_token_ids(tokenizer, chat_messages(req), None, req.add_generation_prompt,
+                                 req.continue_final_message, req.chat_template_kwargs)
         except NoChatTemplate as error:
             raise bad_request(str(error), "messages") from None
+        except (TemplateError, ValueError, TypeError, KeyError) as error:  # the template refused these messages
+            raise bad_request(f"the chat template cannot render these messages: {error}", "messages") from None
     else:
         ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": list(ids)}
