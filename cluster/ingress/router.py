@@ -57,6 +57,20 @@ ROUTER_DRAIN_TIMEOUT_S = 600.0
 ROUTER_HEALTH_CHECK_PERIOD_S = 2.0
 
 
+# Module-level helpers the Router calls are defined above it: Serve pickles the class when it is decorated.
+def client_request_id(header: str | None, body_field: str | None) -> str | None:
+    """The id a client gives its request: vLLM's `request_id` field, else an X-Request-Id header (vLLM reads the
+    header first; Ray Serve gives every request one, its own where the client sent none, and echoes it in the
+    response's x-request-id)."""
+    if body_field is not None:
+        return body_field
+    if header is None:
+        return None
+    if not re.fullmatch(r"[\x21-\x7e]{1,256}", header):
+        raise bad_request("the X-Request-Id header must be 1 to 256 visible ASCII characters", param="X-Request-Id")
+    return header
+
+
 @serve.deployment(name="router", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=1000,
                   graceful_shutdown_timeout_s=ROUTER_DRAIN_TIMEOUT_S,
                   health_check_period_s=ROUTER_HEALTH_CHECK_PERIOD_S)
@@ -287,19 +301,6 @@ class Router:
         numbers = RouterNumbers(self.config.model_id, self.config.policy, self.completions.num_in_flight,
                                 self.config.max_concurrent_requests, time.time() - self.started_s, tokens_per_s)
         return JSONResponse(dashboard_data(status, numbers), headers={"Cache-Control": "no-store"})
-
-
-def client_request_id(header: str | None, body_field: str | None) -> str | None:
-    """The id a client gives its request: vLLM's `request_id` field, else an X-Request-Id header (vLLM reads the
-    header first; Ray Serve gives every request one, its own where the client sent none, and echoes it in the
-    response's x-request-id)."""
-    if body_field is not None:
-        return body_field
-    if header is None:
-        return None
-    if not re.fullmatch(r"[\x21-\x7e]{1,256}", header):
-        raise bad_request("the X-Request-Id header must be 1 to 256 visible ASCII characters", param="X-Request-Id")
-    return header
 
 
 def build_router(config: ServiceConfig, redis_url: str, predictor_app=None):
