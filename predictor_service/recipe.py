@@ -114,9 +114,11 @@ def holdout_sources(examples: Sequence[LengthExample], named: Sequence[str] | No
             raise ValueError(f"got {len(named)} source names for {len(examples)} examples")
         if sum(n >= min_source_prompts for n in _prompts_per_source(examples, named).values()) >= 2:
             return list(named)
-    num_clusters = max(2, min(MAX_CLUSTERS, len({e.prompt_id for e in examples}) // (2 * min_source_prompts)))
-    by_prompt = dict(zip(_unique_prompts(examples), prompt_clusters(
-        [e.prompt_text for e in _unique_examples(examples)], num_clusters, num_hash_dims)))
+    texts = {}  # each prompt once, in order (sampled labels repeat a prompt)
+    for example in examples:
+        texts.setdefault(example.prompt_id, example.prompt_text)
+    num_clusters = max(2, min(MAX_CLUSTERS, len(texts) // (2 * min_source_prompts)))
+    by_prompt = dict(zip(texts, prompt_clusters(list(texts.values()), num_clusters, num_hash_dims)))
     return [by_prompt[e.prompt_id] for e in examples]
 
 
@@ -162,17 +164,6 @@ def choose_recipe(kinds: Sequence[str], examples: Sequence[LengthExample], lengt
     best = max(scores.values(), key=lambda s: (-np.inf if s.mean_tau is None else s.mean_tau,
                                                -list(kinds).index(s.kind)))
     return best, scores
-
-
-def _unique_prompts(examples: Sequence[LengthExample]) -> list[str]:
-    return list(dict.fromkeys(e.prompt_id for e in examples))
-
-
-def _unique_examples(examples: Sequence[LengthExample]) -> list[LengthExample]:
-    first = {}
-    for example in examples:
-        first.setdefault(example.prompt_id, example)
-    return list(first.values())
 
 
 def _prompts_per_source(examples: Sequence[LengthExample], sources: Sequence[str]) -> Counter:
