@@ -1,4 +1,6 @@
-"""deploy/grafana: every PromQL query of the dashboard reads series the service really exports.
+"""deploy/grafana: every PromQL query of the dashboard reads series the service really exports; so does every panel
+of vLLM's example Grafana dashboard (examples/online_serving/prometheus_grafana), so that a vLLM user's dashboard
+works unchanged.
 
 The exposition is the real one (`ServiceMetrics().render()` after observing requests and a
 cluster snapshot, so histograms have samples); a query naming a metric, a label or a label
@@ -27,9 +29,9 @@ PROMQL_WORDS = frozenset({
 })
 
 
-def exposition() -> dict[str, list[dict[str, str]]]:
+def exposition(model_name: str = "") -> dict[str, list[dict[str, str]]]:
     """Sample name -> label sets, from a registry that has seen every kind of event."""
-    metrics = ServiceMetrics()
+    metrics = ServiceMetrics(model_name=model_name)
     for status in ("ok", "cancelled", "error", 400, 429, 503):
         metrics.observe_status(status)
     metrics.observe_finished(ttft_s=0.2, tpot_s=0.02, latency_s=3.0, predicted_tokens=90, true_tokens=120)
@@ -148,3 +150,45 @@ def test_dashboard_is_importable_with_a_prometheus_datasource_variable(dashboard
         assert targets and len({t["refId"] for t in targets}) == len(targets), panel["title"]
         for source in [panel["datasource"], *(t["datasource"] for t in targets)]:
             assert source == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+
+
+# vLLM's example dashboard, panel by panel: what each panel's queries read (metric, labels, grouping), written here
+# as the dashboard writes them once its $model_name variable is chosen.
+VLLM_MODEL = "smollm2-135m-instruct"
+VLLM_PANELS = {
+    "E2E Request Latency": [
+        'histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{model_name="M"}[5m])))',
+        'rate(vllm:e2e_request_latency_seconds_sum{model_name="M"}[5m]) / '
+        'rate(vllm:e2e_request_latency_seconds_count{model_name="M"}[5m])'],
+    "Token Throughput": ['rate(vllm:prompt_tokens_total{model_name="M"}[5m])',
+                         'rate(vllm:generation_tokens_total{model_name="M"}[5m])'],
+    "Time Per Output Token Latency": [
+        'histogram_quantile(0.5, sum by(le) (rate(vllm:time_per_output_token_seconds_bucket{model_name="M"}[5m])))',
+        'rate(vllm:time_per_output_token_seconds_sum{model_name="M"}[5m]) / '
+        'rate(vllm:time_per_output_token_seconds_count{model_name="M"}[5m])'],
+    "Scheduler State": ['vllm:num_requests_running{model_name="M"}', 'vllm:num_requests_waiting{model_name="M"}'],
+    "Time To First Token Latency": [
+        'histogram_quantile(0.9, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{model_name="M"}[5m])))',
+        'rate(vllm:time_to_first_token_seconds_sum{model_name="M"}[5m]) / '
+        'rate(vllm:time_to_first_token_seconds_count{model_name="M"}[5m])'],
+    "Cache Utilization": ['vllm:gpu_cache_usage_perc{model_name="M"}'],
+    "Request Prompt Length": ['sum by(le) (increase(vllm:request_prompt_tokens_bucket{model_name="M"}[5m]))'],
+    "Request Generation Length": [
+        'sum by(le) (increase(vllm:request_generation_tokens_bucket{model_name="M"}[5m]))'],
+    "Finish Reason": ['sum by(finished_reason) (increase(vllm:request_success_total{model_name="M"}[5m]))'],
+    "Queue Time": ['rate(vllm:request_queue_time_seconds_sum{model_name="M"}[5m])'],
+    "Requests Prefill and Decode Time": ['rate(vllm:request_prefill_time_seconds_sum{model_name="M"}[5m])',
+                                         'rate(vllm:request_decode_time_seconds_sum{model_name="M"}[5m])'],
+    "Max Generation Token in Sequence Group": [
+        'rate(vllm:request_max_num_generation_tokens_sum{model_name="M"}[5m])'],
+}
+
+
+@pytest.mark.parametrize("panel", sorted(VLLM_PANELS))
+def test_every_panel_of_vllms_dashboard_reads_exported_series(panel):
+    samples = exposition(VLLM_MODEL)
+    exprs = [expr.replace('"M"', f'"{VLLM_MODEL}"') for expr in VLLM_PANELS[panel]]
+    assert {expr: query_problems(expr, samples) for expr in exprs if query_problems(expr, samples)} == {}
+    # the dashboard's model_name variable lists the label values of every vllm:* series
+    assert {labels.get("model_name") for name, sets in samples.items() if name.startswith("vllm:")
+            for labels in sets} == {VLLM_MODEL}

@@ -31,7 +31,7 @@ def suffix(seed: int, length: int = 5) -> list[int]:
     return [rng.randrange(256) for _ in range(length)]
 
 
-def run_all(eng: Engine, max_steps: int = 600) -> dict[str, list[int]]:
+def run_all(eng: Engine, max_steps: int = 600, metrics: dict | None = None) -> dict[str, list[int]]:
     outputs = {}
     for _ in range(max_steps):
         if not eng.has_unfinished():
@@ -39,6 +39,8 @@ def run_all(eng: Engine, max_steps: int = 600) -> dict[str, list[int]]:
         for out in eng.step():
             if out.is_finished:
                 outputs[out.seq_id] = list(out.output_token_ids)
+                if metrics is not None:
+                    metrics[out.seq_id] = out.metrics
     raise AssertionError("the engine did not finish")
 
 
@@ -51,15 +53,15 @@ def assert_nothing_held(eng: Engine) -> None:
 def test_a_shared_prefix_gives_the_same_tokens_and_the_second_request_computes_only_its_new_tokens(tiny_model):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     first, second = PREFIX + suffix(1), PREFIX + suffix(2)
-    results = {}
+    results, metrics = {}, {}
     for caching in (False, True):
         eng = engine(tiny_model, caching)
         eng.add_request(first, params, seq_id="first")
-        outputs = run_all(eng)
+        outputs = run_all(eng, metrics=metrics)
         eng.add_request(second, params, seq_id="second")
         eng.step()
         computed_in_first_step = eng.last_times.num_tokens
-        outputs.update(run_all(eng))
+        outputs.update(run_all(eng, metrics=metrics))
         results[caching] = (outputs, computed_in_first_step, eng.scheduler.stats)
         assert_nothing_held(eng)
     assert results[True][0] == results[False][0]
@@ -68,6 +70,8 @@ def test_a_shared_prefix_gives_the_same_tokens_and_the_second_request_computes_o
     stats = results[True][2]
     assert stats.num_prefix_hit_tokens == len(PREFIX)
     assert stats.num_prompt_tokens_admitted == len(first) + len(second)
+    # what usage.prompt_tokens_details.cached_tokens reports
+    assert (metrics["first"].num_cached_prompt_tokens, metrics["second"].num_cached_prompt_tokens) == (0, len(PREFIX))
 
 
 def test_shared_blocks_survive_the_abort_of_the_request_that_computed_them(tiny_model):

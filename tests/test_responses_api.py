@@ -70,6 +70,8 @@ def test_function_calls_out_and_their_results_back_in(smollm2_tokenizer):
     events, _ = _run(smollm2_tokenizer, '{"city": "Paris"}', {**body, "stream": True})
     done = [EVENTS.validate_python(e) for e in events if e["type"] == "response.function_call_arguments.done"]
     assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
+    fragments = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
+    assert len(fragments) > 1 and "".join(fragments) == done[0].arguments  # streamed as the model wrote them
     follow_up = ResponsesRequest.model_validate({"model": MODEL, "tools": [WEATHER], "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Ask."}]},

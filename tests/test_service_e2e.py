@@ -8,6 +8,7 @@ parts of it. Remote Redis, paused parts and a lost router replica: test_service_
 
 import asyncio
 import importlib.metadata
+import json
 import os
 import random
 import signal
@@ -186,6 +187,32 @@ def test_the_responses_api_through_the_official_client(client):
     assert events[0].type == "response.created" and events[-1].type == f"response.{whole.status}"
     streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert streamed == events[-1].response.output_text == whole.output_text  # greedy: the same answer
+
+
+def test_a_tool_call_streams_its_arguments_to_the_official_clients_helper(client):
+    city = {"type": "string", "maxLength": 12}  # short: the call ends well before max_tokens
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": city}, "required": ["city"]}}}]
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools,
+              "tool_choice": {"type": "function", "function": {"name": "weather"}}, "max_tokens": 48,
+              "temperature": 0.0}
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    with client.chat.completions.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_completion().choices[0].message.tool_calls[0]
+    fragments = [event for event in events if event.type == "tool_calls.function.arguments.delta"]
+    done = [event for event in events if event.type == "tool_calls.function.arguments.done"]
+    assert len(fragments) > 1 and len(done) == 1 and done[0].name == "weather"
+    assert done[0].arguments == final.function.arguments == whole.function.arguments  # greedy: the same call
+    assert "city" in json.loads(final.function.arguments)
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(client):
+    prompt = "Summarise the rules of chess for a beginner who has never played. " * 4
+    usages = [client.completions.create(model=MODEL, prompt=prompt, max_tokens=2).usage for _ in range(3)]
+    cached = [usage.prompt_tokens_details.cached_tokens for usage in usages]
+    assert cached[0] == 0 and max(cached[1:]) > 0  # placed beside its cached prefix, it skips computing it
+    assert all(n % 16 == 0 and n <= usages[0].prompt_tokens for n in cached)  # whole blocks of the prompt
 
 
 def test_a_client_request_id_names_the_response_as_in_vllm(service):

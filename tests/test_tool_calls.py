@@ -51,9 +51,10 @@ def test_a_required_call_picks_its_function_and_streams_in_openais_shape(smollm2
     assert '"{\\"name\\": \\"weather\\", \\"arguments\\": "' in grammar.text  # one alternative per function
     chunks = [ChatCompletionChunk.model_validate(c) for c in stream(completions, {**ASK, "tool_choice": "required"},
                                                                     is_chat=True)]
-    calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
-    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "weather"
-    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    deltas = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].index == 0 and deltas[0].function.name == "weather" and deltas[0].id.startswith("call_")
+    assert len(deltas) > 2 and all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments for d in deltas)) == {"city": "Paris"}  # fragments as they came
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any(c.choices[0].delta.content for c in chunks)  # the call, not its JSON as text
 
@@ -116,7 +117,10 @@ def test_auto_reads_calls_in_the_templates_own_format(hermes_tokenizer):
     assert '"name": "weather"' in prompt and workers.jobs[0].params.grammar is None  # the model decides, freely
     chunks = [ChatCompletionChunk.model_validate(c) for c in stream(completions, ASK, is_chat=True)]
     calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
-    assert [call.function.name for call in calls] == ["weather"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [call.function.name for call in calls if call.id] == ["weather"]
+    assert "".join(call.function.arguments for call in calls) == choice.message.tool_calls[0].function.arguments
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me look."
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_auto_without_a_call_is_a_text_answer_and_an_unread_format_is_a_400(hermes_tokenizer, smollm2_tokenizer):

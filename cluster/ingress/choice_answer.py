@@ -7,6 +7,7 @@ from cluster.ingress.logprob_format import (CompletionLogprobs, chat_logprobs, j
                                             vllm_prompt_logprobs)
 from cluster.ingress.reasoning import ReasoningStream, split_reasoning
 from cluster.ingress.text_stream import TextStream
+from cluster.ingress.tool_call_stream import ToolCallStream
 from cluster.ingress.tool_calls import calls_of, text_besides_calls
 from workers.values.step_output import TokenLogprob
 from workers.values.work_types import WorkEvent
@@ -24,7 +25,8 @@ class AnswerShape:
         score_only: completions with max_tokens 0: the answer is the echoed prompt alone; the token the worker
             generated (it always generates one) is dropped.
         tool_choice: chat with tools the model may call ("auto", "required" or a function's name): the answer
-            is read for tool calls and sent whole once complete (`cluster.ingress.tool_calls`).
+            is read for tool calls (`cluster.ingress.tool_calls`), streamed as OpenAI streams them
+            (`cluster.ingress.tool_call_stream`).
         reasoning_parser: chat: the thinking is split from the answer (`cluster.ingress.reasoning`); tool calls are
             read from the answer besides it.
         include_stop: the stop string that ends the answer stays in it (vLLM's include_stop_str_in_output).
@@ -61,6 +63,8 @@ class ChoiceAnswer:
         self._started = False
         self._calls: tuple[list[dict] | None] | None = None
         self._reasoning = None if shape.reasoning_parser is None else ReasoningStream(shape.reasoning_parser)
+        self._call_stream = None if shape.tool_choice is None else ToolCallStream(
+            shape.tool_choice, shape.tool_parser, 1 if shape.one_call else None)
         self.text = ""
         self.num_tokens = 0
         self._prompt_logprobs = None  # what the first event brought, when the request asked for them
@@ -99,6 +103,16 @@ class ChoiceAnswer:
             held_reasoning, held_content = self._reasoning.finish()
             reasoning, content = reasoning + held_reasoning, content + held_content
         return reasoning, content
+
+    def stream_calls(self, content: str) -> tuple[str, list[dict]]:
+        """Under tools, what a stream sends for a content delta (as `split` gives it): the content besides the calls
+        and the calls' deltas."""
+        return self._call_stream.push(content)
+
+    def finish_calls(self) -> tuple[str, list[dict]]:
+        """Under tools, what a stream still sends once the choice ended, to give the whole answer's reading."""
+        calls = self.tool_calls
+        return self._call_stream.finish(calls, self.content if calls is None else self.text_besides_calls)
 
     @property
     def prompt_logprobs(self) -> list | None:

@@ -239,8 +239,13 @@ class Completions:
         return openai_finish_reason(result.finish_reason)
 
     def _usage(self, run: ChoiceRun, answers: list[ChoiceAnswer]) -> dict:
-        num_prompt = sum(len(group[0].prompt_token_ids) for group in run.groups)
-        return protocol.usage(num_prompt, sum(answer.num_tokens for answer in answers))
+        """Each prompt counted once (with the cached tokens of its first choice, known once that finished)."""
+        num_prompt, num_cached, first = 0, 0, 0
+        for group in run.groups:
+            num_prompt += len(group[0].prompt_token_ids)
+            num_cached += run.results[first].num_cached_prompt_tokens
+            first += len(group)
+        return protocol.usage(num_prompt, sum(answer.num_tokens for answer in answers), num_cached)
 
     async def _collect(self, req, is_chat: bool, request_id: str, run: ChoiceRun, events, first, answers,
                        start_s: float) -> dict:
@@ -298,10 +303,11 @@ class Completions:
 
         def chunk(index: int, delta: str | None, reason: str | None, role: str | None = None,
                   logprobs: dict | None = None, reasoning: str | None = None, stop_reason=None,
-                  token_ids: tuple[int, ...] = ()) -> bytes:
+                  token_ids: tuple[int, ...] = (), tool_calls: list[dict] | None = None) -> bytes:
             if is_chat:
                 payload = protocol.chat_chunk(request_id, model_id, delta, reason, created_s, role=role, index=index,
-                                              logprobs=logprobs, reasoning=reasoning, stop_reason=stop_reason)
+                                              logprobs=logprobs, reasoning=reasoning, stop_reason=stop_reason,
+                                              tool_calls=tool_calls)
             else:
                 payload = protocol.completion_chunk(request_id, model_id, delta or "", reason, created_s, index=index,
                                                     logprobs=logprobs, stop_reason=stop_reason)
@@ -332,21 +338,21 @@ class Completions:
                 if event is not None:
                     delta, logprobs = answer.push(event)
                     reasoning, delta = answer.split(delta)
-                    if answer.shape.tool_choice is not None:  # a call is sent whole, at its end; thinking as it comes
-                        delta, logprobs = "", None
-                    if delta or logprobs or reasoning or req.return_token_ids:
-                        yield chunk(index, delta, None, logprobs=logprobs, reasoning=reasoning or None,
-                                    token_ids=event.token_ids)
+                    calls = None
+                    if answer.shape.tool_choice is not None:  # the text besides the calls; each call as it comes
+                        delta, calls = answer.stream_calls(delta)
+                    if delta or logprobs or reasoning or calls or req.return_token_ids:
+                        yield chunk(index, delta or ("" if not calls else None), None, logprobs=logprobs,
+                                    reasoning=reasoning or None, token_ids=event.token_ids, tool_calls=calls or None)
                     continue
                 result = run.results[index]
                 reasoning, tail = answer.split(answer.finish(result.finish_reason), final=True)
                 if reasoning:
                     yield chunk(index, "", None, reasoning=reasoning)
                 if answer.shape.tool_choice is not None:
-                    calls = answer.tool_calls
-                    yield (protocol.sse_event(protocol.chat_chunk(request_id, model_id, answer.text_besides_calls,
-                                                                  None, created_s, index=index, tool_calls=calls))
-                           if calls is not None else chunk(index, answer.content, None))
+                    content, calls = answer.finish_calls()
+                    if content or calls:
+                        yield chunk(index, content or None, None, tool_calls=calls or None)
                 elif tail:
                     yield chunk(index, tail, None)
                 yield chunk(index, None if is_chat else "", self._finish_reason(answer, result),

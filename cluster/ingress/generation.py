@@ -57,6 +57,7 @@ class GenerationResult:
     finish_s: float | None = None
     num_moves: int = 0
     num_failovers: int = 0
+    num_cached_prompt_tokens: int = 0  # of the prompt, found in the finishing worker's prefix cache
 
 
 class WorkerGone(LookupError):
@@ -132,6 +133,8 @@ async def run_job(job: GenerationJob, controller, workers: WorkerHandles, result
                     if event.finish_reason == "error":
                         raise RuntimeError(f"worker {worker_id} failed the request: {event.error}")
                     if event.finish_reason is not None:
+                        if event.metrics is not None:
+                            result.num_cached_prompt_tokens = event.metrics.num_cached_prompt_tokens
                         result.finish_reason = outcome_reason = event.finish_reason
                         result.finish_s = time.monotonic()
                         return

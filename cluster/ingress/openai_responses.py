@@ -30,12 +30,14 @@ def _response_id(prefix: str, request_id: str) -> str:
     return request_id if request_id.startswith(prefix) else prefix + request_id
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
-    """The `usage` object of a response."""
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
+    """The `usage` object of a response; `prompt_tokens_details.cached_tokens`, the prompt tokens whose KV came from
+    the prefix cache, as OpenAI reports them (vLLM only under --enable-prompt-tokens-details)."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 

@@ -144,7 +144,7 @@ def response_from_chat(req: ResponsesRequest, chat: dict) -> dict:
     output += [_call_item(call) for call in message.get("tool_calls") or ()]
     usage = chat["usage"]
     return _response(req, response_id(), int(time.time()), "incomplete" if cut else "completed", output,
-                     _usage(usage["prompt_tokens"], usage["completion_tokens"]))
+                     _usage(usage["prompt_tokens"], usage["completion_tokens"], _cached(usage)))
 
 
 async def response_events(req: ResponsesRequest, chat_chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -181,6 +181,8 @@ class _EventStream:
         self.output: list[dict] = []
         self.text_index: int | None = None  # the message item's place in `output`, once text came
         self.reasoning_index: int | None = None
+        self.call_items: dict[int, int] = {}  # a chat call's index -> its item's place in `output`
+        self.open_call: int | None = None  # the call item taking arguments
         self.finish_reason: str | None = None
         self.usage = _usage(0, 0)
 
@@ -194,7 +196,8 @@ class _EventStream:
 
     def chunk(self, chunk: dict) -> list[bytes]:
         if chunk.get("usage"):
-            self.usage = _usage(chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"])
+            self.usage = _usage(chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"],
+                                _cached(chunk["usage"]))
         events = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
@@ -222,8 +225,9 @@ class _EventStream:
         return events
 
     def _text(self, delta: str) -> list[bytes]:
-        events = self._close_reasoning()
-        if self.text_index is None:
+        events = self._close_reasoning() + self._close_call()
+        if self.text_index is None or self.output[self.text_index]["status"] != "in_progress":  # (text after a
+            # call opens a message item of its own)
             self.text_index = len(self.output)
             item = {**_message_item("", "in_progress"), "content": []}
             self.output.append(item)
@@ -237,20 +241,34 @@ class _EventStream:
                                  content_index=0, delta=delta, logprobs=[]))
         return events
 
-    def _call(self, call: dict) -> list[bytes]:
-        events = self._close_reasoning() + self._close_text()  # each item closes before the next opens
-        index = len(self.output)
-        item = {**_call_item(call), "arguments": "", "status": "in_progress"}
-        self.output.append(item)
-        arguments = call["function"]["arguments"]
-        events.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
-        events.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                 delta=arguments))
-        item.update(arguments=arguments, status="completed")
-        events.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                 name=item["name"], arguments=arguments))
-        events.append(self.event("response.output_item.done", output_index=index, item=item))
+    def _call(self, delta: dict) -> list[bytes]:
+        """A chat stream's call delta: its first (with the call's id) opens an item, each carries an arguments
+        fragment."""
+        events = []
+        if "id" in delta:  # each item closes before the next opens
+            events += self._close_reasoning() + self._close_text() + self._close_call()
+            self.open_call = self.call_items[delta["index"]] = len(self.output)
+            self.output.append({**_call_item(delta), "arguments": "", "status": "in_progress"})
+            events.append(self.event("response.output_item.added", output_index=self.open_call,
+                                     item=dict(self.output[self.open_call])))
+        index = self.call_items[delta["index"]]
+        fragment = delta["function"].get("arguments") or ""
+        if fragment:
+            item = self.output[index]
+            item["arguments"] += fragment
+            events.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                     output_index=index, delta=fragment))
         return events
+
+    def _close_call(self) -> list[bytes]:
+        if self.open_call is None:
+            return []
+        index, self.open_call = self.open_call, None
+        item = self.output[index]
+        item["status"] = "completed"
+        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           name=item["name"], arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
 
     def _close_reasoning(self) -> list[bytes]:
         if self.reasoning_index is None or self.output[self.reasoning_index].get("status") != "in_progress":
@@ -274,7 +292,7 @@ class _EventStream:
                 self.event("response.output_item.done", output_index=self.text_index, item=item)]
 
     def finish(self) -> list[bytes]:
-        events = self._close_reasoning() + self._close_text()
+        events = self._close_reasoning() + self._close_text() + self._close_call()
         status = "incomplete" if self.finish_reason == "length" else "completed"
         events.append(self.event(f"response.{status}", response=self.snapshot(status)))
         return events
@@ -316,8 +334,12 @@ def _call_item(call: dict) -> dict:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
 
-def _usage(num_input: int, num_output: int) -> dict:
-    return {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+def _cached(chat_usage: dict) -> int:
+    return (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
+def _usage(num_input: int, num_output: int, num_cached: int = 0) -> dict:
+    return {"input_tokens": num_input, "input_tokens_details": {"cached_tokens": num_cached, "cache_write_tokens": 0},
             "output_tokens": num_output,
             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": num_input + num_output}
 

@@ -9,9 +9,10 @@
     "auto" (the default with tools)   the model decides, in its own tool-call format, read by the configured
                                 `--tool-call-parser` (`cluster.ingress.tool_parsers`: hermes, llama3_json, mistral,
                                 qwen3_coder), or without one by the hermes parser when the template writes
-                                <tool_call> tags (Qwen 2.5 and 3 among others); the answer's text is buffered and
-                                sent once complete. A template that takes no tools (SmolLM2's, Gemma 3's), or no
-                                parser for its format, is a 400 saying so
+                                <tool_call> tags (Qwen 2.5 and 3 among others); streamed, the text besides the
+                                calls comes as content and each call as OpenAI streams one
+                                (`cluster.ingress.tool_call_stream`). A template that takes no tools
+                                (SmolLM2's, Gemma 3's), or no parser for its format, is a 400 saying so
 
 The model learns of the tools through its template when the template takes them, else through a system message
 listing their schemas. A call in an earlier assistant message, and a `tool` message with its result, are rendered
@@ -24,6 +25,7 @@ import uuid
 from typing import Any
 
 from cluster.ingress.errors import bad_request
+from cluster.ingress.json_members import scan_object
 from cluster.ingress.tool_parsers import TOOL_PARSERS, parser_for
 from workers.values.grammar import JSON_LAYOUT
 from workers.values.sampling_params import GrammarSpec
@@ -107,17 +109,20 @@ def template_messages(req, messages: list[dict], tokenizer) -> tuple[list[dict],
 
 
 def calls_of(choice: str, text: str, parser: str | None = None) -> list[dict] | None:
-    """OpenAI's `tool_calls` of an answer: for a forced call (generated under `tool_grammar`) the call, its arguments
-    cut short as they came when the limit cut it (as OpenAI returns such a call, with finish_reason "length"); under
-    "auto" the calls `parser` reads in the text, None when it has none."""
+    """OpenAI's `tool_calls` of an answer, each call's arguments the JSON text the model wrote: for a forced call
+    (generated under `tool_grammar`) the call, its arguments cut short as they came when the limit cut it (as OpenAI
+    returns such a call, with finish_reason "length"); under "auto" the calls `parser` reads in the text, None when
+    it has none."""
     if choice == "auto":
         calls = TOOL_PARSERS[parser or "hermes"].calls(text)
-        return None if calls is None else [_call(name, arguments) for name, arguments in calls]
+        return None if calls is None else [_raw_call(name, arguments) for name, arguments in calls]
     try:
         parsed = json.loads(text)
     except json.JSONDecodeError:
         return [_cut_call(choice, text)] if text.strip() else None
-    return [_call(parsed["name"], parsed["arguments"]) if choice == "required" else _call(choice, parsed)]
+    if choice != "required":
+        return [_raw_call(choice, text)]
+    return [_raw_call(parsed["name"], scan_object(text).closed_value(text, "arguments") or "{}")]
 
 
 def text_besides_calls(choice: str, text: str, parser: str | None = None) -> str | None:
@@ -125,10 +130,6 @@ def text_besides_calls(choice: str, text: str, parser: str | None = None) -> str
     if choice != "auto":
         return None
     return TOOL_PARSERS[parser or "hermes"].besides(text)
-
-
-def _call(name: str, arguments: Any) -> dict:
-    return _raw_call(name, json.dumps(arguments))
 
 
 def _raw_call(name: str, arguments: str) -> dict:

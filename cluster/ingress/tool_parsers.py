@@ -7,7 +7,9 @@
     qwen3_coder   <tool_call><function=f><parameter=p>value</parameter>...</function></tool_call> (Qwen3-Coder;
                   a value is JSON where it parses, else text)
 
-Each parser gives the calls an answer holds, as (name, arguments) pairs, and the text besides them (pure).
+Each parser gives the calls an answer holds, as (name, arguments) pairs, and the text besides them (pure). The
+arguments are the JSON text the model wrote (built from the parameters for qwen3_coder), so that what a stream sent
+as it came (`cluster.ingress.tool_call_stream`) joins to the same text.
 """
 
 import json
@@ -16,13 +18,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.ingress.json_members import scan_object
+
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _QWEN_CALL = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
-_QWEN_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-_LLAMA_TAG = "<|python_tag|>"
-_MISTRAL_TAG = "[TOOL_CALLS]"
+QWEN_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+LLAMA_TAG = "<|python_tag|>"
+MISTRAL_TAG = "[TOOL_CALLS]"
 
-Call = tuple[str, Any]
+Call = tuple[str, str]  # the function's name, its arguments' JSON text
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +40,27 @@ class ToolParser:
     besides: Callable[[str], str | None]
 
 
-def _object_call(value: Any) -> Call | None:
+def object_call(block: str) -> Call | None:
+    """The call a JSON object's text holds: {"name": ..., "arguments" (Llama's "parameters"): {...}}, its arguments
+    as written ("{}" when it has none); None when the text is no such object."""
+    value = _json(block)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    return value["name"], value.get("arguments", value.get("parameters", {}))
+    arguments = scan_object(block).closed_value(block, "arguments" if "arguments" in value else "parameters")
+    return value["name"], "{}" if arguments is None else arguments
+
+
+def qwen_arguments(parameters: list[tuple[str, str]], is_closed: bool = True) -> str:
+    """Qwen3-Coder's parameters as a JSON object's text (each value JSON where it parses, else text); with
+    `is_closed` false, the text so far of an object that may have more ("" before its first parameter)."""
+    members = []
+    for name, value in parameters:
+        parsed = _json(value)
+        members.append(f"{json.dumps(name, ensure_ascii=False)}: "
+                       f"{json.dumps(value if parsed is None else parsed, ensure_ascii=False)}")
+    if not is_closed:
+        return "{" + ", ".join(members) if members else ""
+    return "{" + ", ".join(members) + "}"
 
 
 def _json(text: str) -> Any:
@@ -50,7 +71,7 @@ def _json(text: str) -> Any:
 
 
 def _hermes_calls(text: str) -> list[Call] | None:
-    calls = [call for block in _HERMES.findall(text) if (call := _object_call(_json(block))) is not None]
+    calls = [call for block in _HERMES.findall(text) if (call := object_call(block)) is not None]
     return calls or None
 
 
@@ -59,10 +80,10 @@ def _hermes_besides(text: str) -> str | None:
 
 
 def _llama_calls(text: str) -> list[Call] | None:
-    body = text.strip().removeprefix(_LLAMA_TAG).strip()
+    body = text.strip().removeprefix(LLAMA_TAG).strip()
     if not body.startswith("{"):
         return None
-    calls = [_object_call(_json(part)) for part in _split_top_level(body, ";")]
+    calls = [object_call(part) for part in _split_top_level(body, ";")]
     return calls if calls and all(call is not None for call in calls) else None
 
 
@@ -71,41 +92,48 @@ def _llama_besides(text: str) -> str | None:
 
 
 def _mistral_calls(text: str) -> list[Call] | None:
-    at = text.find(_MISTRAL_TAG)
+    at = text.find(MISTRAL_TAG)
     if at < 0:
         return None
-    body = text[at + len(_MISTRAL_TAG):].strip()
-    listed = _json(body)
-    if isinstance(listed, list):
-        calls = [_object_call(item) for item in listed]
+    body = text[at + len(MISTRAL_TAG):].strip()
+    if isinstance(_json(body), list):
+        calls = [object_call(item) for item in list_items(body)]
         return calls if calls and all(call is not None for call in calls) else None
     calls = []
-    for part in body.split(_MISTRAL_TAG):  # v11: name{arguments}, each after its own tag
+    for part in body.split(MISTRAL_TAG):  # v11: name{arguments}, each after its own tag
         name, brace, arguments = part.strip().partition("{")
         parsed = _json(brace + arguments) if brace else None
         if not name.strip() or not isinstance(parsed, dict):
             return None
-        calls.append((name.strip(), parsed))
+        calls.append((name.strip(), (brace + arguments).strip()))
     return calls or None
 
 
 def _mistral_besides(text: str) -> str | None:
-    return text.split(_MISTRAL_TAG, 1)[0].strip() or None
+    return text.split(MISTRAL_TAG, 1)[0].strip() or None
 
 
 def _qwen_calls(text: str) -> list[Call] | None:
-    calls = []
-    for name, body in _QWEN_CALL.findall(text):
-        arguments = {}
-        for parameter, value in _QWEN_PARAMETER.findall(body):
-            parsed = _json(value)
-            arguments[parameter] = value if parsed is None else parsed
-        calls.append((name, arguments))
+    calls = [(name, qwen_arguments(QWEN_PARAMETER.findall(body))) for name, body in _QWEN_CALL.findall(text)]
     return calls or None
 
 
 def _qwen_besides(text: str) -> str | None:
     return _QWEN_CALL.sub("", text).strip() or None
+
+
+def list_items(body: str) -> list[str]:
+    """The texts of the items of a JSON list of objects (a whole list's text, as `json.loads` took it)."""
+    items, at = [], body.index("[") + 1
+    while True:
+        at += len(body[at:]) - len(body[at:].lstrip(" \t\r\n,"))
+        if at >= len(body) or body[at] == "]":
+            return items
+        scanner = scan_object(body, at)
+        if scanner.end is None:  # an item that is not an object: the caller's parse refuses it
+            return [*items, body[at:]]
+        items.append(body[at:scanner.end])
+        at = scanner.end
 
 
 def _split_top_level(text: str, separator: str) -> list[str]:
@@ -136,7 +164,7 @@ def _split_top_level(text: str, separator: str) -> list[str]:
 TOOL_PARSERS = {parser.name: parser for parser in (
     ToolParser("hermes", "<tool_call>", _hermes_calls, _hermes_besides),
     ToolParser("llama3_json", "<|python_tag|>", _llama_calls, _llama_besides),
-    ToolParser("mistral", _MISTRAL_TAG, _mistral_calls, _mistral_besides),
+    ToolParser("mistral", MISTRAL_TAG, _mistral_calls, _mistral_besides),
     ToolParser("qwen3_coder", "<function=", _qwen_calls, _qwen_besides),
 )}
 TOOL_PARSER_NAMES = tuple(TOOL_PARSERS)

@@ -348,6 +348,7 @@ class Engine:
             num_output_tokens=seq.num_output_tokens,
             num_preemptions=seq.num_preemptions,
             admitted_s=seq.admitted_s,
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
         )
         return StepOutput(seq.seq_id, token_id, reason, tuple(seq.output_token_ids), metrics, logprob, prompt_logprobs)
 

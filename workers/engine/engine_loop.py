@@ -86,7 +86,8 @@ class _Tick:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # of the requests that ask
     prompt_logprobs: dict[str, tuple[TokenLogprob | None, ...]] = field(default_factory=dict)
-    finished: dict[str, tuple[str, int]] = field(default_factory=dict)  # id -> (reason, num_preemptions)
+    # id -> (reason, num_preemptions, num_cached_prompt_tokens)
+    finished: dict[str, tuple[str, int, int]] = field(default_factory=dict)
     ended: list[_Ended] = field(default_factory=list)
     done_s: float = 0.0
     has_work: bool = False
@@ -242,9 +243,9 @@ class EngineLoop:
                 stream.first_token_s = tick.done_s
             stream.num_output_tokens += len(token_ids)
             stream.num_generated_tokens += len(token_ids)
-            reason, num_preemptions = tick.finished.get(request_id, (None, 0))
+            reason, num_preemptions, num_cached = tick.finished.get(request_id, (None, 0, 0))
             logprobs = tick.logprobs.get(request_id)
-            self._push(stream, tuple(token_ids), reason, num_preemptions, tick.done_s,
+            self._push(stream, tuple(token_ids), reason, num_preemptions, tick.done_s, num_cached,
                        logprobs=None if logprobs is None else tuple(logprobs),
                        prompt_logprobs=tick.prompt_logprobs.get(request_id))
         for ended in tick.ended:
@@ -255,13 +256,13 @@ class EngineLoop:
                            predicted_output_tokens=ended.predicted_output_tokens)
 
     def _push(self, stream: _Stream, token_ids: tuple[int, ...], reason: str | None, num_preemptions: int,
-              now_s: float, **extra) -> None:
+              now_s: float, num_cached_prompt_tokens: int = 0, **extra) -> None:
         metrics = None
         if reason is not None:
             stream.is_done = True
             del self._streams[stream.request.request_id]
             metrics = WorkMetrics(stream.arrival_s, stream.first_token_s, now_s, stream.num_generated_tokens,
-                                  num_preemptions)
+                                  num_preemptions, num_cached_prompt_tokens)
         stream.queue.put_nowait(WorkEvent(
             request_id=stream.request.request_id,
             token_ids=token_ids,
@@ -301,7 +302,8 @@ class EngineLoop:
                     if out.prompt_logprobs is not None:
                         tick.prompt_logprobs[out.seq_id] = out.prompt_logprobs
                     if out.is_finished:
-                        tick.finished[out.seq_id] = (out.finish_reason, out.metrics.num_preemptions)
+                        tick.finished[out.seq_id] = (out.finish_reason, out.metrics.num_preemptions,
+                                                     out.metrics.num_cached_prompt_tokens)
         tick.done_s = time.monotonic()
         tick.has_work = engine.has_unfinished()
         tick.stats = self._snapshot()

@@ -199,8 +199,9 @@ class Scheduler:
             self.running.append(seq)
             num_cached = self.allocator.num_cached_tokens(seq.seq_id)
             if seq.num_preemptions == 0 and not seq.is_swapped:
+                seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
                 self.stats.num_prompt_tokens_admitted += seq.num_prompt_tokens
-                self.stats.num_prefix_hit_tokens += min(num_cached, seq.num_prompt_tokens)
+                self.stats.num_prefix_hit_tokens += seq.num_cached_prompt_tokens
             if num_cached > seq.num_computed_tokens:  # its prefill starts after the cached prefix
                 seq.num_computed_tokens = num_cached
             if seq.is_swapped:

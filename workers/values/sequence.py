@@ -31,6 +31,7 @@ class Sequence:
     finish_reason: str | None = None
     output_text: str | None = None
     num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache when it was first admitted
     predicted_output_tokens: int | None = None  # the length predictor's upper bound, if any
     # The latest *prediction* of its length (the router's, then the probe's), which the bound raised after an
     # overrun does not change: the centre of its length distribution (`workers.scheduling.length_distribution`).

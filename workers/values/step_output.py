@@ -25,6 +25,7 @@ class RequestMetrics:
     num_output_tokens: int
     num_preemptions: int
     admitted_s: float | None = None  # when it first left the worker's queue (None: no clock was given)
+    num_cached_prompt_tokens: int = 0  # of its prompt, found in the prefix cache when first admitted
 
     @property
     def queue_s(self) -> float | None:

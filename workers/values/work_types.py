@@ -58,6 +58,8 @@ class WorkMetrics:
         finish_s: when the request ended here.
         num_generated_tokens: new tokens produced here (resumed tokens excluded).
         num_preemptions: times the worker preempted it.
+        num_cached_prompt_tokens: prompt tokens it found in this worker's prefix cache when first admitted (0 for
+            a request that ended here before it finished: moved, aborted, failed).
     """
 
     arrival_s: float
@@ -65,6 +67,7 @@ class WorkMetrics:
     finish_s: float
     num_generated_tokens: int
     num_preemptions: int
+    num_cached_prompt_tokens: int = 0
 
     @property
     def ttft_s(self) -> float | None:
