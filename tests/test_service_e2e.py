@@ -274,7 +274,13 @@ def test_metrics_are_prometheus_text(service, client):
     workers = {s.labels["worker"] for s in families["s3_kv_blocks_total"].samples}
     assert len(workers) >= 2
     vllm = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens",
-            "vllm:generation_tokens", "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"}
+            "vllm:generation_tokens", "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+            "vllm:request_success", "vllm:inter_token_latency_seconds", "vllm:request_queue_time_seconds",
+            "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+            # what vLLM's example Grafana dashboard reads besides (tests/test_grafana_dashboard.py: panel by panel)
+            "vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds", "vllm:request_prompt_tokens",
+            "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
+            "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"}
     assert vllm <= set(families)  # what a vLLM user's dashboards read, labelled with the served model's name
     assert all(sample.labels["model_name"] == MODEL for name in vllm for sample in families[name].samples)
 
