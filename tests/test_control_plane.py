@@ -74,8 +74,8 @@ def test_a_restarted_control_plane_rebuilds_from_redis_and_answers_the_same(run,
         restarted = ControlPlane(plane.config, ControllerStore(client), sim)
         await restarted.start()  # finds both workers alive: starts none
         assert sorted(restarted.pool.handles) == ["w1", "w2"] and len(sim.workers) == 2
-        await until(lambda: len(restarted.pool.ready_ids()) == 0 or True)
         await restarted.tick()
+        assert sorted(restarted.pool.ready_ids()) == ["w1", "w2"]  # its first poll finds both answering
         again = await restarted.place("a", 20, 200, 40)  # a retried call: the same placement
         assert (again.worker_id, again.num_reserved_blocks) == (placement.worker_id, placement.num_reserved_blocks)
         assert restarted.ledger.reserved_by_worker() == {placement.worker_id: 4}

@@ -32,6 +32,24 @@ OPS = pytest.mark.parametrize("ops", [cpu_kernels, torch_layer_ops], ids=["cpu_k
 BF16_ULP = 2**-7
 
 
+def assert_bf16_as_close_as_hf(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor) -> None:
+    """bf16 logits `got` against `exact`, the fp32 forward of the same bf16-rounded weights: no further from it than
+    twice Hugging Face's own bf16 forward (`want`) is, and the same top token wherever fp32's top two are further
+    apart than those errors could move them (an independent reference, not a share of the largest logit)."""
+    got, want, exact = got.float(), want.float(), exact.float()
+    own, ours = (want - exact).abs().max().item(), (got - exact).abs().max().item()
+    assert ours <= 2 * own + 1e-6, f"max error {ours:.5f} against fp32; Hugging Face's bf16 forward: {own:.5f}"
+    top_two = exact.topk(2, dim=-1).values
+    clear = (top_two[:, 0] - top_two[:, 1]) > 2 * (ours + own)
+    assert torch.equal(got.argmax(-1)[clear], exact.argmax(-1)[clear])
+
+
+def fp32_logits(model, prompt: torch.Tensor) -> torch.Tensor:
+    """The fp32 forward of `model`'s weights as they are (bf16-rounded ones included): [T, V]."""
+    with torch.inference_mode():
+        return copy.deepcopy(model).float()(prompt[None]).logits[0].float()
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -135,8 +153,7 @@ def test_fast_forward_with_the_torch_ops_matches_the_hf_forward(dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
     else:
-        assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
-        assert (got.float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+        assert_bf16_as_close_as_hf(got, want, fp32_logits(model, prompt))
 
 
 @pytest.mark.parametrize("kind", ["amx", "avx512_bf16"])
@@ -155,8 +172,7 @@ def test_each_architecture_forwards_as_hugging_face_with_the_few_token_kernel_in
     with torch.inference_mode():
         want = model(prompt[None]).logits[0].float()  # [T, V]
         got, _ = fast.forward(prompt, torch.arange(tokens), _windowed_causal(fast), torch.arange(tokens))
-    assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
-    assert (got.float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+    assert_bf16_as_close_as_hf(got, want, fp32_logits(model, prompt))
 
 
 @pytest.mark.parametrize("kind", ["avx2", "avx512"])
@@ -212,8 +228,7 @@ def test_each_architecture_forwards_as_hugging_face_with_the_torch_ops(name, dty
     if dtype == torch.float32:
         torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
     else:
-        assert (got.float() - want).abs().max() < 0.1 * want.abs().max()
-        assert (got.float().argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+        assert_bf16_as_close_as_hf(got, want, fp32_logits(model, prompt))
 
 
 def _engine(model, use_fast_path: bool, **config) -> Engine:
@@ -233,9 +248,7 @@ def test_fast_forward_matches_the_hf_forward(dtype, prefill_logits):
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     else:
-        # bf16: each op rounds; the logits stay within a few bf16 steps of HF's own bf16 forward
-        assert (got - want).abs().max() < 0.1 * want.abs().max()
-        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+        assert_bf16_as_close_as_hf(got, want, fp32_logits(model, prompt))  # bf16: each op rounds
 
 
 @pytest.mark.parametrize("kv_blocks", [256, 5], ids=["ample", "preempting"])

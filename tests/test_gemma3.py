@@ -46,7 +46,7 @@ def test_greedy_answers_equal_hugging_face_generate_past_the_window(gemma3_dir):
     assert engine.runner.path == "fast"
     got = engine.generate(ids, SamplingParams(max_tokens=16))
     for prompt, answer, expected in zip(ids, got, want):
-        assert list(answer) == expected[:len(answer)] and len(answer) >= 1, tokenizer.decode(prompt[:12])
+        assert list(answer) == expected, tokenizer.decode(prompt[:12])  # the whole answer, token for token
     assert "Paris" in tokenizer.decode(got[0]) or "capital" in tokenizer.decode(got[0])
 
 

@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -87,10 +86,8 @@ def test_second_conversion_returns_without_rewriting(raced_conversion):
     out_dir, _ = raced_conversion
     weights = out_dir / "model.safetensors"
     mtime_ns = weights.stat().st_mtime_ns
-    start_s = time.monotonic()
     assert convert_gguf(find_default_gguf(), out_dir) == out_dir
-    assert time.monotonic() - start_s < 2.0
-    assert weights.stat().st_mtime_ns == mtime_ns
+    assert weights.stat().st_mtime_ns == mtime_ns  # found, not converted again
 
 
 @pytest.mark.slow

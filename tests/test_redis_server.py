@@ -59,7 +59,8 @@ def test_unreachable_server_fails_after_the_retry_budget():
     started_s = time.monotonic()
     with pytest.raises(redis.ConnectionError):
         client.ping()
-    assert time.monotonic() - started_s < 3.0
+    waited_s = time.monotonic() - started_s
+    assert waited_s < 3.0, f"gave up {waited_s:.1f} s after a 0.3 s retry budget: the budget is not honoured"
 
 
 def test_bad_urls_give_clear_errors():
