@@ -98,11 +98,12 @@ def test_text_streams_as_it_comes_and_one_call_is_kept_when_parallel_calls_are_o
     calls_stream = ToolCallStream("auto", "llama3_json")
     assert calls_stream.push("It is") == ("It is", [])  # a Llama answer that opens as text is text
     hermes = ToolCallStream("auto", "hermes")
-    assert hermes.push("Hello <tool_") == ("Hello", [])  # perhaps the start of a call: held back
-    assert hermes.push("x> there") == (" <tool_x> there", [])
+    assert hermes.push("\n") == ("", [])  # only whitespace so far: held, as an answer of calls alone sends none
+    assert hermes.push("Hello <tool_") == ("\nHello ", [])  # perhaps the start of a call: held back
+    assert hermes.push("x> there") == ("<tool_x> there", [])
     text = ANSWERS[0][2]
     content, calls, *_ = _streamed("auto", "hermes", text, seed=0, max_calls=1)
-    assert content == "Let me look." and len(calls) == 1
+    assert content == "Let me look.\n\n" and len(calls) == 1
 
 
 MISTRAL_TEMPLATE = LLAMA_TEMPLATE.replace("Call a function as", "[AVAILABLE_TOOLS]")
@@ -137,3 +138,42 @@ def test_auto_streams_parallel_calls_in_each_parsers_format(smollm2_tokenizer, p
     assert opened[0][0] < opened[1][0] < len(chunks) - 1  # the first call was out before the second began
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not any(c.choices[0].delta.content for c in chunks)
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>{"name": get_weather, "arguments": {}}</tool_call>'),  # unquoted name
+    ("hermes", '<tool_call>{"name": "f\\q", "arguments": {}}</tool_call>'),  # a bad escape
+    ("hermes", '<tool_call>{"na\\qme": "f", "arguments": {}}</tool_call>'),
+    ("llama3_json", '{"name": "f\tg", "parameters": {}}'),  # a raw tab in a string
+    ("mistral", '[TOOL_CALLS][{"name": [}, "arguments": {}}]'),
+    ("hermes", 'abc <tool_call>x {"name": "f", "arguments": {"a": [1}}}</tool_call>'),  # text before it, [ closed by }
+])
+def test_malformed_calls_stream_as_the_text_the_whole_answer_reads(parser, text):
+    content, calls, _, whole_calls, whole_content = _streamed("auto", parser, text, seed=3)
+    assert whole_calls is None and calls == [] and content == whole_content == text
+
+
+def test_a_call_broken_after_it_was_sent_keeps_its_index_and_the_next_call_is_not_lost():
+    text = ('<tool_call>{"name": "f", "arguments": {"a": 1}}}</tool_call>\n'  # one brace too many
+            '<tool_call>{"name": "g", "arguments": {"b": 2}}</tool_call>')
+    content, calls, *_ = _streamed("auto", "hermes", text, seed=0)
+    assert [(name, "".join(fragments)) for name, fragments in calls] == [("f", '{"a": 1}'), ("g", '{"b": 2}')]
+    assert calls_of("auto", text, "hermes")[0]["function"]["name"] == "g"  # the whole answer has g alone
+
+
+def test_the_responses_stream_closes_a_call_only_after_its_last_fragment():
+    from cluster.ingress.openai_protocol import chat_chunk
+    from cluster.ingress.responses_api import ResponsesRequest, _EventStream
+
+    events = _EventStream(ResponsesRequest.model_validate({"model": "m", "input": "x"}))
+    calls_stream, sent = ToolCallStream("auto", "hermes"), []
+    for piece in ['<tool_call>{"name": "f", "arguments": {"a": ', '1}}</tool_call> Done.']:  # one piece: both
+        content, deltas = calls_stream.push(piece)
+        sent += events.chunk(chat_chunk("r", "m", content or None, None, 0, tool_calls=deltas or None))
+    kinds = [json.loads(event.decode().split("data: ", 1)[1]) for event in sent]
+    done = next(event for event in kinds if event["type"] == "response.function_call_arguments.done")
+    assert done["arguments"] == '{"a": 1}'
+    order = [event["type"] for event in kinds]
+    assert order.index("response.output_item.done") > max(i for i, kind in enumerate(order)
+                                                          if kind == "response.function_call_arguments.delta")
+    assert order[-1] == "response.output_text.delta"  # the text after the call, in an item of its own

@@ -110,7 +110,7 @@ def test_auto_reads_calls_in_the_templates_own_format(hermes_tokenizer):
     workers = _workers(hermes_tokenizer, said)
     completions, _ = make_completions(hermes_tokenizer, workers)
     choice = ChatCompletion.model_validate(answer(completions, ASK, is_chat=True)).choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look."
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me look.\n"
     assert choice.message.tool_calls[0].function.name == "weather"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris"}
     prompt = hermes_tokenizer.decode(workers.jobs[0].prompt_token_ids)
@@ -119,7 +119,7 @@ def test_auto_reads_calls_in_the_templates_own_format(hermes_tokenizer):
     calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
     assert [call.function.name for call in calls if call.id] == ["weather"]
     assert "".join(call.function.arguments for call in calls) == choice.message.tool_calls[0].function.arguments
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me look."
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Let me look.\n"
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

@@ -112,7 +112,7 @@ class ChoiceAnswer:
     def finish_calls(self) -> tuple[str, list[dict]]:
         """Under tools, what a stream still sends once the choice ended, to give the whole answer's reading."""
         calls = self.tool_calls
-        return self._call_stream.finish(calls, self.content if calls is None else self.text_besides_calls)
+        return self._call_stream.finish(calls, self.content if calls is None else self.text_besides_calls or "")
 
     @property
     def prompt_logprobs(self) -> list | None:

@@ -30,7 +30,7 @@ class ObjectScanner:
         self.end: int | None = None
         self.broken = False
         self._pos = start  # the next character to read
-        self._depth = 0
+        self._open = ""  # the brackets open now, outermost first: "{" then the nested ones
         # open, key, in_key, colon, value, in_string (a member's string), nested (a member's object or list),
         # nested_string (a string inside that), scalar (a number or literal), after (a member ended)
         self._state = "open"
@@ -65,7 +65,7 @@ class ObjectScanner:
         if self._state in ("in_key", "in_string", "nested_string"):
             self._read_string(text, i, char)
             return
-        if self._state == "scalar" and self._depth == 1 and (char in ",}" or char.isspace()):
+        if self._state == "scalar" and len(self._open) == 1 and (char in ",}" or char.isspace()):
             self._close_value(i)
         if char.isspace():
             return
@@ -75,8 +75,10 @@ class ObjectScanner:
             self._open_nested(i, char)
         elif char in "}]":
             self._close_nested(i, char)
-        elif self._depth == 1:
+        elif len(self._open) == 1:
             self._read_punctuation(i, char)
+        elif not self._open:  # text before the object
+            self.broken = True
 
     def _read_string(self, text: str, i: int, char: str) -> None:
         if self._escaped:
@@ -85,7 +87,11 @@ class ObjectScanner:
             self._escaped = True
         elif char == '"':
             if self._state == "in_key":
-                self._key = json.loads(text[self._key_start:i + 1])
+                try:
+                    self._key = json.loads(text[self._key_start:i + 1])
+                except json.JSONDecodeError:  # a bad escape or a raw control character
+                    self.broken = True
+                    return
                 self._state = "colon"
             elif self._state == "in_string":
                 self._close_value(i + 1)
@@ -93,39 +99,40 @@ class ObjectScanner:
                 self._state = "nested"
 
     def _open_string(self, i: int) -> None:
-        if self._depth > 1:
+        depth = len(self._open)
+        if depth > 1:
             self._state = "nested_string"
-        elif self._depth == 1 and self._state == "key":
+        elif depth == 1 and self._state == "key":
             self._key_start, self._state = i, "in_key"
-        elif self._depth == 1 and self._state == "value":
+        elif depth == 1 and self._state == "value":
             self._open_value(i)
             self._state = "in_string"
         else:
             self.broken = True
 
     def _open_nested(self, i: int, char: str) -> None:
-        if self._depth == 0:
+        if not self._open:
             if char != "{" or self._state != "open":
                 self.broken = True
                 return
             self._state = "key"
-        elif self._depth == 1:
+        elif len(self._open) == 1:
             if self._state != "value":
                 self.broken = True
                 return
             self._open_value(i)
             self._state = "nested"
-        self._depth += 1
+        self._open += char
 
     def _close_nested(self, i: int, char: str) -> None:
-        if self._depth == 0:
+        if not self._open or _VALUE_OPENERS.index(self._open[-1]) != "}]".index(char):  # [1} is no JSON
             self.broken = True
             return
-        self._depth -= 1
-        if self._depth == 1 and self._state == "nested":
+        self._open = self._open[:-1]
+        if len(self._open) == 1 and self._state == "nested":
             self._close_value(i + 1)
-        elif self._depth == 0:
-            if char != "}" or self._state not in ("key", "after"):
+        elif not self._open:
+            if self._state not in ("key", "after"):
                 self.broken = True
                 return
             self.end = i + 1

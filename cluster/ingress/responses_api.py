@@ -201,12 +201,17 @@ class _EventStream:
         events = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            calls = delta.get("tool_calls") or ()
             if delta.get("reasoning_content"):
                 events += self._reasoning(delta["reasoning_content"])
+            for call in calls:  # the end of a call open before comes before text after it
+                if "id" not in call:
+                    events += self._call(call)
             if delta.get("content"):
                 events += self._text(delta["content"])
-            for call in delta.get("tool_calls") or ():
-                events += self._call(call)
+            for call in calls:
+                if "id" in call:
+                    events += self._call(call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
         return events

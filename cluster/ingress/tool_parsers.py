@@ -50,14 +50,22 @@ def object_call(block: str) -> Call | None:
     return value["name"], "{}" if arguments is None else arguments
 
 
-def qwen_arguments(parameters: list[tuple[str, str]], is_closed: bool = True) -> str:
-    """Qwen3-Coder's parameters as a JSON object's text (each value JSON where it parses, else text); with
-    `is_closed` false, the text so far of an object that may have more ("" before its first parameter)."""
-    members = []
-    for name, value in parameters:
-        parsed = _json(value)
-        members.append(f"{json.dumps(name, ensure_ascii=False)}: "
-                       f"{json.dumps(value if parsed is None else parsed, ensure_ascii=False)}")
+def qwen_member(name: str, value: str) -> str:
+    """One Qwen3-Coder parameter as a JSON object's member: "name": value, the value JSON where it parses, else
+    text (non-ASCII as it is, unless it holds a lone surrogate, which no UTF-8 stream can carry)."""
+    parsed = _json(value)
+    value = value if parsed is None else parsed
+    member = f"{json.dumps(name, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+    try:
+        member.encode("utf-8")
+    except UnicodeEncodeError:
+        member = f"{json.dumps(name)}: {json.dumps(value)}"
+    return member
+
+
+def qwen_arguments(members: list[str], is_closed: bool = True) -> str:
+    """Qwen3-Coder's parameters (`qwen_member`s) as a JSON object's text; with `is_closed` false, the text so far of
+    an object that may have more ("" before its first parameter)."""
     if not is_closed:
         return "{" + ", ".join(members) if members else ""
     return "{" + ", ".join(members) + "}"
@@ -76,7 +84,14 @@ def _hermes_calls(text: str) -> list[Call] | None:
 
 
 def _hermes_besides(text: str) -> str | None:
-    return _HERMES.sub("", text).strip() or None
+    """The text outside the calls; a block that holds no call stays, as Qwen3-Coder's parser keeps its."""
+    return _text(_HERMES.sub(lambda block: "" if object_call(block.group(1)) is not None else block.group(0), text))
+
+
+def _text(besides: str) -> str | None:
+    """The text besides the calls as the model wrote it (as vLLM's parsers give it); None when it is only
+    whitespace."""
+    return besides if besides.strip() else None
 
 
 def _llama_calls(text: str) -> list[Call] | None:
@@ -88,7 +103,7 @@ def _llama_calls(text: str) -> list[Call] | None:
 
 
 def _llama_besides(text: str) -> str | None:
-    return None if _llama_calls(text) is not None else text.strip() or None
+    return None if _llama_calls(text) is not None else _text(text)
 
 
 def _mistral_calls(text: str) -> list[Call] | None:
@@ -110,16 +125,17 @@ def _mistral_calls(text: str) -> list[Call] | None:
 
 
 def _mistral_besides(text: str) -> str | None:
-    return text.split(MISTRAL_TAG, 1)[0].strip() or None
+    return _text(text.split(MISTRAL_TAG, 1)[0])
 
 
 def _qwen_calls(text: str) -> list[Call] | None:
-    calls = [(name, qwen_arguments(QWEN_PARAMETER.findall(body))) for name, body in _QWEN_CALL.findall(text)]
+    calls = [(name, qwen_arguments([qwen_member(*parameter) for parameter in QWEN_PARAMETER.findall(body)]))
+             for name, body in _QWEN_CALL.findall(text)]
     return calls or None
 
 
 def _qwen_besides(text: str) -> str | None:
-    return _QWEN_CALL.sub("", text).strip() or None
+    return _text(_QWEN_CALL.sub("", text))
 
 
 def list_items(body: str) -> list[str]:
