@@ -38,6 +38,10 @@ ANSWERS = [  # (tool_choice, parser, text, the calls' names)
     ("weather", None, ROME, ["weather"]),
     ("required", None, f'{{"name": "weather", "arguments": {PARIS}}}', ["weather"]),
     ("required", None, '{"name": "weather", "arguments": {"city": "Par', ["weather"]),  # cut by the limit
+    ("required", None, f'[{{"name": "weather", "arguments": {PARIS}}}, {{"name": "weather", "arguments": {ROME}}}]',
+     ["weather", "weather"]),  # parallel calls
+    ("required", None, f'[{{"name": "weather", "arguments": {PARIS}}}, {{"name": "weather", "arguments": {{"ci',
+     ["weather", "weather"]),
 ]
 
 

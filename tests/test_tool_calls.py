@@ -46,8 +46,8 @@ def test_a_required_call_picks_its_function_and_streams_in_openais_shape(smollm2
     body = answer(completions, {**ASK, "tool_choice": "required"}, is_chat=True)
     choice = ChatCompletion.model_validate(body).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "weather"
-    grammar = workers.jobs[0].params.grammar
-    assert grammar.format == "grammar" and grammar.text.startswith("start: call0 | call1")
+    grammar = workers.jobs[0].params.grammar  # a list of one or more calls, as OpenAI's parallel calls by default
+    assert grammar.format == "grammar" and grammar.text.startswith('start: "[" call (", " call)* "]"\ncall: call0 | call1')
     assert '"{\\"name\\": \\"weather\\", \\"arguments\\": "' in grammar.text  # one alternative per function
     chunks = [ChatCompletionChunk.model_validate(c) for c in stream(completions, {**ASK, "tool_choice": "required"},
                                                                     is_chat=True)]
@@ -132,6 +132,25 @@ def test_auto_without_a_call_is_a_text_answer_and_an_unread_format_is_a_400(herm
     completions, _ = make_completions(other, _workers(other, "x"))
     with pytest.raises(APIError, match="no --tool-call-parser is set"):
         answer(completions, ASK, is_chat=True)
+
+
+def test_required_answers_parallel_calls_and_one_call_without_them(smollm2_tokenizer):
+    said = '[{"name": "weather", "arguments": {"city": "Paris"}}, {"name": "time_in", "arguments": {}}]'
+    completions, _ = make_completions(smollm2_tokenizer, _workers(smollm2_tokenizer, said))
+    choice = answer(completions, {**ASK, "tool_choice": "required", "max_tokens": 60}, is_chat=True)["choices"][0]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
+    assert calls == [("weather", {"city": "Paris"}), ("time_in", {})] and choice["finish_reason"] == "tool_calls"
+    chunks = stream(completions, {**ASK, "tool_choice": "required", "max_tokens": 60}, is_chat=True)
+    deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or ()]
+    assert [(d["index"], d["function"]["name"]) for d in deltas if "id" in d] == [(0, "weather"), (1, "time_in")]
+    assert "".join(d["function"]["arguments"] for d in deltas if d["index"] == 0) == '{"city": "Paris"}'
+    cut = answer(completions, {**ASK, "tool_choice": "required", "max_tokens": 20}, is_chat=True)["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"][0]["function"]["name"] == "weather"
+    workers = _workers(smollm2_tokenizer, '{"name": "weather", "arguments": {"city": "Paris"}}')
+    completions, _ = make_completions(smollm2_tokenizer, workers)
+    one = answer(completions, {**ASK, "tool_choice": "required", "parallel_tool_calls": False}, is_chat=True)
+    assert workers.jobs[0].params.grammar.text.startswith("start: call0 | call1\n")  # exactly one call
+    assert [c["function"]["name"] for c in one["choices"][0]["message"]["tool_calls"]] == ["weather"]
 
 
 def test_required_keeps_each_schema_whole_so_its_refs_resolve(smollm2_tokenizer):

@@ -141,10 +141,10 @@ class _Tagged:
 
 class _Objects:
     """Call objects one after another: Llama 3's (after an optional <|python_tag|>, joined by ";"), Mistral's after
-    [TOOL_CALLS] (a JSON list of them, or v11's name{arguments}, each after its own tag), or the one object a
-    "required" call's grammar writes."""
+    [TOOL_CALLS] (a JSON list of them, or v11's name{arguments}, each after its own tag), or the object (or list
+    of them) a "required" call's grammar writes."""
 
-    _SEPARATORS = {"llama3_json": " \t\r\n;", "required": " \t\r\n", "mistral": " \t\r\n,["}
+    _SEPARATORS = {"llama3_json": " \t\r\n;", "required": " \t\r\n,[", "mistral": " \t\r\n,["}
 
     def __init__(self, format_name: str) -> None:
         self._format = format_name  # llama3_json, mistral or required; "text" once a Llama answer proved text

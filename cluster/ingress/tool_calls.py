@@ -4,8 +4,9 @@
     a named function            the answer is generated under that function's parameter schema: it is the call's
                                 `arguments` (finish_reason "stop", as OpenAI answers a forced call)
     "required"                  under {"name": one of the functions, "arguments": its parameters} (a Lark
-                                grammar holding each schema whole, so its own $refs resolve): one call
-                                (finish_reason "tool_calls")
+                                grammar holding each schema whole, so its own $refs resolve): a list of one
+                                or more such calls, or one under parallel_tool_calls false (finish_reason
+                                "tool_calls")
     "auto" (the default with tools)   the model decides, in its own tool-call format, read by the configured
                                 `--tool-call-parser` (`cluster.ingress.tool_parsers`: hermes, llama3_json, mistral,
                                 qwen3_coder), or without one by the hermes parser when the template writes
@@ -64,7 +65,10 @@ def tool_grammar(req) -> GrammarSpec | None:
         return None
     if choice != "required":
         return GrammarSpec("json_schema", json.dumps(functions[choice]))
-    rules = ["start: " + " | ".join(f"call{i}" for i in range(len(functions)))]
+    calls = " | ".join(f"call{i}" for i in range(len(functions)))
+    # One call, or under parallel calls (OpenAI's default) a list of one or more, as vLLM's "required" is.
+    rules = [f"start: {calls}"] if req.parallel_tool_calls is False else ['start: "[" call (", " call)* "]"',
+                                                                        f"call: {calls}"]
     for i, (name, parameters) in enumerate(functions.items()):
         head = json.dumps('{"name": ' + json.dumps(name) + ', "arguments": ')
         rules.append(f"call{i}: {head} arguments{i} " + json.dumps("}"))
@@ -116,13 +120,9 @@ def calls_of(choice: str, text: str, parser: str | None = None) -> list[dict] | 
     if choice == "auto":
         calls = TOOL_PARSERS[parser or "hermes"].calls(text)
         return None if calls is None else [_raw_call(name, arguments) for name, arguments in calls]
-    try:
-        parsed = json.loads(text)
-    except json.JSONDecodeError:
-        return [_cut_call(choice, text)] if text.strip() else None
-    if choice != "required":
-        return [_raw_call(choice, text)]
-    return [_raw_call(parsed["name"], scan_object(text).closed_value(text, "arguments") or "{}")]
+    if choice == "required":
+        return _required_calls(text)
+    return [_raw_call(choice, text)] if text.strip() else None  # the whole answer is its arguments, cut or not
 
 
 def text_besides_calls(choice: str, text: str, parser: str | None = None) -> str | None:
@@ -137,11 +137,30 @@ def _raw_call(name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
-def _cut_call(choice: str, text: str) -> dict:
-    """A forced call the limit cut: a named one's text is its arguments; under "required" the grammar wrote
-    {"name": ..., "arguments": first, so the name is known once its string closed (empty before)."""
-    if choice != "required":
-        return _raw_call(choice, text)
+def _required_calls(text: str) -> list[dict] | None:
+    """The calls a "required" answer holds, whole or as far as they came when the limit cut them: one
+    {"name": ..., "arguments": ...} object, or under parallel calls a list of them."""
+    if not text.lstrip().startswith("["):
+        return [_required_call(text)] if text.strip() else None
+    calls, at = [], text.index("[") + 1
+    while True:
+        at += len(text[at:]) - len(text[at:].lstrip(" \t\r\n,"))
+        if at >= len(text) or text[at] == "]":
+            return calls or None
+        scanner = scan_object(text, at)
+        if scanner.end is None:  # the call the limit cut
+            return [*calls, _required_call(text[at:])]
+        calls.append(_required_call(text[at:scanner.end]))
+        at = scanner.end
+
+
+def _required_call(text: str) -> dict:
+    """One call object as the grammar writes it, {"name": ..., "arguments": first; cut short, its name is known once
+    its string closed (empty before) and its arguments are what came."""
+    scanner = scan_object(text)
+    if scanner.end is not None:
+        return _raw_call(json.loads(scanner.closed_value(text, "name")),
+                         scanner.closed_value(text, "arguments") or "{}")
     head = _REQUIRED_HEAD.match(text)
     return _raw_call(json.loads(head.group(1)), text[head.end():]) if head else _raw_call("", "")
 
