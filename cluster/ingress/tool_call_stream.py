@@ -51,10 +51,11 @@ def _object_so_far(text: str, scanner: ObjectScanner) -> CallSoFar | None:
     return name, arguments if not is_open or arguments[:1] in ("{", "[") else ""
 
 
-def _find_from(text: str, marker: str, start: int) -> tuple[int, int]:
-    """(where `marker` is in `text` from `start`, or -1; where to look again once the text grew)."""
-    at = text.find(marker, start)
-    return at, at if at >= 0 else max(start, len(text) - len(marker) + 1)
+def _find_from(text: str, marker: str, start: int, end: int | None = None) -> tuple[int, int]:
+    """(where `marker` is in `text[start:end]`, or -1; where to look again once the text grew)."""
+    end = len(text) if end is None else end
+    at = text.find(marker, start, end)
+    return at, at if at >= 0 else max(start, end - len(marker) + 1)
 
 
 class _Tagged:
@@ -69,6 +70,7 @@ class _Tagged:
         self._body_start: int | None = None  # inside a call's tags, its body's start
         self._close_from = 0  # where to look for the call's closing tag
         self._reported = False  # the open call was in a reading: it keeps its index whatever it turns out to be
+        self._last: CallSoFar = ("", "")  # the open call as last read
         self._scanner: ObjectScanner | None = None
         self._function: str | None = None  # Qwen3-Coder: the open call's function, its parameters so far, and
         self._members: list[str] = []  # where the next parameter starts and its closing tag is looked for
@@ -125,7 +127,7 @@ class _Tagged:
             self._function = function.group(1)
             self._parameter_from = self._parameter_close_from = function.end()
         while True:  # each parameter once, as its closing tag comes
-            close, self._parameter_close_from = _find_from(text[:body_end], "</parameter>", self._parameter_close_from)
+            close, self._parameter_close_from = _find_from(text, "</parameter>", self._parameter_close_from, body_end)
             if close < 0:
                 break
             end = close + len("</parameter>")
