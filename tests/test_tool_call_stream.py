@@ -42,6 +42,9 @@ ANSWERS = [  # (tool_choice, parser, text, the calls' names)
      ["weather", "weather"]),  # parallel calls
     ("required", None, f'[{{"name": "weather", "arguments": {PARIS}}}, {{"name": "weather", "arguments": {{"ci',
      ["weather", "weather"]),
+    ("required", None, f'[{{"name": "weather", "arguments": {PARIS}}}, {{"name": "weather"', ["weather", "weather"]),
+    ("auto", "qwen3_coder", "<tool_call>\n<function=write>\n<parameter=content>\nend of </function> tag\n</parameter>\n"
+                            "<parameter=path>\na.xml\n</parameter>\n</function>\n</tool_call>", ["write"]),
 ]
 
 
@@ -157,12 +160,22 @@ def test_malformed_calls_stream_as_the_text_the_whole_answer_reads(parser, text)
     assert whole_calls is None and calls == [] and content == whole_content == text
 
 
-def test_a_call_broken_after_it_was_sent_keeps_its_index_and_the_next_call_is_not_lost():
-    text = ('<tool_call>{"name": "f", "arguments": {"a": 1}}}</tool_call>\n'  # one brace too many
-            '<tool_call>{"name": "g", "arguments": {"b": 2}}</tool_call>')
-    content, calls, *_ = _streamed("auto", "hermes", text, seed=0)
-    assert [(name, "".join(fragments)) for name, fragments in calls] == [("f", '{"a": 1}'), ("g", '{"b": 2}')]
-    assert calls_of("auto", text, "hermes")[0]["function"]["name"] == "g"  # the whole answer has g alone
+@pytest.mark.parametrize("broken", [
+    '{"name": "f", "arguments": {"a": 1}}}',  # one brace too many
+    '{"name": "f", arguments: {}}',  # an unquoted key
+])
+def test_a_call_broken_after_it_was_sent_keeps_its_index_and_the_next_call_is_not_lost(broken):
+    text = f'<tool_call>{broken}</tool_call>\n<tool_call>{{"name": "g", "arguments": {{"b": 2}}}}</tool_call>'
+    whole = calls_of("auto", text, "hermes")
+    assert [call["function"]["name"] for call in whole] == ["g"]  # the whole answer has g alone
+    calls_stream, cut = ToolCallStream("auto", "hermes"), text.index('"f", ') + len('"f", ')
+    deltas = [*calls_stream.push(text[:cut])[1], *calls_stream.push(text[cut:])[1]]  # f was sent, then broke
+    deltas += calls_stream.finish(whole, text_besides_calls("auto", text, "hermes"))[1]
+    joined = {}
+    for delta in deltas:
+        name, arguments = joined.get(delta["index"], (delta["function"].get("name"), ""))
+        joined[delta["index"]] = name, arguments + delta["function"]["arguments"]
+    assert joined == {0: ("f", ""), 1: ("g", '{"b": 2}')}  # f stays as sent; the whole answer's g takes place 1
 
 
 def test_the_responses_stream_closes_a_call_only_after_its_last_fragment():

@@ -29,6 +29,9 @@ ROME = ("weather", {"city": "Rome", "days": 2})
     ("mistral", 'Sure. [TOOL_CALLS]weather{"city": "Paris"}[TOOL_CALLS]weather{"city": "Rome", "days": 2}',
      [PARIS, ROME], "Sure. "),
     ("mistral", "No call here.", None, "No call here."),
+    ("qwen3_coder", "<tool_call>\n<function=f>\n</tool_call>\n<tool_call>\n<function=weather>\n<parameter=city>\n"
+                    "Paris\n</parameter>\n</function>\n</tool_call>",  # a block without its </function> is no call
+     [PARIS], "<tool_call>\n<function=f>\n</tool_call>\n"),
     ("qwen3_coder", "Checking.\n<tool_call>\n<function=weather>\n<parameter=city>\nRome\n</parameter>\n"
                     "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>", [ROME], "Checking.\n"),
 ])

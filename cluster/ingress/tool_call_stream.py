@@ -12,13 +12,12 @@ opens as a Llama call. At the end `finish` brings the stream to the whole answer
 stays as sent (as vLLM's parsers leave it), while the whole answer reads it as text.
 """
 
-import json
 import re
 import uuid
 
 from cluster.ingress.json_members import ObjectScanner
-from cluster.ingress.tool_parsers import (LLAMA_TAG, MISTRAL_TAG, QWEN_PARAMETER, object_call, qwen_arguments,
-                                          qwen_member)
+from cluster.ingress.tool_parsers import (LLAMA_TAG, MISTRAL_TAG, QWEN_PARAMETER, call_so_far, object_call,
+                                          qwen_arguments, qwen_call, qwen_member)
 
 CallSoFar = tuple[str, str]  # the name, the arguments' text so far
 _CALL_START, _CALL_END = "<tool_call>", "</tool_call>"
@@ -31,24 +30,6 @@ def _held_back(text: str, start: int, marker: str) -> int:
         if marker.startswith(text[len(text) - size:]):
             return len(text) - size
     return len(text)
-
-
-def _object_so_far(text: str, scanner: ObjectScanner) -> CallSoFar | None:
-    """A call object's name and arguments so far: once its name is read; its arguments while an object or list
-    comes (any other value once closed, "{}" when the object closed without them)."""
-    name = scanner.closed_value(text, "name")
-    try:
-        name = None if name is None else json.loads(name)
-    except json.JSONDecodeError:  # a bad escape or a raw control character: no call
-        return None
-    if not isinstance(name, str):
-        return None
-    key = "arguments" if "arguments" in scanner.members else "parameters"
-    arguments = scanner.value(text, key)
-    if arguments is None:
-        return name, "{}" if scanner.end is not None else ""
-    is_open = scanner.members[key][1] is None
-    return name, arguments if not is_open or arguments[:1] in ("{", "[") else ""
 
 
 def _find_from(text: str, marker: str, start: int, end: int | None = None) -> tuple[int, int]:
@@ -67,6 +48,7 @@ class _Tagged:
         self._pos = 0  # read up to here
         self._content = ""
         self._calls: list[CallSoFar] = []
+        self.broken: set[int] = set()  # indices of calls sent before they proved no call (the whole answer lacks them)
         self._body_start: int | None = None  # inside a call's tags, its body's start
         self._close_from = 0  # where to look for the call's closing tag
         self._reported = False  # the open call was in a reading: it keeps its index whatever it turns out to be
@@ -96,6 +78,7 @@ class _Tagged:
             if current is None:  # a broken call is no call: its text is the answer's, as the whole answer reads it
                 self._content += block
                 if self._reported:  # sent already: it keeps its place, so the next call's index is the next one
+                    self.broken.add(len(self._calls))
                     self._calls.append(self._last)
             else:
                 self._calls.append(current)
@@ -114,12 +97,14 @@ class _Tagged:
             current = object_call(text[self._body_start:body_end])
         else:
             self._scanner.feed(text)
-            current = _object_so_far(text, self._scanner)
+            current = None if self._scanner.broken else call_so_far(text, self._scanner)
         if current is not None:
             self._last = current
         return current
 
     def _qwen_body(self, text: str, body_end: int, is_closed: bool) -> CallSoFar | None:
+        if is_closed:  # the block is whole: read as the whole answer reads it
+            return qwen_call(text[self._body_start:body_end])
         if self._function is None:
             function = _QWEN_FUNCTION.match(text, self._body_start, body_end)
             if function is None:
@@ -135,10 +120,7 @@ class _Tagged:
             if parameter is not None:
                 self._members.append(qwen_member(*parameter.groups()))
             self._parameter_from = self._parameter_close_from = end
-        closed = text.find("</function>", self._parameter_from, body_end) >= 0
-        if is_closed and not closed:  # tags closed around an unfinished function: no call
-            return None
-        return self._function, qwen_arguments(self._members, closed)
+        return self._function, qwen_arguments(self._members, is_closed=False)  # its "}" comes with </tool_call>
 
 
 class _Objects:
@@ -169,7 +151,7 @@ class _Objects:
             if self._name is not None:
                 current = self._name, text[self._object_start:self._scanner.end or len(text)]
             else:
-                current = _object_so_far(text, self._scanner)
+                current = call_so_far(text, self._scanner)
             if self._scanner.broken or self._scanner.end is None:
                 return self._content, self._calls + ([current] if current and not self._scanner.broken else [])
             if current is not None:
@@ -266,8 +248,11 @@ class ToolCallStream:
         """What is still to send, once the answer is whole: `calls` its OpenAI tool_calls, `content` its content
         (the text besides the calls, or all of it when it has none)."""
         content_delta = self._content_delta(content or "")
+        broken = getattr(self._reader, "broken", set())  # the whole answer's calls fill the other places
+        places = [index for index in range(len(self._sent) + len(calls or ())) if index not in broken]
         return content_delta, self._call_deltas([(call["function"]["name"], call["function"]["arguments"])
-                                                 for call in calls or ()], [call["id"] for call in calls or ()])
+                                                 for call in calls or ()], [call["id"] for call in calls or ()],
+                                                places)
 
     def _content_delta(self, content: str) -> str:
         """What is new in `content` after what was sent ("" where the two differ: a call the model broke)."""
@@ -277,11 +262,14 @@ class ToolCallStream:
         self._content_sent = content
         return delta
 
-    def _call_deltas(self, calls: list[CallSoFar], ids: list[str] | None = None) -> list[dict]:
+    def _call_deltas(self, calls: list[CallSoFar], ids: list[str] | None = None,
+                     places: list[int] | None = None) -> list[dict]:
+        """Deltas for the calls so far; `places`, each call's index in the stream (its position by default)."""
         deltas = []
-        for index, (name, arguments) in enumerate(calls[:self._max_calls]):
-            if index == len(self._sent):
-                call_id = ids[index] if ids else f"call_{uuid.uuid4().hex[:24]}"
+        for position, (name, arguments) in enumerate(calls[:self._max_calls]):
+            index = position if places is None else places[position]
+            if index >= len(self._sent):
+                call_id = ids[position] if ids else f"call_{uuid.uuid4().hex[:24]}"
                 deltas.append({"index": index, "id": call_id, "type": "function",
                                "function": {"name": name, "arguments": arguments}})
                 self._sent.append(arguments)

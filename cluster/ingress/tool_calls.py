@@ -21,17 +21,15 @@ the same way.
 """
 
 import json
-import re
 import uuid
 from typing import Any
 
 from cluster.ingress.errors import bad_request
 from cluster.ingress.json_members import scan_object
-from cluster.ingress.tool_parsers import TOOL_PARSERS, parser_for
+from cluster.ingress.tool_parsers import TOOL_PARSERS, call_so_far, parser_for
 from workers.values.grammar import JSON_LAYOUT
 from workers.values.sampling_params import GrammarSpec
 
-_REQUIRED_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')  # what tool_grammar writes first
 
 
 def tool_choice(req) -> str | None:
@@ -148,21 +146,18 @@ def _required_calls(text: str) -> list[dict] | None:
         if at >= len(text) or text[at] == "]":
             return calls or None
         scanner = scan_object(text, at)
-        if scanner.end is None:  # the call the limit cut
-            return [*calls, _required_call(text[at:])]
+        if scanner.end is None:  # the call the limit cut (left out before its name came, unless it is the only one)
+            cut = _required_call(text[at:])
+            return [*calls, cut] if cut["function"]["name"] or not calls else calls
         calls.append(_required_call(text[at:scanner.end]))
         at = scanner.end
 
 
 def _required_call(text: str) -> dict:
     """One call object as the grammar writes it, {"name": ..., "arguments": first; cut short, its name is known once
-    its string closed (empty before) and its arguments are what came."""
-    scanner = scan_object(text)
-    if scanner.end is not None:
-        return _raw_call(json.loads(scanner.closed_value(text, "name")),
-                         scanner.closed_value(text, "arguments") or "{}")
-    head = _REQUIRED_HEAD.match(text)
-    return _raw_call(json.loads(head.group(1)), text[head.end():]) if head else _raw_call("", "")
+    its string closed (empty before) and its arguments are what came, as the stream reads them."""
+    call = call_so_far(text, scan_object(text))
+    return _raw_call("", "") if call is None else _raw_call(*call)
 
 
 def _functions(req) -> dict[str, dict[str, Any]]:

@@ -18,10 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.ingress.json_members import scan_object
+from cluster.ingress.json_members import ObjectScanner, scan_object
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_QWEN_CALL = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# A Qwen3-Coder block's body: the function, its parameters up to the last </function> (a value may hold one).
+_QWEN_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>(.*)</function>\s*", re.DOTALL)
 QWEN_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 LLAMA_TAG = "<|python_tag|>"
 MISTRAL_TAG = "[TOOL_CALLS]"
@@ -38,6 +40,24 @@ class ToolParser:
     marker: str
     calls: Callable[[str], list[Call] | None]
     besides: Callable[[str], str | None]
+
+
+def call_so_far(text: str, scanner: ObjectScanner) -> Call | None:
+    """A call object's name and arguments so far, as `scanner` has read `text`: once its name is read; its arguments
+    while an object or list comes (any other value once closed, "{}" when the object closed without them)."""
+    name = scanner.closed_value(text, "name")
+    try:
+        name = None if name is None else json.loads(name)
+    except json.JSONDecodeError:  # a bad escape or a raw control character: no call
+        return None
+    if not isinstance(name, str):
+        return None
+    key = "arguments" if "arguments" in scanner.members else "parameters"
+    arguments = scanner.value(text, key)
+    if arguments is None:
+        return name, "{}" if scanner.end is not None else ""
+    is_open = scanner.members[key][1] is None
+    return name, arguments if not is_open or arguments[:1] in ("{", "[") else ""
 
 
 def object_call(block: str) -> Call | None:
@@ -128,14 +148,23 @@ def _mistral_besides(text: str) -> str | None:
     return _text(text.split(MISTRAL_TAG, 1)[0])
 
 
+def qwen_call(body: str) -> Call | None:
+    """The call one <tool_call> block's body holds in Qwen3-Coder's format, None when it holds none."""
+    function = _QWEN_FUNCTION.fullmatch(body)
+    if function is None:
+        return None
+    name, parameters = function.groups()
+    return name, qwen_arguments([qwen_member(*parameter) for parameter in QWEN_PARAMETER.findall(parameters)])
+
+
 def _qwen_calls(text: str) -> list[Call] | None:
-    calls = [(name, qwen_arguments([qwen_member(*parameter) for parameter in QWEN_PARAMETER.findall(body)]))
-             for name, body in _QWEN_CALL.findall(text)]
+    calls = [call for body in _TOOL_CALL_BLOCK.findall(text) if (call := qwen_call(body)) is not None]
     return calls or None
 
 
 def _qwen_besides(text: str) -> str | None:
-    return _text(_QWEN_CALL.sub("", text))
+    return _text(_TOOL_CALL_BLOCK.sub(lambda block: "" if qwen_call(block.group(1)) is not None else block.group(0),
+                                      text))
 
 
 def list_items(body: str) -> list[str]:
