@@ -2,6 +2,9 @@
 package's own types) and of vLLM's extra parameters is declared by our request models, and is either honoured,
 accepted without effect on the answer (`NO_EFFECT`, named), or refused (400 naming it) unless left at its default."""
 
+import re
+from pathlib import Path
+
 import openai.types.chat.completion_create_params as chat_params
 import openai.types.completion_create_params as completion_params
 import pytest
@@ -67,3 +70,31 @@ def test_fields_without_effect_are_accepted_at_any_value(model_cls, unsupported,
     for field in NO_EFFECT:
         assert field in model_cls.model_fields
         model_cls.model_validate({**base, field: "tag-7"})
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+DOC_CLASSES = {"served": "served", "accepted without effect": "no_effect", "refused unless left at its default": "refused"}
+
+
+def documented_fields() -> dict[str, dict[str, set[str]]]:
+    """docs/api.md's "Every accepted field": endpoint -> class -> the fields it lists."""
+    section = DOCS.read_text().split("## Every accepted field", 1)[1].split("\n## ", 1)[0]
+    listed: dict[str, dict[str, set[str]]] = {}
+    endpoint = None
+    for line in section.splitlines():
+        if line.startswith("`POST "):
+            endpoint = line.strip("`:").removeprefix("POST ")
+        elif line.startswith("- ") and ":" in line and endpoint is not None:
+            label, names = line[2:].split(":", 1)
+            listed.setdefault(endpoint, {})[DOC_CLASSES[label]] = set(re.findall(r"`([^`]+)`", names))
+    return listed
+
+
+@pytest.mark.parametrize("path, endpoint", [("/v1/completions", ENDPOINTS[0]),
+                                            ("/v1/chat/completions", ENDPOINTS[1])], ids=["completions", "chat"])
+def test_the_docs_list_every_declared_field_as_it_is_treated(path, endpoint):
+    model_cls, unsupported, _, _ = endpoint  # each endpoint's section, class by class
+    declared = set(model_cls.model_fields)
+    want = {"served": {f for f in declared if f in HONOURED and f not in unsupported},
+            "no_effect": declared & set(NO_EFFECT), "refused": declared & set(unsupported)}
+    assert documented_fields()[path] == want
