@@ -18,6 +18,7 @@ from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, ROUTINGS, check_routing
 from cluster.ingress.reasoning import REASONING_PARSERS
 from cluster.ingress.tool_parsers import TOOL_PARSER_NAMES
+from predictor_service.length_predictor import DEFAULT_QUANTILE
 from predictor_service.probe_files import check_probe_folder
 from workers.actors.worker_settings import WorkerSettings
 from workers.scheduling.policies import SERVING_POLICY_NAMES
@@ -72,7 +73,7 @@ class ServiceSettings(BaseModel):
                                 "of the context. s3_peak plans such a request by its predicted length, not the "
                                 "limit, so a long limit costs no reserved KV; policies that reserve max_tokens "
                                 "(max_reserve) reserve the whole context for it")
-    quantile: float = Field(0.9, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
+    quantile: float = Field(DEFAULT_QUANTILE, gt=0.0, lt=1.0, description="coverage of the predicted upper bound (reservation)")
     predictor_artifact: str | None = Field(
         None, description="predictor versions directory (LATEST); default: the shipped artifact or baseline")
     predictor_mode: str = Field(

@@ -7,7 +7,7 @@ import numpy as np
 
 from predictor_service.calibration import fit_calibration, fold_of
 from predictor_service.length_example import FittedLengthPredictor, LengthExample, check_training_set, clamp_tokens
-from predictor_service.length_predictor import LengthPrediction, bucket_edges
+from predictor_service.length_predictor import DEFAULT_MAX_LEN, DEFAULT_QUANTILE, LengthPrediction, bucket_edges
 
 # The residual distribution is kept as this many evenly spaced quantiles: enough for
 # 10 bucket probabilities, small enough to store in JSON and to add to every prediction.
@@ -47,7 +47,7 @@ class MeanLengthPredictor(FittedLengthPredictor):
 
     name = "mean"
 
-    def __init__(self, quantile: float = 0.9, max_len: int = 1024) -> None:
+    def __init__(self, quantile: float = DEFAULT_QUANTILE, max_len: int = DEFAULT_MAX_LEN) -> None:
         super().__init__()
         check_quantile(quantile)
         self.quantile = quantile
@@ -99,7 +99,7 @@ class PromptLengthLinearPredictor(FittedLengthPredictor):
 
     name = "linear"
 
-    def __init__(self, quantile: float = 0.9, max_len: int = 1024, num_calibration_folds: int = 5) -> None:
+    def __init__(self, quantile: float = DEFAULT_QUANTILE, max_len: int = DEFAULT_MAX_LEN, num_calibration_folds: int = 5) -> None:
         super().__init__()
         check_quantile(quantile)
         self.quantile = quantile
@@ -184,7 +184,7 @@ class MaxTokensPrior(FittedLengthPredictor):
 
     name = "prior"
 
-    def __init__(self, max_len: int = 1024) -> None:
+    def __init__(self, max_len: int = DEFAULT_MAX_LEN) -> None:
         super().__init__()
         self.max_len = max_len
 

@@ -2,6 +2,7 @@
 
 from ray import serve
 
+from predictor_service.length_predictor import DEFAULT_MAX_LEN, DEFAULT_QUANTILE
 from predictor_service.server import LengthPredictorServer
 
 
@@ -16,7 +17,7 @@ class PredictorDeployment:
         quantile, max_len: settings of that baseline.
     """
 
-    def __init__(self, artifact_root: str | None = None, quantile: float = 0.9, max_len: int = 1024,
+    def __init__(self, artifact_root: str | None = None, quantile: float = DEFAULT_QUANTILE, max_len: int = DEFAULT_MAX_LEN,
                  model: str | None = None) -> None:
         self.server = LengthPredictorServer(artifact_root, quantile, max_len, model=model)
 

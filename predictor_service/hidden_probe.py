@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from predictor_service.calibration import BoundCalibration, fit_calibration, is_calibration_example
 from predictor_service.hidden_features import HiddenFeatures
-from predictor_service.length_predictor import LengthPrediction
+from predictor_service.length_predictor import DEFAULT_MAX_LEN, DEFAULT_QUANTILE, LengthPrediction
 from predictor_service.metrics import bucket_of
 from predictor_service.probe_files import PROBE_MANIFEST_FILE, PROBE_WEIGHTS_FILE, is_probe_folder
 
@@ -60,9 +60,9 @@ class ProbeConfig:
         cap_aware: add the cap head and point at the expected capped remainder (above).
     """
 
-    max_len: int = 1024
+    max_len: int = DEFAULT_MAX_LEN
     num_buckets: int = 10
-    quantile: float = 0.9
+    quantile: float = DEFAULT_QUANTILE
     hidden_units: int = 256
     ranking_weight: float = 0.0
     num_epochs: int = 40

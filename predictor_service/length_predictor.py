@@ -7,6 +7,9 @@ estimate orders and reports, the bucket probabilities feed calibration.
 import abc
 from dataclasses import dataclass
 
+DEFAULT_QUANTILE = 0.9  # the coverage of a predictor's upper bound unless configured (the service's `quantile`)
+DEFAULT_MAX_LEN = 1024  # the longest output a predictor's length buckets cover unless configured
+
 
 @dataclass(frozen=True, slots=True)
 class LengthQuery:

@@ -34,7 +34,7 @@ from predictor_service.baselines import check_quantile
 from predictor_service.calibration import fit_calibration, fold_of
 from predictor_service.features import FeatureConfig, FeatureExtractor
 from predictor_service.length_example import FittedLengthPredictor, LengthExample, check_training_set, clamp_tokens
-from predictor_service.length_predictor import LengthPrediction
+from predictor_service.length_predictor import DEFAULT_MAX_LEN, DEFAULT_QUANTILE, LengthPrediction
 from predictor_service.metrics import bucket_of
 
 NUM_BUCKETS = 10
@@ -95,7 +95,7 @@ class LightGBMLengthPredictor(FittedLengthPredictor):
     name = "lightgbm"
     needs_text = True
 
-    def __init__(self, feature_config: FeatureConfig | None = None, quantile: float = 0.9, max_len: int = 1024,
+    def __init__(self, feature_config: FeatureConfig | None = None, quantile: float = DEFAULT_QUANTILE, max_len: int = DEFAULT_MAX_LEN,
                  booster_config: BoosterConfig | None = None, cap_aware: bool = False) -> None:
         super().__init__()
         check_quantile(quantile)

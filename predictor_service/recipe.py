@@ -22,6 +22,7 @@ import numpy as np
 from predictor_service.features import FeatureConfig, hashed_ngrams
 from predictor_service.kinds import CAPPED_LIGHTGBM, REFITTABLE_KINDS
 from predictor_service.length_example import FittedLengthPredictor, LengthExample
+from predictor_service.length_predictor import DEFAULT_MAX_LEN, DEFAULT_QUANTILE
 from predictor_service.lightgbm_predictor import BoosterConfig
 from predictor_service.metrics import kendall_tau
 from predictor_service.training import make_predictor
@@ -123,7 +124,7 @@ def holdout_sources(examples: Sequence[LengthExample], named: Sequence[str] | No
 
 
 def leave_source_out_tau(kind: str, examples: Sequence[LengthExample], lengths: Sequence[int],
-                         sources: Sequence[str], quantile: float = 0.9, max_len: int = 1024,
+                         sources: Sequence[str], quantile: float = DEFAULT_QUANTILE, max_len: int = DEFAULT_MAX_LEN,
                          feature_config: FeatureConfig | None = None,
                          min_source_prompts: int = MIN_SOURCE_PROMPTS) -> RecipeScore:
     """Fit `kind` without each source of `min_source_prompts` prompts in turn and score tau-b on it (see the module
@@ -152,7 +153,7 @@ def leave_source_out_tau(kind: str, examples: Sequence[LengthExample], lengths: 
 
 
 def choose_recipe(kinds: Sequence[str], examples: Sequence[LengthExample], lengths: Sequence[int],
-                  sources: Sequence[str], quantile: float = 0.9, max_len: int = 1024,
+                  sources: Sequence[str], quantile: float = DEFAULT_QUANTILE, max_len: int = DEFAULT_MAX_LEN,
                   feature_config: FeatureConfig | None = None,
                   min_source_prompts: int = MIN_SOURCE_PROMPTS) -> tuple[RecipeScore, dict[str, RecipeScore]]:
     """(the best kind's score, every kind's score): the highest leave-source-out tau, the first kind on a tie or when

@@ -20,6 +20,7 @@ from pathlib import Path
 from predictor_service.artifacts import load_predictor, save_predictor
 from predictor_service.features import FeatureConfig
 from predictor_service.length_example import FittedLengthPredictor
+from predictor_service.length_predictor import DEFAULT_MAX_LEN, DEFAULT_QUANTILE
 from predictor_service.metrics import evaluate
 from predictor_service.kinds import CANDIDATE_KINDS, REFITTABLE_KINDS
 from predictor_service.recipe import (MIN_SOURCE_PROMPTS, RecipeScore, choose_recipe, holdout_sources, kind_of,
@@ -58,8 +59,8 @@ class RetrainConfig:
     window_fraction: float = 0.2
     min_window: int = 20
     kinds: tuple[str, ...] = CANDIDATE_KINDS
-    quantile: float = 0.9
-    max_len: int = 1024
+    quantile: float = DEFAULT_QUANTILE
+    max_len: int = DEFAULT_MAX_LEN
     max_under_reservation_increase: float = 0.02
     use_embedding: bool = False
     model: str | None = None

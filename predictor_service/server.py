@@ -15,6 +15,7 @@ from pathlib import Path
 from predictor_service.artifacts import load_predictor, read_manifest, resolve_version_dir, trained_for
 from predictor_service.baselines import MaxTokensPrior
 from predictor_service.length_example import FittedLengthPredictor, LengthExample
+from predictor_service.length_predictor import DEFAULT_MAX_LEN, DEFAULT_QUANTILE
 from predictor_service.training import make_predictor, read_labels
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class LengthPredictorServer:
             `MaxTokensPrior` is served until `artifact_root` has a version. None: whatever the default learnt.
     """
 
-    def __init__(self, artifact_root: str | Path | None, quantile: float = 0.9, max_len: int = 1024,
+    def __init__(self, artifact_root: str | Path | None, quantile: float = DEFAULT_QUANTILE, max_len: int = DEFAULT_MAX_LEN,
                  labels_path: Path = SHIPPED_LABELS, default_root: Path | None = DEFAULT_ARTIFACT_ROOT,
                  model: str | None = None) -> None:
         self.model = model

@@ -15,6 +15,7 @@ from predictor_service.baselines import MeanLengthPredictor, PromptLengthLinearP
 from predictor_service.features import FeatureConfig
 from predictor_service.kinds import CAPPED_LIGHTGBM
 from predictor_service.length_example import FittedLengthPredictor, LengthExample
+from predictor_service.length_predictor import DEFAULT_MAX_LEN, DEFAULT_QUANTILE
 from predictor_service.lightgbm_predictor import BoosterConfig, LightGBMLengthPredictor
 from predictor_service.transformer_predictor import TransformerConfig, TransformerLengthPredictor
 from predictor_service.metrics import evaluate
@@ -126,7 +127,7 @@ def split_by_prompt_id(dataset: LengthDataset, held_out_fraction: float = 0.2) -
     return train, held_out
 
 
-def make_predictor(kind: str, quantile: float = 0.9, max_len: int = 1024,
+def make_predictor(kind: str, quantile: float = DEFAULT_QUANTILE, max_len: int = DEFAULT_MAX_LEN,
                    feature_config: FeatureConfig | None = None,
                    transformer_config: TransformerConfig | None = None,
                    booster_config: BoosterConfig | None = None) -> FittedLengthPredictor:
@@ -166,7 +167,7 @@ class TrainResult:
     num_held_out: int
 
 
-def train_predictor(dataset: LengthDataset, kind: str, max_len: int = 1024, quantile: float = 0.9,
+def train_predictor(dataset: LengthDataset, kind: str, max_len: int = DEFAULT_MAX_LEN, quantile: float = DEFAULT_QUANTILE,
                     feature_config: FeatureConfig | None = None, held_out_fraction: float = 0.2,
                     out_dir: Path | str | None = None,
                     transformer_config: TransformerConfig | None = None, fit_all: bool = False,

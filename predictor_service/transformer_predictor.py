@@ -22,7 +22,7 @@ from tqdm import tqdm
 from predictor_service.baselines import check_quantile
 from predictor_service.calibration import fit_calibration, is_calibration_example
 from predictor_service.length_example import FittedLengthPredictor, LengthExample, check_training_set, clamp_tokens
-from predictor_service.length_predictor import LengthPrediction, bucket_edges
+from predictor_service.length_predictor import DEFAULT_MAX_LEN, DEFAULT_QUANTILE, LengthPrediction, bucket_edges
 from predictor_service.metrics import bucket_of
 
 NUM_BUCKETS = 10
@@ -79,7 +79,7 @@ class TransformerLengthPredictor(FittedLengthPredictor):
     name = "transformer"
     needs_text = True
 
-    def __init__(self, quantile: float = 0.9, max_len: int = 1024, config: TransformerConfig | None = None) -> None:
+    def __init__(self, quantile: float = DEFAULT_QUANTILE, max_len: int = DEFAULT_MAX_LEN, config: TransformerConfig | None = None) -> None:
         super().__init__()
         check_quantile(quantile)
         if max_len < NUM_BUCKETS:

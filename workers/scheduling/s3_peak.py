@@ -7,7 +7,7 @@ import math
 from workers.scheduling.engine_config import DEFAULT_MAX_QUEUE_WAIT_S
 from workers.scheduling.kv_peak import Plan, holds_at_least, peak_fits
 from workers.scheduling.length_distribution import LengthDistribution
-from workers.scheduling.s3_policy import BUCKET_RANGE_TOKENS, S3Policy
+from workers.scheduling.s3_policy import BUCKET_RANGE_TOKENS, DEFAULT_BUCKET_TOKENS, S3Policy
 from workers.values.sequence import Sequence
 
 ORDERS_BY_WORK = ("queue", "kv_scarce")  # S3PeakPolicy's order_by_work
@@ -125,7 +125,7 @@ class S3PeakPolicy(S3Policy):
     holds_plan = False
     admits_at_worker = True
 
-    def __init__(self, bucket_tokens: int = 102, length_range_tokens: int = BUCKET_RANGE_TOKENS,
+    def __init__(self, bucket_tokens: int = DEFAULT_BUCKET_TOKENS, length_range_tokens: int = BUCKET_RANGE_TOKENS,
                  order_by_work: str = "queue", pressure_window_steps: int = 64, overcommit_step: float = 0.01,
                  max_overcommit: float = 1.0, length_sigma: float = 1.0, protect_fraction: float = 0.5,
                  shorter_work_ratio: float = 4.0, shorter_work_gap_steps: int = 16) -> None:

@@ -11,6 +11,7 @@ from workers.values.sequence import Sequence
 #: service's default max_model_len) would make each bucket wider than most answers are long; a longer answer
 #: falls in the last bucket and outruns its bound as any other does.
 BUCKET_RANGE_TOKENS = 2048
+DEFAULT_BUCKET_TOKENS = 102  # the paper's max_len / 10 at 1,024 tokens (make_policy widens it with max_model_len)
 
 
 def next_bound(current_bound: int, num_output_tokens: int, max_tokens: int, bucket_tokens: int) -> int:
@@ -31,7 +32,7 @@ class S3Policy(SchedulingPolicy):
     reads_prediction = True
     is_first_fit = True
 
-    def __init__(self, bucket_tokens: int = 102) -> None:
+    def __init__(self, bucket_tokens: int = DEFAULT_BUCKET_TOKENS) -> None:
         if bucket_tokens < 1:
             raise ValueError(f"bucket_tokens must be >= 1, got {bucket_tokens}")
         self.bucket_tokens = bucket_tokens
