@@ -142,9 +142,8 @@ def response_from_chat(req: ResponsesRequest, chat: dict) -> dict:
     if message.get("content"):
         output.append(_message_item(message["content"], "incomplete" if cut else "completed"))
     output += [_call_item(call) for call in message.get("tool_calls") or ()]
-    usage = chat["usage"]
     return _response(req, response_id(), int(time.time()), "incomplete" if cut else "completed", output,
-                     _usage(usage["prompt_tokens"], usage["completion_tokens"], _cached(usage)))
+                     _usage_of(chat["usage"]))
 
 
 async def response_events(req: ResponsesRequest, chat_chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -196,8 +195,7 @@ class _EventStream:
 
     def chunk(self, chunk: dict) -> list[bytes]:
         if chunk.get("usage"):
-            self.usage = _usage(chunk["usage"]["prompt_tokens"], chunk["usage"]["completion_tokens"],
-                                _cached(chunk["usage"]))
+            self.usage = _usage_of(chunk["usage"])
         events = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
@@ -339,8 +337,10 @@ def _call_item(call: dict) -> dict:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
 
-def _cached(chat_usage: dict) -> int:
-    return (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+def _usage_of(chat_usage: dict) -> dict:
+    """The Responses API's usage from the chat endpoint's."""
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return _usage(chat_usage["prompt_tokens"], chat_usage["completion_tokens"], cached)
 
 
 def _usage(num_input: int, num_output: int, num_cached: int = 0) -> dict:

@@ -26,7 +26,7 @@ from typing import Any
 
 from cluster.ingress.errors import bad_request
 from cluster.ingress.json_members import scan_object
-from cluster.ingress.tool_parsers import TOOL_PARSERS, call_so_far, parser_for
+from cluster.ingress.tool_parsers import TOOL_PARSERS, call_so_far, list_items, parser_for
 from workers.values.grammar import JSON_LAYOUT
 from workers.values.sampling_params import GrammarSpec
 
@@ -140,17 +140,10 @@ def _required_calls(text: str) -> list[dict] | None:
     {"name": ..., "arguments": ...} object, or under parallel calls a list of them."""
     if not text.lstrip().startswith("["):
         return [_required_call(text)] if text.strip() else None
-    calls, at = [], text.index("[") + 1
-    while True:
-        at += len(text[at:]) - len(text[at:].lstrip(" \t\r\n,"))
-        if at >= len(text) or text[at] == "]":
-            return calls or None
-        scanner = scan_object(text, at)
-        if scanner.end is None:  # the call the limit cut (left out before its name came, unless it is the only one)
-            cut = _required_call(text[at:])
-            return [*calls, cut] if cut["function"]["name"] or not calls else calls
-        calls.append(_required_call(text[at:scanner.end]))
-        at = scanner.end
+    calls = [_required_call(item) for item in list_items(text)]  # the last one whole or as far as it came
+    if len(calls) > 1 and not calls[-1]["function"]["name"]:
+        calls.pop()  # the limit cut it before its name came
+    return calls or None
 
 
 def _required_call(text: str) -> dict:

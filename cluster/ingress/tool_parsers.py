@@ -168,7 +168,8 @@ def _qwen_besides(text: str) -> str | None:
 
 
 def list_items(body: str) -> list[str]:
-    """The texts of the items of a JSON list of objects (a whole list's text, as `json.loads` took it)."""
+    """The texts of the items of a JSON list of objects, from its "[" on; an item that is not a whole object (cut
+    short, or no object) is the rest of the text, last."""
     items, at = [], body.index("[") + 1
     while True:
         at += len(body[at:]) - len(body[at:].lstrip(" \t\r\n,"))
