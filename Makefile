@@ -115,7 +115,7 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow and not gpu"
 
-# The CUDA variants of tests/test_gpu.py (`gpu` marker), on a CUDA machine that already has torch,
+# The CUDA variants of tests/engine/test_gpu.py (`gpu` marker), on a CUDA machine that already has torch,
 # triton and transformers: no virtual environment, nothing from the network. pytest and llguidance
 # (the grammar engine) come from that machine or, when it lacks one, from the wheels carried in
 # deploy/gpu-wheels (5 MB, unpacked into .gpu-site in this checkout only). `make test` runs the same tests' CPU variants.
@@ -125,7 +125,7 @@ GPU_SITE := .gpu-site
 test-gpu:
 	@$(GPU_PYTHON) -c "import pytest, llguidance" 2>/dev/null || \
 		$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --target $(GPU_SITE) deploy/gpu-wheels/*.whl
-	PYTHONPATH=.:$(GPU_SITE) TRITON_INTERPRET=0 $(GPU_PYTHON) -m pytest -m gpu -p no:cacheprovider tests/test_gpu.py
+	PYTHONPATH=.:$(GPU_SITE) TRITON_INTERPRET=0 $(GPU_PYTHON) -m pytest -m gpu -p no:cacheprovider tests/engine/test_gpu.py
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) $(OPENVINO_VENV) $(GPU_SITE) .pytest_cache .cache

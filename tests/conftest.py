@@ -92,7 +92,7 @@ def fake_cpu(monkeypatch):
     The kernels still run on the real CPU, from its own build: with `runs_kernels`, where the kind has instructions
     this machine lacks, the test is skipped and says which ("needs amx_tile amx_bf16"). A kind whose instructions
     this machine has runs the build's code for this machine (an AVX2 kind's widening linear, on an AVX-512
-    machine, runs its portable loop; `tests/test_cpu_kind.py` runs the AVX2 lanes from a build of their own)."""
+    machine, runs its portable loop; `tests/engine/test_cpu_kind.py` runs the AVX2 lanes from a build of their own)."""
     from workers.engine import cpu_kind
 
     real = cpu_kind.this_cpu()

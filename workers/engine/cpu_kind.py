@@ -18,7 +18,7 @@ cannot target them) runs them on its portable loop: the same results, slower.
 
 Callers read the CPU through this module, `cpu_kind.this_cpu()`, at the moment they decide (never a copy taken
 at import, never `from ... import this_cpu`): a test that fakes a kind (the tests' `fake_cpu` fixture) then
-changes every decision at once, and `tests/test_cpu_kind.py` holds the code to that.
+changes every decision at once, and `tests/engine/test_cpu_kind.py` holds the code to that.
 """
 
 from dataclasses import dataclass

@@ -76,7 +76,7 @@ def wrap_with_deepspeed(model: torch.nn.Module, tensor_parallel_size: int) -> to
     """`deepspeed.init_inference` without kernel injection: our attention stays in charge.
 
     With tensor_parallel_size 1 no module is replaced. Above 1, torch.distributed must already
-    run that many ranks (nccl on CUDA, gloo on CPU: `tests/test_deepspeed_wrapping.py` runs two),
+    run that many ranks (nccl on CUDA, gloo on CPU: `tests/engine/test_deepspeed_wrapping.py` runs two),
     and AutoTP shards every decoder linear layer across them; `workers.engine.tensor_parallel` runs one
     engine over those ranks.
     """

@@ -9,7 +9,7 @@ from pathlib import Path
 from s3serve_cli.bench_peers import peers_systems
 from s3serve_cli.main import build_parser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 

@@ -15,7 +15,8 @@ from predictor_service.length_predictor import LengthQuery, bucket_edges
 from predictor_service.training import build_dataset, read_labels, train_predictor
 from predictor_service.transformer_predictor import WEIGHTS_FILE, TransformerConfig
 
-SHIPPED_LABELS = Path(__file__).parent.parent / "predictor_service" / "labels" / "smollm2-135m-instruct.pool.greedy.jsonl"
+SHIPPED_LABELS = (Path(__file__).resolve().parents[2] / "predictor_service" / "labels"
+                  / "smollm2-135m-instruct.pool.greedy.jsonl")
 TINY = TransformerConfig(max_seq_tokens=32, num_trainable_layers=1, num_epochs=2, batch_size=8,
                          calibration_fraction=0.3)
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.ingress.metrics import ClusterSnapshot, ServiceMetrics, WorkerGauge
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "s3serve-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "s3serve-dashboard.json"
 # Prometheus adds these at scrape time; they are never in the exposition itself.
 TARGET_LABELS = frozenset({"job", "instance"})
 GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")

@@ -18,7 +18,7 @@ from workers.scheduling.policies import POLICY_NAMES, make_policy, make_rule
 from workers.scheduling.scheduling_policy import SchedulingPolicy
 from workers.values.sequence import Sequence, SequenceStatus
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "policies.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "policies.md"
 
 
 def _example_policy_class() -> type[SchedulingPolicy]:

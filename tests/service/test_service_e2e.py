@@ -277,7 +277,7 @@ def test_metrics_are_prometheus_text(service, client):
             "vllm:generation_tokens", "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
             "vllm:request_success", "vllm:inter_token_latency_seconds", "vllm:request_queue_time_seconds",
             "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
-            # what vLLM's example Grafana dashboard reads besides (tests/test_grafana_dashboard.py: panel by panel)
+            # what vLLM's example Grafana dashboard reads besides (tests/ingress/test_grafana_dashboard.py: panel by panel)
             "vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds", "vllm:request_prompt_tokens",
             "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
             "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds"}

@@ -86,7 +86,8 @@ def test_bench_policies_runs_with_a_trained_predictor_artifact(tmp_path, model_c
     from predictor_service.features import FeatureConfig
     from predictor_service.training import build_dataset, read_labels, train_predictor
 
-    shipped = Path(__file__).parent.parent / "predictor_service" / "labels" / "smollm2-135m-instruct.pool.greedy.jsonl"
+    shipped = (Path(__file__).resolve().parents[2] / "predictor_service" / "labels"
+               / "smollm2-135m-instruct.pool.greedy.jsonl")
     labels = read_labels([shipped])[:120]
     dataset = build_dataset(labels, load_prompt_texts_by_id([shared_data / "prompts" / "pool.jsonl"]))
     train_predictor(dataset, "lightgbm", feature_config=FeatureConfig(num_hash_dims=32), out_dir=tmp_path / "art")

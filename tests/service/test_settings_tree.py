@@ -14,7 +14,7 @@ from workers.actors.worker_settings import WorkerSettings
 from workers.scheduling.engine_config import CacheConfig, EngineConfig, SchedulerConfig
 from workers.values.setting import build, flat, leaves
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("workers", "cluster")  # where the service's settings classes live
 
 

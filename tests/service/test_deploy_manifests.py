@@ -25,7 +25,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.config import ServiceConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = REPO_ROOT / "deploy"
 KUBERAY = DEPLOY / "kuberay"
 SERVE_CONFIG_FILES = (DEPLOY / "serve_config.yaml", KUBERAY / "serve_config.yaml")

@@ -2,7 +2,7 @@
 
 The peers themselves run only where `make peers` made their environments, which `make test` does not
 (several hundred MB and a llama.cpp build): their drivers' command lines and result parsing are tested in
-tests/test_cpu_peers.py, the peers by running the benchmark.
+tests/benchmarks/test_cpu_peers.py, the peers by running the benchmark.
 """
 
 import json

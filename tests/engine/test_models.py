@@ -16,7 +16,7 @@ import torch
 from workers.engine.models import (COMPLETE_MARKER, convert_gguf, find_default_gguf, load_model, load_tokenizer,
                                    resolve_model_dir)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONVERT_SCRIPT = textwrap.dedent(
     """
     import sys

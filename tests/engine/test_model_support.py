@@ -1,7 +1,7 @@
 """Models our paged attention would answer wrongly are refused in one line, before any worker starts.
 
 Configs are built from transformers' own config classes (no weights, no download). That the models
-we do serve answer as Hugging Face does is `tests/test_architectures.py`."""
+we do serve answer as Hugging Face does is `tests/engine/test_architectures.py`."""
 
 import json
 import os

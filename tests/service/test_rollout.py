@@ -28,7 +28,7 @@ from deploy.rollout import AppBaseline, AppTarget, RolloutError, app_progress
 from deploy.rollout import main as rollout_main
 from workers.actors.ports import free_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 MODEL = "smollm2-135m-instruct"
 FORCED_TOKENS = 1000

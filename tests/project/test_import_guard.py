@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def _module_graph(root: Path) -> dict[str, set[str]]:
     modules it imports anywhere, inside functions and TYPE_CHECKING blocks too."""
     paths = {".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
              for package in PACKAGES for path in (root / package).rglob("*.py")}
-    paths.update({path.stem: path for path in (root / "tests").glob("*.py")})
+    paths.update({path.stem: path for path in (root / "tests").rglob("*.py")})
     graph = {}
     for module, path in paths.items():
         imported = set()
@@ -191,7 +191,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_imports_itself_through_others():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     graph = _module_graph(root)
     assert {"workers.actors.worker_actor", "benchmarks.cluster_plan", "engine_driver"} <= set(graph)
     assert "workers.actors.rank_group" in graph["workers.actors.worker_actor"]  # imports inside functions are seen

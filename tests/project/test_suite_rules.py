@@ -5,7 +5,7 @@ and checks after it)."""
 import ast
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def _own_nodes(function: ast.AST):
@@ -36,6 +36,18 @@ def test_the_rule_finds_a_return_in_a_test_and_leaves_helpers_alone():
 
 
 def test_no_test_returns_early():
-    offenders = [f"{path.name}:{where}" for path in sorted(TESTS.glob("test_*.py"))
+    offenders = [f"{path.name}:{where}" for path in sorted(TESTS.rglob("test_*.py"))
                  for where in returns_in_tests(path.read_text())]
     assert not offenders, offenders
+
+
+def test_tests_are_arranged_like_the_code():
+    """Each test module sits in the folder of the layer or package it tests (README's layout names them), so that
+    one layer's tests run alone; only the helpers the tests import by bare name stay at the top."""
+    folders = sorted(path.name for path in TESTS.iterdir() if path.is_dir() and path.name != "__pycache__")
+    assert folders == ["actors", "benchmarks", "cli", "control", "engine", "ingress", "kernels", "predictor",
+                       "project", "scheduling", "service"]
+    assert not sorted(path.name for path in TESTS.glob("test_*.py")), "a test module at the top of tests/"
+    assert all(any(TESTS.joinpath(folder).glob("test_*.py")) for folder in folders)
+    readme = (TESTS.parent / "README.md").read_text()
+    assert all(f"`{folder}/`" in readme for folder in folders), "the README's layout names every test folder"
