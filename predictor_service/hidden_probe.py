@@ -36,50 +36,11 @@ import torch.nn.functional as F
 
 from predictor_service.calibration import BoundCalibration, fit_calibration, is_calibration_example
 from predictor_service.hidden_features import HiddenFeatures
-from predictor_service.length_predictor import DEFAULT_MAX_LEN, DEFAULT_QUANTILE, LengthPrediction
+from predictor_service.length_predictor import LengthPrediction
 from predictor_service.metrics import bucket_of
-from predictor_service.probe_files import PROBE_MANIFEST_FILE, PROBE_WEIGHTS_FILE, is_probe_folder
+from predictor_service.probe_files import PROBE_MANIFEST_FILE, PROBE_WEIGHTS_FILE, ProbeConfig, is_probe_folder
 
 DEFAULT_PROBE = Path(__file__).parent / "default_probe"  # trained on the shipped labels' features
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeConfig:
-    """How the probe is built and trained.
-
-    Attributes:
-        max_len: longest sequence; the buckets span [0, max_len].
-        num_buckets: equal-width total-length buckets.
-        quantile: coverage target of the upper bound.
-        hidden_units: MLP width; 0 for a linear probe.
-        ranking_weight: weight of the pairwise ranking loss (0: none).
-        num_epochs, batch_size, learning_rate, weight_decay, dropout: training.
-        interval_tokens: re-predict every this many decoded tokens in the worker.
-        calibration_fraction: share of prompts (by id hash) kept for the conformal offset.
-        seed: initialisation and batch order.
-        cap_aware: add the cap head and point at the expected capped remainder (above).
-    """
-
-    max_len: int = DEFAULT_MAX_LEN
-    num_buckets: int = 10
-    quantile: float = DEFAULT_QUANTILE
-    hidden_units: int = 256
-    ranking_weight: float = 0.0
-    num_epochs: int = 40
-    batch_size: int = 128
-    learning_rate: float = 3e-3
-    weight_decay: float = 1e-2
-    dropout: float = 0.2
-    interval_tokens: int = 64
-    calibration_fraction: float = 0.2
-    seed: int = 0
-    cap_aware: bool = False
-
-    def __post_init__(self) -> None:
-        if not 0.5 < self.quantile < 1.0:
-            raise ValueError(f"quantile must be in (0.5, 1), got {self.quantile}")
-        if self.hidden_units < 0 or self.num_buckets < 2 or self.interval_tokens < 1:
-            raise ValueError("hidden_units must be >= 0, num_buckets >= 2 and interval_tokens >= 1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,8 +3,13 @@
 import argparse
 from pathlib import Path
 
+from predictor_service.length_predictor import DEFAULT_MAX_LEN
+from predictor_service.probe_files import DEFAULT_INTERVAL_TOKENS, DEFAULT_LAST_CHECKPOINT_TOKENS, ProbeConfig
 from s3serve_cli.args import add_label_args, add_model_args
 from workers.engine.models import DEFAULT_MODEL
+
+#: What `probe train` fits unless told otherwise: the shipped probe's recipe (the pairwise ranking loss on).
+RECIPE = ProbeConfig(ranking_weight=1.0)
 
 
 def feature_jobs(label_paths, prompt_paths, tokenizer, max_len: int, limit: int | None = None) -> tuple[list, dict]:
@@ -35,9 +40,10 @@ def feature_jobs(label_paths, prompt_paths, tokenizer, max_len: int, limit: int 
     return jobs, skipped
 
 
-def run_extract(label_paths, prompt_paths, out: Path, max_len: int = 1024, interval_tokens: int = 64,
-                last_checkpoint_tokens: int = 256, limit: int | None = None, batch_size: int = 32,
-                model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None) -> dict:
+def run_extract(label_paths, prompt_paths, out: Path, max_len: int = DEFAULT_MAX_LEN,
+                interval_tokens: int = DEFAULT_INTERVAL_TOKENS,
+                last_checkpoint_tokens: int = DEFAULT_LAST_CHECKPOINT_TOKENS, limit: int | None = None,
+                batch_size: int = 32, model_name: str = DEFAULT_MODEL, model_cache_dir: Path | None = None) -> dict:
     """Record the probe's training rows for every greedy label (fp32, as `s3serve label` runs); write `out` (.npz)."""
     from tqdm import tqdm
 
@@ -57,11 +63,13 @@ def run_extract(label_paths, prompt_paths, out: Path, max_len: int = 1024, inter
     return {"jobs": len(jobs), "skipped": skipped} | report_dict(report)
 
 
-def run_train(features_path: Path, out: Path, hidden_units: int = 256, ranking_weight: float = 1.0,
-              quantile: float = 0.9, interval_tokens: int = 64, num_epochs: int = 40, cap_aware: bool = False) -> dict:
+def run_train(features_path: Path, out: Path, hidden_units: int = RECIPE.hidden_units,
+              ranking_weight: float = RECIPE.ranking_weight, quantile: float = RECIPE.quantile,
+              interval_tokens: int = RECIPE.interval_tokens, num_epochs: int = RECIPE.num_epochs,
+              cap_aware: bool = RECIPE.cap_aware) -> dict:
     """Train the probe on every row of a features file (the bound calibrated on a slice of prompts); save it."""
     from predictor_service.hidden_features import HiddenFeatures
-    from predictor_service.hidden_probe import HiddenStateProbe, ProbeConfig
+    from predictor_service.hidden_probe import HiddenStateProbe
 
     features = HiddenFeatures.load(features_path)
     config = ProbeConfig(max_len=int(features.meta["max_len"]), quantile=quantile, hidden_units=hidden_units,
@@ -107,9 +115,11 @@ def add_probe_parser(commands) -> None:
     add_model_args(extract)
     add_label_args(extract)
     extract.add_argument("--out", type=Path, required=True, help="features file to write (.npz)")
-    extract.add_argument("--max-len", type=int, default=1024, help="the labels' max_len (default: %(default)s)")
-    extract.add_argument("--interval", type=int, default=64, help="decoded tokens between rows (default: %(default)s)")
-    extract.add_argument("--last-checkpoint", type=int, default=256,
+    extract.add_argument("--max-len", type=int, default=DEFAULT_MAX_LEN,
+                         help="the labels' max_len (default: %(default)s)")
+    extract.add_argument("--interval", type=int, default=DEFAULT_INTERVAL_TOKENS,
+                         help="decoded tokens between rows (default: %(default)s)")
+    extract.add_argument("--last-checkpoint", type=int, default=DEFAULT_LAST_CHECKPOINT_TOKENS,
                          help="last decoded count recorded; generation stops after it (default: %(default)s)")
     extract.add_argument("--limit", type=int, default=None, help="only the first N labelled prompts")
     extract.add_argument("--batch-size", type=int, default=32, help="sequences running at once (default: %(default)s)")
@@ -119,13 +129,15 @@ def add_probe_parser(commands) -> None:
                                            "for the conformal bound calibration) and writes probe.pt and probe.json.")
     train.add_argument("--features", type=Path, required=True, help="features file from `probe extract`")
     train.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write the probe to")
-    train.add_argument("--hidden-units", type=int, default=256, help="MLP width, 0 for linear (default: %(default)s)")
-    train.add_argument("--ranking-weight", type=float, default=1.0,
+    train.add_argument("--hidden-units", type=int, default=RECIPE.hidden_units,
+                       help="MLP width, 0 for linear (default: %(default)s)")
+    train.add_argument("--ranking-weight", type=float, default=RECIPE.ranking_weight,
                        help="weight of the pairwise ranking loss (default: %(default)s)")
-    train.add_argument("--quantile", type=float, default=0.9, help="coverage of the bound (default: %(default)s)")
-    train.add_argument("--interval", type=int, default=64,
+    train.add_argument("--quantile", type=float, default=RECIPE.quantile,
+                       help="coverage of the bound (default: %(default)s)")
+    train.add_argument("--interval", type=int, default=RECIPE.interval_tokens,
                        help="re-predict every N decoded tokens when serving (default: %(default)s)")
-    train.add_argument("--epochs", type=int, default=40, help="training epochs (default: %(default)s)")
+    train.add_argument("--epochs", type=int, default=RECIPE.num_epochs, help="training epochs (default: %(default)s)")
     train.add_argument("--cap-aware", action="store_true",
                        help="add a head for the chance of running to max_tokens and point at the expected capped "
                             "remainder (ranks the remaining tokens better once decoding is under way: `bench "

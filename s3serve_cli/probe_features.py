@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from predictor_service.hidden_features import HiddenFeatures
+from predictor_service.probe_files import DEFAULT_INTERVAL_TOKENS, DEFAULT_LAST_CHECKPOINT_TOKENS
 from workers.engine.engine import Engine
 from workers.scheduling.engine_config import EngineConfig
 from workers.scheduling.length_probe import LengthProbe, ProbeQuery, RemainingEstimate
@@ -71,8 +72,8 @@ def extract_hidden_features(
     model: torch.nn.Module,
     jobs: list[FeatureJob],
     max_len: int,
-    interval_tokens: int = 64,
-    last_checkpoint_tokens: int = 256,
+    interval_tokens: int = DEFAULT_INTERVAL_TOKENS,
+    last_checkpoint_tokens: int = DEFAULT_LAST_CHECKPOINT_TOKENS,
     max_num_seqs: int = 32,
     kv_cache_bytes: int = 1024**3,
     on_finished: Callable[[], None] | None = None,

@@ -63,7 +63,8 @@ class LengthProbe(abc.ABC):
     """Bounds the remaining output of sequences from their hidden states.
 
     Attributes:
-        interval_tokens: read a sequence when its decoded count is a multiple of this (0 included).
+        interval_tokens: read a sequence when its decoded count is a multiple of this (0 included). Each probe sets
+            its own: a trained one the interval it was trained at (`predictor_service.probe_files.ProbeConfig`).
         refines_bounds: False for probes that only watch (feature recording): the engine runs them under every
             policy, not only under those that plan by a refinable prediction.
         reads_forced: also read sequences whose length a benchmark forces (`forced_output_tokens`). Off by
@@ -71,7 +72,7 @@ class LengthProbe(abc.ABC):
             whose forced lengths are the model's own greedy ones (`bench peers --workload natural`) turns it on.
     """
 
-    interval_tokens: int = 64
+    interval_tokens: int
     refines_bounds: bool = True
     reads_forced: bool = False
 
