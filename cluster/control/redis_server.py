@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -211,6 +211,33 @@ class EmbeddedRedis:
             return "(no log written)"
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(lines[-_LOG_TAIL_LINES:])
+
+
+def with_ca_file(url: str, ca_file: str | None) -> str:
+    """`url` whose TLS connections trust the CA certificates in `ca_file` (PEM), as redis-py reads them from the
+    URL's `ssl_ca_certs`, so that every client made from the URL, in any process, checks the server against them.
+    Unchanged without a file or when the URL already names one."""
+    if ca_file is None:
+        return url
+    parts = urlsplit(url)
+    if parts.scheme != "rediss":
+        raise ValueError(f"redis_ca_file is for a TLS Redis (rediss://), but the Redis URL is "
+                         f"{redacted_url(url)!r}")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "ssl_ca_certs" for name, _ in query):
+        return url
+    return urlunsplit(parts._replace(query=urlencode([*query, ("ssl_ca_certs", ca_file)])))
+
+
+def is_untrusted_certificate(error: BaseException) -> bool:
+    """Whether `error` (a redis-py connection error) came from a TLS server whose certificate did not verify."""
+    import ssl
+
+    while error is not None:
+        if isinstance(error, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def connect(url: str, max_retry_s: float = 5.0, health_check_interval_s: int = 10) -> redis.Redis:

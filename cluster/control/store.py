@@ -18,8 +18,9 @@ Key layout (`prefix` defaults to "s3"; every key starts with it, so services can
                                              itself; read back when Ray restarts it after a rollout)
 
 Beside them the predictor's `s3:predictor:samples` STREAM (finished requests) and
-`s3:predictor:retrain:last` HASH. A request's record and its two index entries change
-together in one Lua script (one round trip, atomic in Redis), so a controller restarted
+`s3:predictor:retrain:last` HASH, and the routers' `s3:idempotent:<scope>:<key>` STR (a claimed
+Idempotency-Key and, once answered, its answer: `cluster.ingress.idempotency`). A request's record
+and its two index entries change together in one Lua script (one round trip, atomic in Redis), so a controller restarted
 at any moment finds the indices consistent with the records. The scripts touch keys they
 compute from the prefix: fine on a standalone Redis, not on Redis Cluster.
 """

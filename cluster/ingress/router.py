@@ -23,6 +23,7 @@ from ray import serve
 
 from cluster.config import ServiceConfig, worker_actor_name
 from cluster.control.controller import get_or_create_controller
+from cluster.control.redis_server import connect_async
 from cluster.ingress import openai_protocol as protocol
 from cluster.ingress.completions import Completions
 from cluster.ingress.cors import install_cors
@@ -32,6 +33,8 @@ from cluster.ingress.errors import (APIError, bad_request, body_too_large, check
                                     not_found_model, unavailable, validation_error)
 from cluster.ingress.event_stream import EventStream
 from cluster.ingress.generation import GenerationJob, GenerationResult, WorkerHandles, run_job
+from cluster.ingress.idempotency import (IDEMPOTENCY_HEADER, REPLAYED_HEADER, IdempotentAnswers, fingerprint,
+                                        scoped_key)
 from cluster.ingress.metrics import ServiceMetrics, cluster_snapshot
 from cluster.ingress.predictor_client import DeploymentPredictor, InRouterPredictor
 from cluster.ingress.responses_api import ResponsesRequest, chat_body, response_events, response_from_chat
@@ -109,6 +112,7 @@ class Router:
         self.started_s = int(time.time())
         self.throughput = ThroughputMeter()
         self.unknown_field_log = UnknownFieldLog()
+        self.idempotent = IdempotentAnswers(connect_async(redis_url), self.config.idempotency_window_s)
 
     # -- helpers -----------------------------------------------------------------
 
@@ -187,8 +191,9 @@ class Router:
         req, unknown = await self._parse(request, model_cls)
         self._check_unknown(unknown)
         self._check_model(req)
-        return await self.completions.answer(req, is_chat, client_request_id(request.headers.get("x-request-id"),
-                                                                              req.request_id), tuple(unknown))
+        request_id = client_request_id(request.headers.get("x-request-id"), req.request_id)
+        return await self._once(request, req, lambda: self.completions.answer(req, is_chat, request_id,
+                                                                               tuple(unknown)))
 
     @app.post("/v1/responses")
     async def responses(self, request: Request):
@@ -207,12 +212,30 @@ class Router:
         except ValueError as error:
             raise bad_request(str(error), "input") from None
         ignored = (*unknown, *(["include"] if req.include else []))  # nothing stored, so nothing to include
-        chat = await self.completions.answer(chat_req, True, client_request_id(request.headers.get("x-request-id"),
-                                                                                None), ignored)
-        headers = {key: value for key, value in chat.headers.items() if key.startswith("x-")}
-        if req.stream:
-            return EventStream(response_events(req, chat.body_iterator), headers=headers, on_close=chat.on_close)
-        return JSONResponse(response_from_chat(req, json.loads(chat.body)), headers=headers)
+
+        async def produce():
+            chat = await self.completions.answer(chat_req, True, client_request_id(
+                request.headers.get("x-request-id"), None), ignored)
+            headers = {key: value for key, value in chat.headers.items() if key.startswith("x-")}
+            if req.stream:
+                return EventStream(response_events(req, chat.body_iterator), headers=headers, on_close=chat.on_close)
+            return JSONResponse(response_from_chat(req, json.loads(chat.body)), headers=headers)
+
+        return await self._once(request, req, produce)
+
+    async def _once(self, request: Request, req, produce):
+        """`produce()`'s response; with an Idempotency-Key, the first answer to that key (`cluster.ingress.idempotency`:
+        a retry waits for it or gets it kept, and never generates a second one)."""
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if key is None:
+            return await produce()
+        response, kept = await self.idempotent.answer(scoped_key(request.headers.get("authorization"), key),
+                                                      fingerprint(request.url.path, req.model_dump(mode="json")),
+                                                      bool(req.stream), produce)
+        if kept is None:
+            return response
+        return Response(kept.body, status_code=kept.status, media_type="application/json",
+                        headers={**kept.headers, REPLAYED_HEADER: "true"})
 
     async def _counted(self, handling):
         """Count refused requests by status code (finished ones are counted where they finish)."""

@@ -225,6 +225,39 @@ def test_a_client_request_id_names_the_response_as_in_vllm(service):
     assert again.status_code == 200 and again.json()["id"] == "cmpl-from-body"
 
 
+def _engine_counts(service) -> tuple[int, int]:
+    """Prompt tokens admitted and tokens generated so far, over every worker, once their stats have caught up."""
+    time.sleep(0.6)  # two stats intervals
+    wait_idle(service)
+    stats = controller_status(service).stats
+    return sum(s.num_prompt_tokens for s in stats), sum(s.num_generated_tokens for s in stats)
+
+
+def test_a_request_sent_again_with_its_idempotency_key_gets_its_answer_without_a_second_generation(service):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
+            "temperature": 1.0}  # sampled: a second generation would most likely differ
+    headers = {"Idempotency-Key": f"retry-{random.getrandbits(64):x}"}
+    first = post(service, "/v1/chat/completions", json=body, headers=headers)
+    assert first.status_code == 200 and "idempotent-replayed" not in first.headers
+    before = _engine_counts(service)
+    again = post(service, "/v1/chat/completions", json=body, headers=headers)
+    assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
+    assert again.json() == first.json()
+    assert _engine_counts(service) == before  # nothing admitted, nothing generated
+    reused = post(service, "/v1/chat/completions", json={**body, "max_tokens": 9}, headers=headers)
+    assert assert_openai_error(reused, 422)["code"] == "idempotency_key_reused"
+    other = post(service, "/v1/responses", json={"model": MODEL, "input": "Name a colour.", "max_output_tokens": 8},
+                 headers=headers)  # another endpoint is another request
+    assert assert_openai_error(other, 422)["code"] == "idempotency_key_reused"
+    responses = {"model": MODEL, "input": "Name a colour.", "max_output_tokens": 8, "temperature": 1.0}
+    headers = {"Idempotency-Key": f"retry-{random.getrandbits(64):x}"}
+    first = post(service, "/v1/responses", json=responses, headers=headers)
+    again = post(service, "/v1/responses", json=responses, headers=headers)
+    assert first.status_code == again.status_code == 200 and again.json() == first.json()
+    assert post(service, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+                headers={"Idempotency-Key": "has space"}).status_code == 400
+
+
 def test_chat_with_no_messages_or_too_long_messages_is_a_400(service):
     assert_openai_error(post(service, "/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
     long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 10)}]}
