@@ -87,8 +87,8 @@ class ServiceSettings(BaseModel):
     redis_url: str | None = Field(
         None, description=f"Redis for controller state (default: ${REDIS_URL_ENV}, else an embedded redis-server)")
     redis_ca_file: str | None = Field(
-        None, description="CA certificates (a PEM file) that a TLS Redis's certificate (a rediss:// redis_url) must "
-                          "chain to; default: the system's trusted CAs")
+        None, description="CA certificates (a PEM file) trusted beside the system's for a TLS Redis's certificate "
+                          "(a rediss:// redis_url), such as the private CA that signed it")
     data_dir: str = Field(".s3serve", description="where the embedded Redis keeps its data")
     api_keys: tuple[str, ...] = Field(
         (), description="accepted Bearer keys (the flag repeats for several); empty means no authentication. The "

@@ -182,9 +182,12 @@ def check_redis(url: str, max_retry_s: float = 3.0) -> None:
         if not is_untrusted_certificate(error):
             raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} does not answer: "
                                     f"{type(error).__name__}: {_first_line(error)}") from error
+        reason = _first_line(error)
+        advice = ("give the CA that signed it as redis_ca_file (--redis-ca-file)"
+                  if any(word in reason.lower() for word in ("issuer", "self-signed", "self signed"))
+                  else "check the certificate's host names and dates, or give its CA as --redis-ca-file")
         raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} presented a TLS certificate that "
-                                f"does not verify ({_first_line(error)}): give the CA that signed it as "
-                                f"redis_ca_file (--redis-ca-file)") from error
+                                f"does not verify ({reason}): {advice}") from error
     except redis.RedisError as error:
         raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} does not answer: "
                                 f"{type(error).__name__}: {_first_line(error)}") from error

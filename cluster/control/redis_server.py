@@ -224,7 +224,11 @@ def with_ca_file(url: str, ca_file: str | None) -> str:
         raise ValueError(f"redis_ca_file is for a TLS Redis (rediss://), but the Redis URL is "
                          f"{redacted_url(url)!r}")
     query = parse_qsl(parts.query, keep_blank_values=True)
-    if any(name == "ssl_ca_certs" for name, _ in query):
+    named = [value for name, value in query if name == "ssl_ca_certs"]
+    if named and named != [ca_file]:
+        raise ValueError(f"the Redis URL names ssl_ca_certs={named[0]!r} and redis_ca_file names {ca_file!r}: give "
+                         "the CA file once")
+    if named:
         return url
     return urlunsplit(parts._replace(query=urlencode([*query, ("ssl_ca_certs", ca_file)])))
 

@@ -192,8 +192,8 @@ class Router:
         self._check_unknown(unknown)
         self._check_model(req)
         request_id = client_request_id(request.headers.get("x-request-id"), req.request_id)
-        return await self._once(request, req, lambda: self.completions.answer(req, is_chat, request_id,
-                                                                               tuple(unknown)))
+        return await self._once(request, req, unknown, lambda: self.completions.answer(req, is_chat, request_id,
+                                                                                        tuple(unknown)))
 
     @app.post("/v1/responses")
     async def responses(self, request: Request):
@@ -221,16 +221,17 @@ class Router:
                 return EventStream(response_events(req, chat.body_iterator), headers=headers, on_close=chat.on_close)
             return JSONResponse(response_from_chat(req, json.loads(chat.body)), headers=headers)
 
-        return await self._once(request, req, produce)
+        return await self._once(request, req, unknown, produce)
 
-    async def _once(self, request: Request, req, produce):
+    async def _once(self, request: Request, req, unknown: list[str], produce):
         """`produce()`'s response; with an Idempotency-Key, the first answer to that key (`cluster.ingress.idempotency`:
         a retry waits for it or gets it kept, and never generates a second one)."""
         key = request.headers.get(IDEMPOTENCY_HEADER)
         if key is None:
             return await produce()
         response, kept = await self.idempotent.answer(scoped_key(request.headers.get("authorization"), key),
-                                                      fingerprint(request.url.path, req.model_dump(mode="json")),
+                                                      fingerprint(request.url.path, req.model_dump(mode="json"),
+                                                                  unknown),
                                                       bool(req.stream), produce)
         if kept is None:
             return response

@@ -142,3 +142,5 @@ def test_a_ca_file_needs_a_tls_redis_and_an_existing_file(tmp_path, monkeypatch)
         ServiceConfig(redis_url="rediss://127.0.0.1:6379", redis_ca_file=str(tmp_path / "missing.pem"))
     relative = ServiceConfig(redis_url="rediss://127.0.0.1:6379", redis_ca_file=str(ca_file))
     assert Path(relative.redis_ca_file).is_absolute()
+    with pytest.raises(ValueError, match="give the CA file once"):
+        with_ca_file("rediss://127.0.0.1:6379?ssl_ca_certs=/a.pem", "/b.pem")

@@ -15,15 +15,16 @@ from cluster.ingress.idempotency import IdempotentAnswers, check_key, fingerprin
 class _Generator:
     """Stands in for the completions endpoint: counts generations, each answer numbered."""
 
-    def __init__(self, delay_s: float = 0.0, status: int = 200, fails: bool = False) -> None:
-        self.calls, self.delay_s, self.status, self.fails = 0, delay_s, status, fails
+    def __init__(self, delay_s: float = 0.0, status: int = 200, fails: bool = False, by: str = "") -> None:
+        self.calls, self.delay_s, self.status, self.fails, self.by = 0, delay_s, status, fails, by
 
     async def __call__(self):
         self.calls += 1
         await asyncio.sleep(self.delay_s)
         if self.fails:
             raise APIError(503, "worker lost")
-        return JSONResponse({"answer": self.calls}, status_code=self.status, headers={"x-s3-overhead-ms": "1.0"})
+        return JSONResponse({"answer": self.calls, "by": self.by}, status_code=self.status,
+                            headers={"x-s3-overhead-ms": "1.0"})
 
 
 def _run(server, check, **options):
@@ -38,16 +39,21 @@ def _run(server, check, **options):
     return asyncio.run(main())
 
 
+def _replica(client, **options) -> IdempotentAnswers:
+    """Another router replica's view of the same Redis."""
+    return IdempotentAnswers(client, **{"window_s": 60.0, **options})
+
+
 def test_a_retry_gets_the_first_answer_with_its_headers_and_nothing_is_generated_again(server):
     async def check(answers, _client):
         produce = _Generator()
         first, kept = await answers.answer("k1", "print", False, produce)
-        assert kept is None and json.loads(first.body) == {"answer": 1}
+        assert kept is None and json.loads(first.body)["answer"] == 1
         again, kept = await answers.answer("k1", "print", False, produce)
         assert again is None and produce.calls == 1
-        assert (kept.status, json.loads(kept.body), kept.headers) == (200, {"answer": 1}, {"x-s3-overhead-ms": "1.0"})
+        assert (kept.status, json.loads(kept.body)["answer"], kept.headers) == (200, 1, {"x-s3-overhead-ms": "1.0"})
         other, _ = await answers.answer("k2", "print", False, produce)  # another key is another request
-        assert json.loads(other.body) == {"answer": 2}
+        assert json.loads(other.body)["answer"] == 2
 
     _run(server, check)
 
@@ -93,12 +99,72 @@ def test_what_failed_or_was_refused_is_generated_again_by_a_retry(server):
 def test_a_claim_whose_replica_died_lapses_and_the_retry_generates(server):
     async def check(answers, client):
         # a replica claimed the key and died: nobody renews the 1 s lease
-        await client.set("s3:idempotent:k", json.dumps({"state": "running", "fingerprint": "print"}), ex=1)
+        dead = "0" * 32  # its owner's token
+        await client.set("s3:idempotent:k", f"{dead} " + json.dumps({"state": "running", "fingerprint": "print"}),
+                         ex=1)
         produce = _Generator()
         response, kept = await answers.answer("k", "print", False, produce)
         assert kept is None and produce.calls == 1 and response.status_code == 200
 
     _run(server, check, lease_s=1, renew_s=0.3, poll_s=0.02)
+
+
+def test_two_replicas_claiming_at_once_generate_once(server):
+    async def check(answers, client):
+        produce = _Generator(delay_s=0.3)
+        results = await asyncio.gather(*(replica.answer("k", "print", False, produce)
+                                         for replica in (answers, _replica(client, poll_s=0.02))))
+        assert produce.calls == 1
+        assert sorted(kept is None for _, kept in results) == [False, True]
+
+    _run(server, check)
+
+
+def test_a_replica_whose_claim_lapsed_does_not_overwrite_the_answer_of_the_one_that_took_over(server):
+    async def check(slow, client):
+        async def never_renew(name, token):
+            return None
+
+        slow._renew = never_renew  # as if its renewals were lost: the lease lapses while it generates
+        fast = _replica(client, lease_s=0.5, renew_s=0.2, poll_s=0.02)
+        first = asyncio.create_task(slow.answer("k", "print", False, _Generator(delay_s=1.2, by="slow")))
+        await asyncio.sleep(0.8)  # past the 0.5 s lease
+        taken, kept = await fast.answer("k", "print", False, _Generator(by="fast"))
+        assert kept is None and json.loads(taken.body)["by"] == "fast"
+        await first  # finishes after the take-over, and keeps nothing over it
+        _, kept = await fast.answer("k", "print", False, _Generator(by="third"))
+        assert json.loads(kept.body)["by"] == "fast"
+
+    _run(server, check, lease_s=0.5, renew_s=0.2, poll_s=0.02)
+
+
+def test_a_retry_waits_at_most_its_bound_then_is_told_to_retry(server):
+    async def check(answers, client):
+        produce = _Generator(delay_s=1.0)
+        first = asyncio.create_task(answers.answer("k", "print", False, produce))
+        await asyncio.sleep(0.1)
+        with pytest.raises(APIError) as refused:
+            await _replica(client, poll_s=0.02, max_wait_s=0.3).answer("k", "print", False, produce)
+        assert refused.value.status_code == 409 and refused.value.code == "idempotency_key_in_progress"
+        assert refused.value.headers["Retry-After"] == "2"
+        await first
+        assert produce.calls == 1
+
+    _run(server, check)
+
+
+def test_a_request_cancelled_while_it_generates_leaves_the_key_to_a_retry(server):
+    async def check(answers, _client):
+        first = asyncio.create_task(answers.answer("k", "print", False, _Generator(delay_s=5.0)))
+        await asyncio.sleep(0.2)
+        first.cancel()  # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        produce = _Generator()
+        retried, kept = await asyncio.wait_for(answers.answer("k", "print", False, produce), timeout=2.0)
+        assert kept is None and produce.calls == 1  # generated at once, not after a lapsed lease
+
+    _run(server, check)
 
 
 def test_a_streamed_request_is_not_streamed_twice_unless_it_was_refused_before_its_events(server):
@@ -128,5 +194,6 @@ def test_keys_and_fingerprints():
     assert fingerprint("/v1/chat/completions", body) == fingerprint("/v1/chat/completions", reordered)
     assert fingerprint("/v1/chat/completions", body) != fingerprint("/v1/completions", body)
     assert fingerprint("/v1/chat/completions", body) != fingerprint("/v1/chat/completions", {**body, "max_tokens": 9})
+    assert fingerprint("/v1/chat/completions", body) != fingerprint("/v1/chat/completions", body, ["thinking"])
     with pytest.raises(ValueError, match="renew_s < lease_s"):
         IdempotentAnswers(None, 60.0, lease_s=2, renew_s=2)
