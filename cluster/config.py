@@ -37,6 +37,17 @@ def worker_actor_name(worker_id: str) -> str:
     return f"s3serve-worker-{worker_id}"
 
 
+def _absolute_file(name: str, value: str | None, what: str) -> str | None:
+    """The file a setting names, made absolute (the routers, the controller and the workers each read it from their
+    own working directory); a ValueError saying `what` it should be when it is not a file."""
+    if value is None:
+        return None
+    path = Path(value).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"{name} {value!r} is not a file ({what})")
+    return str(path)
+
+
 class ServiceSettings(BaseModel):
     """The service's own settings (router, predictor, controller); `ServiceConfig` adds the workers'."""
 
@@ -165,23 +176,13 @@ class ServiceSettings(BaseModel):
     @field_validator("chat_template")
     @classmethod
     def _template_file(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        path = Path(value).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"chat_template {value!r} is not a file (a Jinja chat template)")
-        return str(path)  # absolute: the routers' working directory may differ
+        return _absolute_file("chat_template", value, "a Jinja chat template")
 
     @field_validator("redis_ca_file")
     @classmethod
     def _ca_file(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        path = Path(value).expanduser().resolve()
-        if not path.is_file():
-            raise ValueError(f"redis_ca_file {value!r} is not a file (give the PEM file of the CA that signed the "
-                             "Redis server's certificate)")
-        return str(path)  # absolute: every replica and the controller read it from their own working directory
+        return _absolute_file("redis_ca_file", value,
+                              "give the PEM file of the CA that signed the Redis server's certificate")
 
     # The workers' values as the service keeps them (their fields come from the workers' tree, below).
     @field_validator("kv_cache_memory", mode="before", check_fields=False)

@@ -175,22 +175,17 @@ def check_redis(url: str, max_retry_s: float = 3.0) -> None:
     client = connect(url, max_retry_s=max_retry_s)
     try:
         client.ping()
-    except redis.AuthenticationError as error:
-        raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} refused the credentials: "
-                                f"{_first_line(error)}") from error
-    except redis.ConnectionError as error:
-        if not is_untrusted_certificate(error):
-            raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} does not answer: "
-                                    f"{type(error).__name__}: {_first_line(error)}") from error
-        reason = _first_line(error)
-        advice = ("give the CA that signed it as redis_ca_file (--redis-ca-file)"
-                  if any(word in reason.lower() for word in ("issuer", "self-signed", "self signed"))
-                  else "check the certificate's host names and dates, or give its CA as --redis-ca-file")
-        raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} presented a TLS certificate that "
-                                f"does not verify ({reason}): {advice}") from error
     except redis.RedisError as error:
-        raise ServiceStartError(f"start-up failed: Redis at {redacted_url(url)} does not answer: "
-                                f"{type(error).__name__}: {_first_line(error)}") from error
+        where, reason = f"start-up failed: Redis at {redacted_url(url)}", _first_line(error)
+        if isinstance(error, redis.AuthenticationError):
+            raise ServiceStartError(f"{where} refused the credentials: {reason}") from error
+        if is_untrusted_certificate(error):
+            advice = ("give the CA that signed it as redis_ca_file (--redis-ca-file)"
+                      if any(word in reason.lower() for word in ("issuer", "self-signed", "self signed"))
+                      else "check the certificate's host names and dates, or give its CA as --redis-ca-file")
+            raise ServiceStartError(f"{where} presented a TLS certificate that does not verify ({reason}): "
+                                    f"{advice}") from error
+        raise ServiceStartError(f"{where} does not answer: {type(error).__name__}: {reason}") from error
     finally:
         client.close()
 
