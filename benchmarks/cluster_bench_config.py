@@ -7,6 +7,7 @@ from pathlib import Path
 
 from benchmarks.policy_summary import PROBE_SUFFIX, PROBED
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from cluster.config import service_default
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, check_routing
 from predictor_service.probe_files import check_probe_folder
@@ -72,13 +73,13 @@ class ClusterBenchConfig:
     num_torch_threads: int = 1
     ready_timeout_s: float = 900.0
     predictor: str = "noisy-oracle:0.3"
-    quantile: float = 0.9
+    quantile: float = service_default("quantile")
     tokens_per_hash_id: int = 16
     urgent_share: float = 0.0
     workload: str = "trace"
     probe: str = "default"
-    rebalance_min_gap: int = 2
-    dtype: str = "auto"
+    rebalance_min_gap: int = service_default("rebalance_min_gap")
+    dtype: str = service_default("dtype")
     routings: tuple[str, ...] = (DEFAULT_ROUTING,)
 
     @property

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from benchmarks.http_load import LoadPlan, LoadRequest, drive
 from benchmarks.prompt_pool import DEFAULT_PROMPTS, read_prompts
 from benchmarks.report import environment, format_table, write_json
+from cluster.config import service_default
 from workers.actors.ports import free_port
 
 
@@ -48,8 +49,8 @@ class ColdStartConfig:
     num_requests: int = 640
     concurrency: int = 32
     max_tokens: int = 512
-    retrain_min_samples: int = 200
-    num_workers: int = 1
+    retrain_min_samples: int = service_default("retrain_min_samples")
+    num_workers: int = service_default("num_workers")
     num_cpus: int = 4
     prompts_path: str = str(DEFAULT_PROMPTS)
     seed: int = 0

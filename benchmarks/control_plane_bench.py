@@ -36,6 +36,7 @@ from pathlib import Path
 
 from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.simulated_workers import SimulatedWorkerBackend
+from cluster.config import service_default
 from workers.actors.ports import free_port
 
 OVERHEAD_HEADER = "x-s3-overhead-ms"
@@ -69,7 +70,7 @@ class ControlPlaneBenchConfig:
     offered_per_s: float = 2000.0
     step_s: float = 0.001
     blocks_per_worker: int = 2048
-    stats_interval_s: float = 0.5
+    stats_interval_s: float = service_default("stats_interval_s")
     run_service: bool = True
     idle_requests: int = 40
     burst_size: int = 32

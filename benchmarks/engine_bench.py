@@ -33,6 +33,7 @@ from tqdm import tqdm
 from benchmarks.prompt_pool import DEFAULT_PROMPTS, encode_chat, read_prompts, spread_sample
 from benchmarks.report import environment, format_table, write_json
 from benchmarks.roofline import DecoderShape, Limits, decode_step_cost, measure_limits, run_cost
+from cluster.config import service_default
 from workers.engine.engine import Engine
 from workers.engine.model_runner import pool_shape_for
 from workers.engine.linear_weights import as_served, has_bf16_linear_weights
@@ -67,7 +68,7 @@ class EngineBenchConfig:
     max_prompt_tokens: int = 512
     kv_cache_bytes: int = 2 * 1024**3
     primary_batch_size: int = 16
-    dtype: str = "auto"
+    dtype: str = service_default("dtype")
     profile_batch_sizes: tuple[int, ...] = (1, 16, 64, 128)
     profile_steps: int = 16
     profile_prompt_tokens: int = 64

@@ -43,6 +43,7 @@ from benchmarks.policy_replay import WARMUP_REQUESTS, PolicyRun, run_policy
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
 from benchmarks.traces import read_trace
+from cluster.config import service_default
 from cluster.control.worker_probe import load_length_probe
 from predictor_service.length_predictor import LengthQuery
 from workers.engine.linear_weights import as_served, has_bf16_linear_weights, precision_label
@@ -113,16 +114,16 @@ class LatencyBenchConfig:
     policies: tuple[str, ...] = ("fcfs", "default", "oracle")
     rounds: int = 2
     kv_bound_slots: int = 8
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = service_default("max_num_seqs")
+    max_num_batched_tokens: int = service_default("max_num_batched_tokens")
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
-    preemption_mode: str = "auto"
+    preemption_mode: str = service_default("preemption_mode")
     swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
     predictor: str = "default"
     probe: str = "default"
     other_probe: str | None = None
     seed: int = 0
-    dtype: str = "auto"
+    dtype: str = service_default("dtype")
     labels_path: Path = HELD_OUT_LABELS
     prompts_path: Path = DEFAULT_PROMPTS
     trace_path: Path = DEFAULT_TRACE

@@ -8,7 +8,8 @@ import math
 import random
 from statistics import NormalDist
 
-from predictor_service.length_predictor import LengthPrediction, LengthPredictor, LengthQuery, bucket_edges
+from predictor_service.length_predictor import (DEFAULT_MAX_LEN, DEFAULT_QUANTILE, LengthPrediction, LengthPredictor,
+                                               LengthQuery, bucket_edges)
 
 
 class NoisyOraclePredictor(LengthPredictor):
@@ -28,8 +29,8 @@ class NoisyOraclePredictor(LengthPredictor):
 
     name = "noisy_oracle"
 
-    def __init__(self, true_lengths: dict[str, int], sigma: float, quantile: float = 0.9,
-                 max_len: int = 1024, seed: int = 0) -> None:
+    def __init__(self, true_lengths: dict[str, int], sigma: float, quantile: float = DEFAULT_QUANTILE,
+                 max_len: int = DEFAULT_MAX_LEN, seed: int = 0) -> None:
         if sigma < 0:
             raise ValueError(f"sigma must be >= 0, got {sigma}")
         if not 0.0 < quantile < 1.0:

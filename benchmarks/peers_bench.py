@@ -43,6 +43,7 @@ from benchmarks.peers_report import report
 from benchmarks.report import percentile
 from benchmarks.roofline import host_bandwidth_gbs
 from benchmarks.traces import ReplayRequest, TraceRow, build_requests, load_prompt_texts
+from cluster.config import service_default
 from predictor_service.length_predictor import LengthQuery
 from workers.engine.model_runner import pool_shape_for
 from workers.engine.engine import Engine
@@ -94,7 +95,7 @@ class PeersBenchConfig:
     predictor_sigma: float = 0.3
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 1024
-    dtype: str = "auto"
+    dtype: str = service_default("dtype")
     peer_venv: Path = PEER_VENV
     openvino_venv: Path = OPENVINO_VENV
     single_output_tokens: int = 128

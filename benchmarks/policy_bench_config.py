@@ -6,6 +6,7 @@ from pathlib import Path
 
 from benchmarks.natural_workload import HELD_OUT_LABELS
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
+from cluster.config import service_default
 from workers.scheduling.engine_config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_SWAP_SPACE_BYTES
 from workers.scheduling.policies import POLICY_NAMES
 
@@ -67,17 +68,17 @@ class PolicyBenchConfig:
     sweep_sigmas: tuple[float, ...] = ()
     policies: tuple[str, ...] = POLICIES
     max_num_seqs: int = 128
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = service_default("max_num_batched_tokens")
     seed: int = 0
-    prefix_caching: bool = True
+    prefix_caching: bool = service_default("prefix_caching")
     tokens_per_hash_id: int = 16
     model_shape: str | None = None
     device: str = "cpu"
     workload: str = "trace"
     labels_path: Path = HELD_OUT_LABELS
     probe: str | None = None
-    overcommit_step: float | None = None
-    preemption_mode: str = "auto"
+    overcommit_step: float | None = service_default("overcommit_step")
+    preemption_mode: str = service_default("preemption_mode")
     swap_space_bytes: int = DEFAULT_SWAP_SPACE_BYTES
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
 

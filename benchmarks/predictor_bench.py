@@ -27,6 +27,7 @@ from tqdm import tqdm
 from benchmarks import probe_bench
 from benchmarks.prompt_pool import DEFAULT_PROMPTS, read_prompts
 from benchmarks.report import environment, format_table, write_json
+from cluster.config import service_default
 from predictor_service.artifacts import load_predictor, read_manifest
 from predictor_service.features import FeatureConfig
 from predictor_service.hidden_features import HiddenFeatures
@@ -85,7 +86,7 @@ class PredictorBenchConfig:
     artifact: Path | None = None
     kinds: tuple[str, ...] | None = None
     max_len: int = 1024
-    quantile: float = 0.9
+    quantile: float = service_default("quantile")
     use_embedding: bool = True
     held_out_fraction: float = 0.2
     num_latency_batches: int = 50

@@ -11,6 +11,7 @@ the real engine; `benchmarks.cluster_sim` runs many under one controller.
 from dataclasses import dataclass, field
 
 from benchmarks.step_time import StepModel
+from cluster.config import service_default
 from cluster.control.placement import DEFAULT_LATE_BINDING
 from cluster.control.rebalance import check_min_gap
 from cluster.control.routing import DEFAULT_ROUTING, check_routing
@@ -93,14 +94,14 @@ class SimConfig:
 
     num_workers: int
     num_blocks: int
-    block_size: int = 16
+    block_size: int = service_default("block_size")
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     tick_s: float = 0.5
     max_pending: int = 128
-    rebalance_min_gap: int = 2
+    rebalance_min_gap: int = service_default("rebalance_min_gap")
     routing: str = DEFAULT_ROUTING
-    preemption_mode: str = "auto"
+    preemption_mode: str = service_default("preemption_mode")
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
     late_binding: bool = DEFAULT_LATE_BINDING
 

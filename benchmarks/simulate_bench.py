@@ -35,6 +35,7 @@ from benchmarks.noisy_oracle import NoisyOraclePredictor
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, percentile, write_json
 from benchmarks.sim_ratios import policy_ratios, ratios_against
+from cluster.config import service_default
 from cluster.control.placement import DEFAULT_LATE_BINDING
 from benchmarks.sim_worker import SimConfig, SimRequest
 from benchmarks.step_time import RooflineStepModel, gpu_kind, shape_cost
@@ -98,14 +99,14 @@ class SimulateBenchConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_pending: int = 128
-    block_size: int = 16
+    block_size: int = service_default("block_size")
     seed: int = 0
     calibrate: bool = True
     calibration_requests: int = 24
     calibration_max_len: int = 512
     calibration_device: str = "cpu"
-    rebalance_min_gap: int = 2
-    overcommit_step: float | None = None
+    rebalance_min_gap: int = service_default("rebalance_min_gap")
+    overcommit_step: float | None = service_default("overcommit_step")
     routings: tuple[str, ...] = (DEFAULT_ROUTING,)
     bindings: tuple[str, ...] = ("late" if DEFAULT_LATE_BINDING else "arrival",)  # the service's
     arrival_rate_per_worker: float | None = None

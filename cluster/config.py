@@ -289,6 +289,14 @@ ServiceConfig = create_model(
        for leaf in leaves(WorkerSettings) if not leaf.internal})
 
 
+def service_default(name: str):
+    """The service's default of setting `name`, for a bench or a tool that runs as the service does: it takes the
+    value from the one declaration instead of writing it again (a KeyError names an unknown setting)."""
+    if name not in ServiceConfig.model_fields:
+        raise KeyError(f"no service setting named {name!r}")
+    return ServiceConfig.model_fields[name].get_default(call_default_factory=True)
+
+
 def load_config(path: Path | str | None = None, overrides: dict | None = None) -> ServiceConfig:
     """A YAML file's fields, then `overrides` (flags set on the command line), validated together."""
     values: dict = {}

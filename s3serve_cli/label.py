@@ -16,6 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.prompt_pool import PromptRecord, encode_chat, read_prompts
+from cluster.config import service_default
 from workers.engine.engine import Engine
 from workers.engine.linear_weights import as_served
 from workers.engine.models import DEFAULT_MODEL, load_model, load_tokenizer, resolve_model_dir
@@ -50,7 +51,7 @@ class LabelConfig:
     seed: int = 0
     limit: int | None = None
     shuffle: bool = False
-    max_num_seqs: int = 32
+    max_num_seqs: int = service_default("max_num_seqs")
     kv_cache_bytes: int = 1024**3
 
     def __post_init__(self) -> None:

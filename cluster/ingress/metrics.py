@@ -13,6 +13,7 @@ Two sources:
   "ok"         answered in full (2xx, streamed or not)
   "cancelled"  the client went away before the end (its blocks were freed)
   "error"      failed after the response had started (e.g. a stream cut by a bug)
+  "replayed"   a retry with an Idempotency-Key answered with the first request's kept answer (nothing generated)
   "400".."599" refused with that HTTP status (400 bad input, 429 queue full, ...)
 Exact codes rather than "4xx" because 429 (overload) and 400 (client bug) call for
 different reactions; the set of codes the router answers is small, so is the cardinality.
@@ -25,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-_OUTCOMES = frozenset({"ok", "cancelled", "error"})
+_OUTCOMES = frozenset({"ok", "cancelled", "error", "replayed"})
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -248,7 +249,7 @@ class ServiceMetrics:
         self.registry.register(self._cluster)
 
     def observe_status(self, status: str | int) -> None:
-        """Counts one answered request: "ok", "cancelled", "error", or an HTTP status code.
+        """Counts one answered request: "ok", "cancelled", "error", "replayed", or an HTTP status code.
 
         A 2xx code counts as "ok"; any other code must be an error status (400-599).
         """

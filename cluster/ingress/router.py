@@ -235,6 +235,7 @@ class Router:
                                                       bool(req.stream), produce)
         if kept is None:
             return response
+        self.metrics.observe_status("replayed")
         return Response(kept.body, status_code=kept.status, media_type="application/json",
                         headers={**kept.headers, REPLAYED_HEADER: "true"})
 

@@ -26,10 +26,10 @@ def make_worker(worker_id: str, state: str = "ready", num_used_blocks: int = 10)
 
 def test_request_status_labels():
     metrics = ServiceMetrics()
-    for status in ("ok", "ok", 200, "cancelled", "error", 429, "429", 400, 503):
+    for status in ("ok", "ok", 200, "cancelled", "error", 429, "429", 400, 503, "replayed"):
         metrics.observe_status(status)
     values = samples(metrics)
-    expected = {"ok": 3, "cancelled": 1, "error": 1, "429": 2, "400": 1, "503": 1}
+    expected = {"ok": 3, "cancelled": 1, "error": 1, "429": 2, "400": 1, "503": 1, "replayed": 1}
     for label, count in expected.items():
         assert values[("s3_requests_total", (("status", label),))] == count
     for bad in ("fine", 302, 99, True, "200"):

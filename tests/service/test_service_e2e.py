@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
 from cluster.control.redis_server import connect
@@ -233,17 +234,25 @@ def _engine_counts(service) -> tuple[int, int]:
     return sum(s.num_prompt_tokens for s in stats), sum(s.num_generated_tokens for s in stats)
 
 
+def _replayed(service) -> float:
+    """s3_requests_total{status="replayed"} as /metrics gives it (0 before the first)."""
+    text = httpx.get(f"{service.base_url}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "s3_requests_total" and sample.labels.get("status") == "replayed")
+
+
 def test_a_request_sent_again_with_its_idempotency_key_gets_its_answer_without_a_second_generation(service):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
             "temperature": 1.0}  # sampled: a second generation would most likely differ
     headers = {"Idempotency-Key": f"retry-{random.getrandbits(64):x}"}
     first = post(service, "/v1/chat/completions", json=body, headers=headers)
     assert first.status_code == 200 and "idempotent-replayed" not in first.headers
-    before = _engine_counts(service)
+    before, replayed = _engine_counts(service), _replayed(service)
     again = post(service, "/v1/chat/completions", json=body, headers=headers)
     assert again.status_code == 200 and again.headers["idempotent-replayed"] == "true"
     assert again.json() == first.json()
     assert _engine_counts(service) == before  # nothing admitted, nothing generated
+    assert _replayed(service) == replayed + 1  # counted as replayed, not as a second "ok"
     reused = post(service, "/v1/chat/completions", json={**body, "max_tokens": 9}, headers=headers)
     assert assert_openai_error(reused, 422)["code"] == "idempotency_key_reused"
     other = post(service, "/v1/responses", json={"model": MODEL, "input": "Name a colour.", "max_output_tokens": 8},

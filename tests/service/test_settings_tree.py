@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import WORKER_SETTING_NAMES, ServiceConfig, ServiceSettings, load_config
+from cluster.config import WORKER_SETTING_NAMES, ServiceConfig, ServiceSettings, load_config, service_default
 from s3serve_cli.main import build_parser
 from s3serve_cli.settings_reference import example_yaml, markdown
 from workers.actors.worker_settings import WorkerSettings
@@ -51,6 +51,38 @@ def test_the_scan_finds_a_setting_declared_again(tmp_path, monkeypatch):
     (tmp_path / "cluster").mkdir()
     monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
     assert _settings_classes() == {"workers/other.py:OtherConfig": ["max_num_seqs"]}
+
+
+def _repeated_defaults() -> list[str]:
+    """Fields of *Config / *Settings classes outside the service's own packages that are named like a service setting
+    and write its default again as a literal (`LatencyBenchConfig.max_num_seqs = 32`)."""
+    repeated = []
+    for folder in sorted(p for p in REPO_ROOT.iterdir() if (p / "__init__.py").is_file() and p.name not in LAYERS):
+        for path in sorted(folder.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.ClassDef) and node.name.endswith(("Config", "Settings"))):
+                    continue
+                for item in node.body:
+                    if (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+                            and item.target.id in ServiceConfig.model_fields and isinstance(item.value, ast.Constant)
+                            and item.value.value == service_default(item.target.id)):
+                        repeated.append(f"{path.relative_to(REPO_ROOT)}:{item.lineno} {node.name}.{item.target.id}")
+    return repeated
+
+
+def test_no_other_package_writes_a_service_default_again():
+    # Benches and tools may run the engine with values of their own (a bench's 128 slots), but where they run it as
+    # the service does they take the value from its one declaration (cluster.config.service_default).
+    assert not _repeated_defaults(), f"take these from service_default(name): {_repeated_defaults()}"
+
+
+def test_the_default_scan_finds_a_literal_copy(tmp_path, monkeypatch):
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "__init__.py").write_text("")
+    (tmp_path / "tools" / "bench.py").write_text("class BenchConfig:\n    max_num_seqs: int = 32\n"
+                                                 "    max_num_batched_tokens: int = 1024\n")  # the second differs
+    monkeypatch.setattr(sys.modules[__name__], "REPO_ROOT", tmp_path)
+    assert _repeated_defaults() == ["tools/bench.py:2 BenchConfig.max_num_seqs"]
 
 
 def test_the_service_config_is_its_own_settings_and_the_workers_leaves_as_declared():
