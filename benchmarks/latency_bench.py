@@ -19,8 +19,10 @@ bench loads one engine where a queue forms and measures who waits:
   behaviour), `default` (the service's: s3_peak with the shipped predictor and probe), `oracle` (s3_peak on the true
   lengths, spread as s3_peak spreads any point: the ceiling of this policy with exact points), and on request
   `before` (the default with its order and preemption as they were before 2026-11-29: shortest work first only
-  while KV was scarce, none for shorter work; today's aging and starvation bound) and `no_preempt` (the default
-  without preemption for shorter work).
+  while KV was scarce, none for shorter work, a KV victim passed by first fit; today's aging and starvation bound),
+  `no_preempt` (the default without preemption for shorter work) and `victims_passed` (the default with the
+  engine's `preempted_first` off: a sequence preempted for KV waits in s3_peak's order, and smaller requests start
+  before it, as before 2026-12-02).
 - Rounds are interleaved: round 1 runs every setting, point and policy, then round 2 again. The tables give each
   value's median over the rounds and its spread ((max - min) / median); ratios are taken within a round and then
   their median is reported.
@@ -61,14 +63,15 @@ BURSTY = "bursty"
 @dataclass(frozen=True, slots=True)
 class Variant:
     """One policy row: the registry policy, what it plans by ("none", "predictor" or "true"), whether the probe
-    re-predicts in the engine (`other_probe`: the config's `other_probe` instead of its `probe`), and the policy's
-    own options."""
+    re-predicts in the engine (`other_probe`: the config's `other_probe` instead of its `probe`), the policy's
+    own options, and engine settings it sets otherwise than the service."""
 
     policy: str
     estimates: str
     probe: bool = False
     options: tuple[tuple[str, object], ...] = ()
     other_probe: bool = False
+    engine_options: tuple[tuple[str, object], ...] = ()
 
 
 VARIANTS = {
@@ -76,9 +79,12 @@ VARIANTS = {
     "default": Variant(DEFAULT_POLICY, "predictor", probe=True),
     "oracle": Variant(DEFAULT_POLICY, "true"),
     "before": Variant(DEFAULT_POLICY, "predictor", probe=True,
-                      options=(("order_by_work", "kv_scarce"), ("shorter_work_ratio", 0.0))),
+                      options=(("order_by_work", "kv_scarce"), ("shorter_work_ratio", 0.0)),
+                      engine_options=(("preempted_first", False),)),
     "no_preempt": Variant(DEFAULT_POLICY, "predictor", probe=True, options=(("shorter_work_ratio", 0.0),)),
     "other_probe": Variant(DEFAULT_POLICY, "predictor", probe=True, other_probe=True),  # the default, another probe
+    # the default as it was before 2026-12-02: a sequence preempted for KV waits in the policy's order, passed
+    "victims_passed": Variant(DEFAULT_POLICY, "predictor", probe=True, engine_options=(("preempted_first", False),)),
 }
 
 
@@ -265,7 +271,8 @@ def _run_variant(model, name: str, requests, estimates, true_lengths: dict[str, 
     with tqdm(total=len(requests), desc=f"  {setting} {name}", unit="req", leave=False) as inner:
         return run_policy(copy.deepcopy(model), variant.policy, requests, chosen, _bench_config(config, setting),
                           kv_tokens_of(config, setting) * bytes_per_token, inner,
-                          probe=probe if variant.probe else None, policy_options=dict(variant.options), label=name)
+                          probe=probe if variant.probe else None, policy_options=dict(variant.options), label=name,
+                          engine_options=dict(variant.engine_options))
 
 
 def _medians(config: LatencyBenchConfig, runs: list[dict]) -> dict:

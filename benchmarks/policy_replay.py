@@ -85,12 +85,13 @@ def warm_up(engine: Engine, vocab_size: int) -> None:
 def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]], config: PolicyBenchConfig,
                kv_cache_bytes: int, progress: tqdm, prefix_caching: bool = True,
                probe: LengthProbe | None = None, policy_options: dict | None = None,
-               label: str | None = None) -> PolicyRun:
+               label: str | None = None, engine_options: dict | None = None) -> PolicyRun:
     """Replay the requests through a fresh engine with one policy (and `probe` refining its bounds, if given).
 
     `estimates` holds each request's (point, upper bound) output tokens; the policy plans by the one it
     chooses (`PlanningRule.prediction_from`). `policy_options`: the policy's own constructor arguments (a
-    variant); `label`: the run's name (default: the policy's, "+probe" with a probe)."""
+    variant); `engine_options`: settings of the engine's tree the variant sets (`EngineConfig.of`); `label`: the
+    run's name (default: the policy's, "+probe" with a probe)."""
     natural = config.workload == "natural"
     kwargs = overcommit_options(name, config.overcommit_step,
                                 PreemptionRule.can_swap(config.preemption_mode, config.swap_space_bytes))
@@ -102,7 +103,8 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
         EngineConfig.of(kv_cache_bytes=kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                      max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_len,
                      prefix_caching=prefix_caching, preemption_mode=config.preemption_mode,
-                     swap_space_bytes=config.swap_space_bytes, max_queue_wait_s=config.max_queue_wait_s),
+                     swap_space_bytes=config.swap_space_bytes, max_queue_wait_s=config.max_queue_wait_s,
+                     **(engine_options or {})),
         policy=policy,
         probe=probe,
     )

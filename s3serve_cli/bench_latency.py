@@ -48,9 +48,11 @@ def add_latency_parser(benches) -> None:
                     "Policies: fcfs (paged_greedy, vLLM's behaviour), default (s3_peak with the shipped predictor "
                     "and probe, as the service runs), oracle (s3_peak on the true lengths: the ceiling), and on "
                     "request before (the default's order and preemption as before 2026-11-29: by work only while "
-                    "KV was scarce, none for shorter work; with today's aging and starvation bound) and "
-                    "no_preempt. Rounds interleave every setting, point and policy; tables give medians with their "
-                    "spread, ratios against fcfs per round, and the share of the oracle's gain the default reaches.")
+                    "KV was scarce, none for shorter work, KV victims passed; with today's aging and starvation "
+                    "bound), no_preempt, and victims_passed (the default with preempted_first off: a sequence "
+                    "preempted for KV waits in the policy's order, as before 2026-12-02). Rounds interleave every "
+                    "setting, point and policy; tables give medians with their spread, ratios against fcfs per "
+                    "round, and the share of the oracle's gain the default reaches.")
     add_model_args(latency)
     latency.add_argument("--num-requests", type=int, default=None, help="requests per point (default 300; 64 with "
                                                                        "--quick)")
@@ -66,9 +68,11 @@ def add_latency_parser(benches) -> None:
                               "max_num_seqs sequences of max_len: the slots bind) (default both; kv_bound with "
                               "--quick)")
     latency.add_argument("--policies", nargs="+", default=None, metavar="POLICY",
-                         choices=("fcfs", "default", "oracle", "before", "no_preempt", "other_probe"),
+                         choices=("fcfs", "default", "oracle", "before", "no_preempt", "other_probe",
+                                  "victims_passed"),
                          help="rows: fcfs default oracle (the default) before no_preempt other_probe (the default "
-                              "with --other-probe); fcfs is required")
+                              "with --other-probe) victims_passed (the default with preempted_first off); fcfs is "
+                              "required")
     latency.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 2)")
     latency.add_argument("--kv-bound-slots", type=int, default=None, metavar="N",
                          help="kv_bound: KV for N sequences of max_len tokens (default 8)")

@@ -24,12 +24,14 @@ def step(scheduler: Scheduler) -> None:
     run_step(scheduler, scheduler.schedule())
 
 
-def steps_until_admitted(policy, medium: int, max_overtaken_steps: int, max_steps: int = 1000) -> int | None:
+def steps_until_admitted(policy, medium: int, max_overtaken_steps: int, max_steps: int = 1000,
+                         preempted_first: bool = True) -> int | None:
     """A request of `medium` output tokens running, a large one waiting, and another medium one queued behind
     it whenever fewer than two wait; the step the large one starts, if it does."""
     # 30 blocks of 4 tokens: the large one (110 tokens, 28 blocks) fits beside nobody, while a medium one
     # gets in beside the one running as that one nears its end.
-    scheduler = Scheduler(SchedulerConfig(16, 64, max_overtaken_steps), BlockAllocator(30, BLOCK_SIZE), policy)
+    scheduler = Scheduler(SchedulerConfig(16, 64, max_overtaken_steps, preempted_first=preempted_first),
+                          BlockAllocator(30, BLOCK_SIZE), policy)
     scheduler.add(request("first", medium))
     step(scheduler)
     large = request("large", 100)
@@ -58,9 +60,16 @@ def test_a_large_request_passed_long_enough_is_admitted_before_later_ones(policy
 
 
 def test_s3_peak_stretching_its_budget_lets_a_large_request_in_without_the_guard():
-    # Refused step after step, the budget grows until the large one fits beside a medium one.
-    admitted_at = steps_until_admitted(S3PeakPolicy(bucket_tokens=16), 60, max_overtaken_steps=10**9)
+    # Refused step after step, the budget grows until the large one fits beside a medium one, where the medium ones
+    # the stretch's preemptions push out wait behind it (preempted_first off).
+    admitted_at = steps_until_admitted(S3PeakPolicy(bucket_tokens=16), 60, max_overtaken_steps=10**9,
+                                       preempted_first=False)
     assert admitted_at is not None and admitted_at < 100
+    # With victims back first (the default) they return ahead of it each time the stretch overshoots, and the
+    # stretch alone never lets it in: the guard does, once it has been passed for its steps.
+    assert steps_until_admitted(S3PeakPolicy(bucket_tokens=16), 60, max_overtaken_steps=10**9) is None
+    admitted_at = steps_until_admitted(S3PeakPolicy(bucket_tokens=16), 60, max_overtaken_steps=100)
+    assert admitted_at is not None and 100 <= admitted_at <= 60 + 100 + 60
 
 
 def test_the_guard_starts_only_once_someone_passed():

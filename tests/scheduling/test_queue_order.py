@@ -252,3 +252,38 @@ def test_shorter_work_victims_come_from_the_least_urgent_class_running():
     out = scheduler.schedule(1.0)
     assert policy.offered == [["lower"]]
     assert {chunk.seq.seq_id for chunk in out.chunks} == {"same", "lower"}  # nobody preempted, "waiting" waits
+
+
+def _victim_back_and_newcomer_start(preempted_first: bool) -> tuple[float, float]:
+    """Two requests predicted at 4 tokens run to 40 in 14 blocks of 4 tokens, so one is preempted (swapped) for KV;
+    a 2-token request arrives just after. When (simulated s) the preempted one runs again, and when the newcomer
+    starts."""
+    policy = S3PeakPolicy(shorter_work_ratio=0.0)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, preempted_first=preempted_first),
+                          BlockAllocator(14, 4), policy, PreemptionRule("swap", 1024))
+    for seq_id in ("a", "b"):  # max_tokens 48: a whole plan fits the empty pool, as max_model_len sees to
+        scheduler.add(Sequence(seq_id, list(range(4)), SamplingParams(max_tokens=48, ignore_eos=True,
+                                                                      forced_output_tokens=40),
+                               arrival_s=0.0, predicted_output_tokens=4, predicted_center_tokens=4))
+    now_s = 1.0
+    while scheduler.stats.preemptions_by_cause["kv"] == 0:
+        _step(scheduler, now_s)
+        now_s += 1
+    (victim,) = scheduler.waiting
+    scheduler.add(_seq("short", now_s - 0.5, 2))
+    started: dict[str, float] = {}
+    while scheduler.running or scheduler.waiting:
+        assert now_s < 200, "the scheduler stopped making progress"
+        for seq_id in _step(scheduler, now_s):
+            started.setdefault(seq_id, now_s)
+        now_s += 1
+    return started[victim.seq_id], started["short"]
+
+
+def test_a_sequence_preempted_for_kv_goes_back_before_newer_requests_pass_it():
+    back_s, short_s = _victim_back_and_newcomer_start(preempted_first=True)
+    assert back_s <= short_s  # nobody took the blocks it freed while it waited to come back
+    # Off (s3_peak's first fit as before 2026-12-02): the newer, smaller request starts in the blocks the victim
+    # freed while the victim, whose whole context must come back, waits for the other one to finish.
+    back_s, short_s = _victim_back_and_newcomer_start(preempted_first=False)
+    assert short_s < back_s

@@ -27,6 +27,12 @@ class SchedulerConfig(SettingsTree):
         1024, "under a first-fit policy (s3, s3_peak) a waiting request that does not fit is passed by later ones "
               "that do; this many steps after the first time nobody passes it any more until it fits, so a large "
               "request is not starved by a stream of smaller ones", unit="steps")
+    preempted_first: bool = setting(
+        True, "under policies that take blocks on demand (all but s3, which reserves whole plans), a sequence "
+              "preempted for want of KV goes back first in its class's queue and nobody passes it until it runs "
+              "again, as vLLM requeues one; false: it waits in the policy's order, where first fit (s3_peak) lets "
+              "smaller requests take the blocks it freed while its whole context waits to come back. Victims of "
+              "preemption for a more urgent class or for shorter work wait in the policy's order either way")
     max_queue_wait_s: float = setting(
         DEFAULT_MAX_QUEUE_WAIT_S, "the starvation bound of both queues a request can wait in, the controller's (for "
                                   "a worker) and a worker's (for a slot and KV), each counting its own wait: a request "

@@ -7,7 +7,9 @@ those decisions. The engine carries them out.
 Within a class, waiting sequences go in the policy's order, except that one that has waited
 `max_queue_wait_s` since it last joined the queue (on the clock `schedule(now_s)` is given) goes
 ahead of every newer one, and
-under a first-fit policy one passed for `max_overtaken_steps` steps is passed no more. When a
+under a first-fit policy one passed for `max_overtaken_steps` steps is passed no more, nor (with
+`preempted_first`, where blocks are taken on demand) one preempted for want of KV, which goes back
+before the policy's order: the blocks it freed are not handed to newcomers meanwhile. When a
 waiting sequence cannot start (no slot or no room), the policy may name a running one of its
 class or a less urgent one to preempt for it, because its work is much shorter
 (`SchedulingPolicy.shorter_work_victim`; asked once a step, of the first one in order that cannot
@@ -181,7 +183,7 @@ class Scheduler:
                     in_progress, refusals = None, []
                     blocks = self._try_allocate(seq, refusals)
             if blocks is None:
-                if self.policy.is_first_fit and self._urgency(seq, now_s)[0] == 2:
+                if self.policy.is_first_fit and self._urgency(seq, now_s)[0] == 3:
                     continue
                 break  # FCFS, or waited or passed long enough: nobody overtakes it
             last_admitted[seq.priority] = max(last_admitted.get(seq.priority, -1), queue_position[seq.seq_id])
@@ -193,7 +195,7 @@ class Scheduler:
             self.waiting.remove(seq)
             if seq.admitted_s is None:
                 seq.admitted_s = now_s
-            seq.first_passed_step = None
+            seq.first_passed_step, seq.back_first = None, False
             self.prefixes.started(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -230,11 +232,15 @@ class Scheduler:
 
     def _urgency(self, seq: Sequence, now_s: float | None) -> tuple[int, float]:
         """Where `seq` goes within its class: (0, since) once it has waited `max_queue_wait_s` since it last joined the
-        queue (oldest first), (1, 0) once passed for `max_overtaken_steps` steps, else (2, 0): the policy's order."""
+        queue (oldest first), (1, 0) once passed for `max_overtaken_steps` steps, (2, 0) while it waits to come back
+        after a preemption for KV (`preempted_first`), else (3, 0): the policy's order, the only place first fit
+        passes one that does not fit."""
         since_s = seq.arrival_s if seq.queued_s is None else seq.queued_s
         if now_s is not None and now_s - since_s >= self.config.max_queue_wait_s:
             return 0, since_s
-        return (1, 0.0) if self._passed_enough(seq) else (2, 0.0)
+        if self._passed_enough(seq):
+            return 1, 0.0
+        return (2, 0.0) if seq.back_first else (3, 0.0)
 
     def _passed_enough(self, seq: Sequence) -> bool:
         """Later ones were admitted past waiting `seq` for `max_overtaken_steps` steps: it goes first, and
@@ -265,6 +271,9 @@ class Scheduler:
             freed_tokens += self._unschedule(victim, out)
             self._preempt(victim, out, "kv")
             self.policy.on_preempted(victim, self.running)
+            # Back first, where blocks are taken on demand (a policy holding whole plans, s3, lets its overrunner
+            # wait for a larger plan than it gave up: none of the blocks it freed were enough for it).
+            victim.back_first = self.config.preempted_first and not self.policy.holds_plan
             if victim is seq:
                 return False, freed_tokens
         return True, freed_tokens

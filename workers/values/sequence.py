@@ -41,6 +41,7 @@ class Sequence:
     is_looping: bool = False  # its answer repeats itself (`workers.scheduling.repetition`): likely to run to max_tokens
     priority: int = 0  # class: lower is more urgent; admitted first, preempted last
     first_passed_step: int | None = None  # scheduler step a later one was first admitted past it, waiting
+    back_first: bool = False  # preempted for KV: back before the policy's order (the scheduler's preempted_first)
     admitted_s: float | None = None  # when the scheduler first admitted it, on the clock of `arrival_s`
     queued_s: float | None = None  # when it last went back to the queue (preempted); None: its arrival
     first_token_s: float | None = None
