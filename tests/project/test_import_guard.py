@@ -96,6 +96,15 @@ def test_each_layer_imports_with_its_refused_packages_absent(refused):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("name", ["policies", "scheduling_policy", "scheduler", "kv_cache_manager"])
+def test_the_old_module_names_give_the_same_objects(name):
+    import importlib
+
+    old, new = importlib.import_module(f"workers.{name}"), importlib.import_module(f"workers.scheduling.{name}")
+    public = [attr for attr in vars(new) if not attr.startswith("_")]
+    assert public and all(getattr(old, attr, None) is getattr(new, attr) for attr in public)
+
+
 @pytest.mark.parametrize("module", ["workers.engine.engine", "kv_kernels.reference"])
 def test_the_guard_does_catch_a_module_that_needs_torch(module):
     result = _import_refusing([module], ["torch"])
