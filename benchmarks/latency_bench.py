@@ -23,9 +23,10 @@ bench loads one engine where a queue forms and measures who waits:
   `no_preempt` (the default without preemption for shorter work) and `victims_passed` (the default with the
   engine's `preempted_first` off: a sequence preempted for KV waits in s3_peak's order, and smaller requests start
   before it, as before 2026-12-02).
-- Rounds are interleaved: round 1 runs every setting, point and policy, then round 2 again. The tables give each
-  value's median over the rounds and its spread ((max - min) / median); ratios are taken within a round and then
-  their median is reported.
+- Rounds are interleaved: round 1 runs every setting, point and policy, then round 2 again, the policies of each
+  point in reverse order on every second round (A B C, C B A), so that a machine speeding up or slowing down through
+  a round favours no row. The tables give each value's median over the rounds and its spread
+  ((max - min) / median); ratios are taken within a round and then their median is reported.
 """
 
 import copy
@@ -35,8 +36,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.latency_runs import (LENGTH_CLASSES, WAITED_S, capacity_of, length_classes, median_and_spread,
-                                     round_ratios, summarize)
+from benchmarks.latency_runs import (GAUGE_SEQUENCES, LENGTH_CLASSES, WAITED_S, capacity_of, length_classes,
+                                     median_and_spread, round_ratios, summarize)
 from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload, compare_outputs
 from benchmarks.peers_online import unit_arrivals
 from benchmarks.policy_bench import parse_predictor
@@ -173,6 +174,12 @@ def kv_tokens_of(config: LatencyBenchConfig, setting: str) -> int:
     return slots * config.max_len
 
 
+def policy_order(policies: tuple[str, ...], round_index: int) -> tuple[str, ...]:
+    """The policies of one point in round `round_index` (from 0): as given, reversed on odd rounds, so that the
+    positions of any two rows balance over each pair of rounds and a steady drift of the machine cancels."""
+    return policies if round_index % 2 == 0 else policies[::-1]
+
+
 def bursty_arrivals(trace_path: Path, num_requests: int) -> list[float]:
     """The trace's first arrival times, shifted to start at 0 and scaled to a mean rate of 1 request/s."""
     rows = read_trace(trace_path, num_requests + 1)
@@ -225,7 +232,7 @@ def run(config: LatencyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache
         print(f"  {setting}: {capacity[setting]['requests_per_s']:.3f} requests/s until 90% done, "
               f"{capacity[setting]['tokens_per_s']:.0f} tokens/s in all, {kv_tokens_of(config, setting)} KV tokens")
     plan = [(r, s, p, v) for r in range(config.rounds) for s in config.settings for p in config.points
-            for v in config.policies]
+            for v in policy_order(config.policies, r)]
     runs: list[dict] = []
     digests: dict[str, dict[str, str]] = {}
     with tqdm(total=len(plan), desc="runs (all rounds)", unit="run") as progress:
@@ -278,7 +285,7 @@ def _run_variant(model, name: str, requests, estimates, true_lengths: dict[str, 
 def _medians(config: LatencyBenchConfig, runs: list[dict]) -> dict:
     """setting -> point -> policy -> {metric: (median, spread)} over the rounds."""
     keys = ("latency_mean_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "num_waited",
-            "queue_mean_s", "queue_p99_s", "tokens_per_s", "preemptions", "recomputed_tokens")
+            "queue_mean_s", "queue_p99_s", "tokens_per_s", "preemptions", "recomputed_tokens", "step_ms")
     medians: dict = {}
     for setting in config.settings:
         for point in config.points:
@@ -323,17 +330,19 @@ def _report(config: LatencyBenchConfig, runs: list[dict], capacity: dict, info: 
         return f"{median:.2f} ±{spread_share:.0%}" if spread else f"{median:.2f}"
 
     headers = ["point", "policy", "lat_mean", "lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "waited", "wait_mean",
-               "wait_p99", "tok/s", "pre_kv", "pre_short", "lat_short", "lat_med", "lat_long"]
+               "wait_p99", "tok/s", "pre_kv", "pre_short", "lat_short", "lat_med", "lat_long", "step_ms"]
     for setting in config.settings:
         rows = [[point, name, cell(v, "latency_mean_s", True), cell(v, "latency_p50_s"), cell(v, "latency_p99_s"),
                  cell(v, "ttft_p50_s"), cell(v, "ttft_p99_s"), f"{v['num_waited'][0]:.0f}", cell(v, "queue_mean_s"),
                  cell(v, "queue_p99_s"), f"{v['tokens_per_s'][0]:.0f} ±{v['tokens_per_s'][1]:.0%}",
                  f"{v['preemptions_kv'][0]:.0f}", f"{v['preemptions_shorter_work'][0]:.0f}",
-                 cell(v, "latency_mean_short_s"), cell(v, "latency_mean_medium_s"), cell(v, "latency_mean_long_s")]
+                 cell(v, "latency_mean_short_s"), cell(v, "latency_mean_medium_s"), cell(v, "latency_mean_long_s"),
+                 cell(v, "step_ms")]
                 for point, by_policy in medians[setting].items() for name, v in by_policy.items()]
         print(f"\n{setting} ({capacity[setting]['kv_tokens']} KV tokens, capacity "
               f"{capacity[setting]['requests_per_s']:.3f} requests/s): seconds, medians of {config.rounds} rounds "
-              f"(±: spread); waited: requests more than {WAITED_S} s in the queue")
+              f"(±: spread); waited: requests more than {WAITED_S} s in the queue; step_ms: the machine's speed, the "
+              f"median step of {GAUGE_SEQUENCES[0]}-{GAUGE_SEQUENCES[1]} sequences")
         print(format_table(headers, rows))
     ratios_by_policy = {name: _ratios(config, runs, name) for name in config.policies if name != "fcfs"}
     ratio_rows = []
@@ -344,10 +353,11 @@ def _report(config: LatencyBenchConfig, runs: list[dict], capacity: dict, info: 
                     f"{values[key]['median']:.2f} [{values[key]['min']:.2f}-{values[key]['max']:.2f}]"
                     if key in values else "n/a" for key in (
                         "latency_mean_vs_fcfs", "ttft_p50_vs_fcfs", "latency_p99_vs_fcfs", "tokens_per_s_vs_fcfs",
-                        "short_latency_mean_vs_fcfs", "oracle_share"))])
+                        "short_latency_mean_vs_fcfs", "oracle_share", "step_ms_vs_fcfs"))])
     print("\nagainst fcfs paging: median of the rounds' ratios [min-max]")
     print(format_table(["setting", "point", "policy", "lat_mean", "ttft_p50", "lat_p99", "tok/s", "short_lat_mean",
-                        "oracle_share"], ratio_rows))
+                        "oracle_share", "step_ms"], ratio_rows))
+    print("(step_ms far from 1.00 where few waited: the machine's speed moved between the runs, not the order)")
     print(f"every engine: {config.max_num_seqs} slots, {config.max_num_batched_tokens} tokens per step, preemption "
           f"{config.preemption_mode} (swap within {config.swap_space_bytes / 1e6:.0f} MB, recompute beyond), "
           f"starvation bound {config.max_queue_wait_s:g} s, the same {WARMUP_REQUESTS} warm-up requests untimed; "

@@ -7,6 +7,7 @@ from benchmarks.report import percentile
 
 WAITED_S = 0.1  # a request that spent longer than this in the engine's queue counts as one that waited
 LENGTH_CLASSES = ("short", "medium", "long")  # thirds of the workload's true output lengths
+GAUGE_SEQUENCES = (4, 12)  # steps of this many sequences (inclusive) gauge the machine's speed: every run has them
 
 
 def length_classes(lengths: dict[str, int]) -> dict[str, str]:
@@ -23,6 +24,14 @@ def capacity_of(run: PolicyRun, num_requests: int) -> float:
     return (index + 1) / done_s[index]
 
 
+def step_ms(run: PolicyRun, band: tuple[int, int] = GAUGE_SEQUENCES) -> float | None:
+    """The machine's speed during a run: the median duration (ms) of its steps that held `band` sequences. The same
+    kernels run under every policy, so between two runs of one point a ratio far from 1 is the machine drifting (or
+    a policy's own host time per step), not the order it chose."""
+    durations = [duration_s for _, duration_s, num_seqs, _, _ in run.steps if band[0] <= num_seqs <= band[1]]
+    return 1e3 * statistics.median(durations) if durations else None
+
+
 def summarize(run: PolicyRun, classes: dict[str, str]) -> dict:
     """What one run measured (seconds, tokens/s, counts)."""
     latency, queue = run.latency_s, run.queue_s
@@ -36,7 +45,7 @@ def summarize(run: PolicyRun, classes: dict[str, str]) -> dict:
             "preemptions": run.num_preemptions, "preemptions_by_cause": run.preemptions_by_cause,
             "recomputed_tokens": run.num_recomputed_tokens, "swapped_bytes": run.swapped_bytes,
             "latency_mean_by_class_s": {name: sum(v) / len(v) if v else None for name, v in by_class.items()},
-            "outputs_exact": run.outputs_ok, "probe_reads": run.num_probe_reads}
+            "outputs_exact": run.outputs_ok, "probe_reads": run.num_probe_reads, "step_ms": step_ms(run)}
 
 
 def median_and_spread(values: list[float]) -> tuple[float, float]:
@@ -54,6 +63,8 @@ def round_ratios(fcfs: dict, ours: dict, oracle: dict | None) -> dict:
     short = "short"
     ratios["short_latency_mean_vs_fcfs"] = (ours["latency_mean_by_class_s"][short]
                                             / fcfs["latency_mean_by_class_s"][short])
+    gauged = fcfs.get("step_ms") and ours.get("step_ms")
+    ratios["step_ms_vs_fcfs"] = ours["step_ms"] / fcfs["step_ms"] if gauged else None
     if oracle is not None:
         gain = fcfs["latency_mean_s"] - oracle["latency_mean_s"]
         ratios["oracle_share"] = (fcfs["latency_mean_s"] - ours["latency_mean_s"]) / gain if gain > 0 else None

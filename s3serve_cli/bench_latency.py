@@ -51,8 +51,11 @@ def add_latency_parser(benches) -> None:
                     "KV was scarce, none for shorter work, KV victims passed; with today's aging and starvation "
                     "bound), no_preempt, and victims_passed (the default with preempted_first off: a sequence "
                     "preempted for KV waits in the policy's order, as before 2026-12-02). Rounds interleave every "
-                    "setting, point and policy; tables give medians with their spread, ratios against fcfs per "
-                    "round, and the share of the oracle's gain the default reaches.")
+                    "setting, point and policy (a point's policies backwards on every second round, so that a "
+                    "drifting machine favours no row); tables give medians with their spread, ratios against fcfs "
+                    "per round, the share of the oracle's gain the default reaches, and step_ms, the machine's "
+                    "speed in each run (the median step of 4-12 sequences: far from paging's where few waited, the "
+                    "machine moved, not the order).")
     add_model_args(latency)
     latency.add_argument("--num-requests", type=int, default=None, help="requests per point (default 300; 64 with "
                                                                        "--quick)")

@@ -54,7 +54,8 @@ def _bench_natural(args: argparse.Namespace, peer_overrides: dict) -> int:
     base = peers_online.quick_config() if args.quick else peers_online.NaturalPeersConfig()
     overrides = {"peers": replace(base.peers, **peer_overrides),
                  **given((("num_requests", args.num_requests), ("rate_fractions", args.rates),
-                          ("kv_tokens", args.kv_tokens), ("labels_path", args.labels), ("predictor", args.predictor),
+                          ("kv_tokens", args.kv_tokens), ("max_len", args.max_len), ("labels_path", args.labels),
+                          ("predictor", args.predictor),
                           ("policies", args.policies), ("probe", args.probe)))}
 
     def labeler(records, labels_path, max_len):  # missing true lengths, as `s3serve label` makes them
@@ -107,6 +108,8 @@ def add_peers_parser(benches) -> None:
     peers.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                        help="natural: KV tokens of every engine (default 4096; --quick: 2048, four worst-case "
                             "sequences)")
+    peers.add_argument("--max-len", type=int, default=None, metavar="N",
+                       help="natural: longest sequence, prompt and answer (default 1024; --quick: 512)")
     peers.add_argument("--labels", type=Path, default=None, metavar="FILE",
                        help="natural: the model's greedy lengths (default: the held-out labels the policies bench "
                             "reads); prompts it lacks are labelled first")

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from benchmarks.latency_bench import LatencyBenchConfig, bursty_arrivals
-from benchmarks.latency_runs import capacity_of, length_classes, median_and_spread, round_ratios
+from benchmarks.latency_bench import LatencyBenchConfig, bursty_arrivals, policy_order
+from benchmarks.latency_runs import capacity_of, length_classes, median_and_spread, round_ratios, step_ms
 from benchmarks.policy_replay import PolicyRun
 
 
@@ -33,9 +33,28 @@ def test_the_bursty_point_keeps_the_traces_gaps_at_a_mean_of_one_request_per_sec
     assert gaps[len(gaps) // 10] < 0.3 < 3 < gaps[-1]  # bursts and lulls, unlike a steady stream
 
 
+def test_every_second_round_runs_the_policies_backwards_so_a_drifting_machine_favours_no_row():
+    policies = ("fcfs", "default", "oracle")
+    orders = [policy_order(policies, r) for r in range(4)]
+    assert orders == [policies, policies[::-1], policies, policies[::-1]]
+    for name in policies:  # over each pair of rounds every row sits, on average, in the middle
+        assert orders[0].index(name) + orders[1].index(name) == len(policies) - 1
+
+
 def test_capacity_is_requests_per_second_until_ninety_percent_finished():
     run = PolicyRun("paged_greedy", latency_s=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 30.0])
     assert capacity_of(run, 10) == 1.0  # 9 done at 9 s; the last, long one's drain is left out
+
+
+def test_the_speed_gauge_is_the_median_step_of_a_middling_batch_and_its_ratio_shows_drift():
+    # (end s, duration s, sequences, used blocks, reserved blocks); idle gaps and other batch sizes are not counted
+    steps = [(1.0, 0.5, 0, 0, 0), (1.1, 0.010, 2, 1, 1), (1.2, 0.020, 4, 1, 1), (1.3, 0.030, 8, 1, 1),
+             (1.4, 0.250, 12, 1, 1), (1.5, 0.900, 30, 1, 1)]
+    assert step_ms(PolicyRun("fcfs", steps=steps)) == pytest.approx(30.0)  # median of 20, 30 and 250 ms
+    assert step_ms(PolicyRun("fcfs", steps=steps[:2])) is None  # no step of 4-12 sequences
+    slow, fast = {**_summary(10.0, 8.0), "step_ms": 30.0}, {**_summary(8.0, 6.0), "step_ms": 24.0}
+    assert round_ratios(slow, fast, None)["step_ms_vs_fcfs"] == pytest.approx(0.8)  # the machine, not the order
+    assert round_ratios(_summary(10.0, 8.0), fast, None)["step_ms_vs_fcfs"] is None
 
 
 def _summary(latency_mean_s, short_s, tokens_per_s=100.0):
@@ -78,7 +97,7 @@ def test_bad_flags_are_one_line_errors():
 @pytest.mark.slow
 def test_bench_latency_measures_capacity_then_every_round_point_and_policy(tmp_path, model_cache_dir, shared_data):
     out = tmp_path / "latency.json"
-    result = _latency("--num-requests", "12", "--loads", "1.2", "--bursty-load", "0", "--settings", "kv_bound",
+    result = _latency("--num-requests", "6", "--loads", "1.2", "--bursty-load", "0", "--settings", "kv_bound",
                       "--rounds", "2", "--max-len", "256", "--kv-bound-slots", "3", "--model-cache-dir",
                       str(model_cache_dir), "--labels", str(tmp_path / "labels.jsonl"), "--json", str(out))
     assert result.returncode == 0, result.stderr[-3000:]

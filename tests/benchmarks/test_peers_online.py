@@ -69,8 +69,10 @@ def test_each_policy_at_each_rate_is_compared_with_vllm_at_that_rate():
 @pytest.mark.slow
 def test_our_side_runs_every_policy_at_every_rate_on_the_same_arrivals(tmp_path, model_cache_dir, shared_data):
     out = tmp_path / "natural.json"
+    # half --quick's max-len and KV (four worst-case sequences still), labelled here: CI time
     result = _peers("--workload", "natural", "--quick", "--systems", "ours", "--num-requests", "4",
                     "--rates", "2", "4", "--prompts", str(shared_data / "prompts" / "pool.jsonl"),
+                    "--max-len", "256", "--kv-tokens", "1024", "--labels", str(tmp_path / "labels.jsonl"),
                     "--model-cache-dir", str(model_cache_dir), "--json", str(out), timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ttft_p50" in result.stdout and "tpot_mean" in result.stdout

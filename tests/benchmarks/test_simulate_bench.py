@@ -90,7 +90,7 @@ def test_simulator_agrees_with_the_real_engine_on_this_cpu(tmp_path, model_cache
     out_json = tmp_path / "out.json"
     result = _simulate("--trace", str(shared_data / "traces" / "AzureLLMInferenceTrace_conv.csv"),
                        "--kind", "cpu", "--workers", "1", "4", "--requests-per-worker", "10",
-                       "--calibration-requests", "16", "--model-cache-dir", str(model_cache_dir),
+                       "--calibration-requests", "10", "--model-cache-dir", str(model_cache_dir),
                        "--json", str(out_json), timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(out_json.read_text())

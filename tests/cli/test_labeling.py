@@ -1,35 +1,39 @@
 """`s3serve label` on the real model: labels are written, resumable, and carry no prompt text."""
 
 import json
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 
 from s3serve_cli.label import LabelConfig, _sample_seed, read_done
-
-pytestmark = pytest.mark.slow
-
-
-def label(tmp_path, model_cache_dir, prompts, out, *extra):
-    return subprocess.run(
-        [sys.executable, "-m", "s3serve_cli.main", "label", "--prompts", str(prompts), "--out", str(out),
-         "--max-len", "96", "--batch-size", "4", "--model-cache-dir", str(model_cache_dir), *extra],
-        capture_output=True, text=True, timeout=600,
-    )
+from s3serve_cli.main import main
 
 
-def test_label_writes_lengths_resumes_and_keeps_prompt_text_out(tmp_path, model_cache_dir):
+def cli(capsys, *argv: str) -> SimpleNamespace:
+    """`s3serve ARGV` in this process, as `test_calibrate` runs it (a subprocess a call pays torch's import: CI
+    time): its exit code and what it printed."""
+    code = main(list(argv))
+    printed = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=printed.out, stderr=printed.err)
+
+
+def label(capsys, model_cache_dir, prompts, out, *extra):
+    return cli(capsys, "label", "--prompts", str(prompts), "--out", str(out), "--max-len", "96", "--batch-size", "4",
+               "--model-cache-dir", str(model_cache_dir), *extra)
+
+
+@pytest.mark.slow
+def test_label_writes_lengths_resumes_and_keeps_prompt_text_out(tmp_path, model_cache_dir, capsys):
     prompts = tmp_path / "prompts.jsonl"
     texts = ["Say hi.", "List three colours.", "Write a haiku about rain."]
     prompts.write_text("\n".join(
         [json.dumps({"prompt": texts[0]}), json.dumps({"messages": [{"role": "user", "content": texts[1]}]}),
          json.dumps({"id": "h", "instruction": texts[2], "input": ""})]) + "\n")
     out = tmp_path / "labels.jsonl"
-    first = label(tmp_path, model_cache_dir, prompts, out, "--limit", "2")
+    first = label(capsys, model_cache_dir, prompts, out, "--limit", "2")
     assert first.returncode == 0, first.stderr[-2000:]
     assert len(out.read_text().splitlines()) == 2
-    second = label(tmp_path, model_cache_dir, prompts, out)
+    second = label(capsys, model_cache_dir, prompts, out)
     assert second.returncode == 0, second.stderr[-2000:]
     assert "already_labelled: 2" in second.stdout and "to_label: 1" in second.stdout
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -75,22 +79,23 @@ def test_greedy_labels_refuse_several_samples(tmp_path):
         LabelConfig(prompt_paths=(tmp_path,), out_path=tmp_path / "x", num_samples=3)
 
 
-def test_sampled_labels_give_several_seeded_answers_per_prompt_and_label_stats_reads_them(tmp_path, model_cache_dir):
+@pytest.mark.slow
+def test_sampled_labels_give_several_seeded_answers_per_prompt_and_label_stats_reads_them(tmp_path, model_cache_dir,
+                                                                                          capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Tell me about the sea."}) + "\n")
     out = tmp_path / "labels.jsonl"
-    first = label(tmp_path, model_cache_dir, prompts, out, "--temperature", "1.0", "--num-samples", "3")
+    first = label(capsys, model_cache_dir, prompts, out, "--temperature", "1.0", "--num-samples", "3")
     assert first.returncode == 0, first.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["sample"] for r in rows) == [0, 1, 2]
     assert {r["sampling"]["temperature"] for r in rows} == {1.0}
     assert len({r["sampling"]["seed"] for r in rows}) == 3  # each answer its own draw
-    again = label(tmp_path, model_cache_dir, prompts, out, "--temperature", "1.0", "--num-samples", "3")
+    again = label(capsys, model_cache_dir, prompts, out, "--temperature", "1.0", "--num-samples", "3")
     assert "to_label: 0" in again.stdout  # resumed: nothing left
-    greedy = label(tmp_path, model_cache_dir, prompts, out)  # another setting: labelled beside them
+    greedy = label(capsys, model_cache_dir, prompts, out)  # another setting: labelled beside them
     assert greedy.returncode == 0 and "to_label: 1" in greedy.stdout
-    stats = subprocess.run([sys.executable, "-m", "s3serve_cli.main", "label-stats", str(out), "--json",
-                            str(tmp_path / "stats.json")], capture_output=True, text=True, timeout=120)
+    stats = cli(capsys, "label-stats", str(out), "--json", str(tmp_path / "stats.json"))
     assert stats.returncode == 0, stats.stderr[-2000:]
     settings = json.loads((tmp_path / "stats.json").read_text())["settings"]
     assert [(s["temperature"], s["num_answers"]) for s in settings] == [(0.0, 1), (1.0, 3)]

@@ -27,12 +27,12 @@ def test_greedy_matches_hf_generate_with_sequences_joining_and_leaving(smollm2_d
     records = spread_sample(read_prompts(shared_data / "prompts" / "pool.jsonl"), 40)
     candidates = [ids for ids in (encode_chat(smollm2_tokenizer, r, 200) for r in records) if ids]
     hf_model = load_model(smollm2_dir)
-    # Keep prompts whose answer runs to the full 32+ tokens, with different
+    # Keep prompts whose answer runs to the full 24+ tokens, with different
     # limits so sequences leave the batch at different steps (HF's greedy
     # runs at ~0.1 s a token here: the limits are what this test costs).
     prompts, num_tokens, expected = [], [], []
     for prompt in candidates:
-        limit = 32 + 4 * len(prompts)
+        limit = 24 + 3 * len(prompts)
         output = hf_greedy(hf_model, prompt, limit)
         if len(output) == limit:
             prompts.append(prompt)
@@ -40,7 +40,7 @@ def test_greedy_matches_hf_generate_with_sequences_joining_and_leaving(smollm2_d
             expected.append(output)
         if len(prompts) == 9:
             break
-    assert len(prompts) == 9, "the prompt pool should hold 9 prompts with 32+ token answers"
+    assert len(prompts) == 9, "the prompt pool should hold 9 prompts with 24+ token answers"
 
     engine = Engine(
         copy.deepcopy(hf_model),  # fp32: the fast path is what runs (asserted below)
