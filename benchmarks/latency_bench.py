@@ -24,9 +24,10 @@ bench loads one engine where a queue forms and measures who waits:
   engine's `preempted_first` off: a sequence preempted for KV waits in s3_peak's order, and smaller requests start
   before it, as before 2026-12-02).
 - Rounds are interleaved: round 1 runs every setting, point and policy, then round 2 again, the policies of each
-  point in reverse order on every second round (A B C, C B A), so that a machine speeding up or slowing down through
-  a round favours no row. The tables give each value's median over the rounds and its spread
-  ((max - min) / median); ratios are taken within a round and then their median is reported.
+  point in reverse order on every second round (A B C, C B A), so that over each pair of rounds a machine speeding
+  up or slowing down steadily favours no row (an odd number of rounds leaves the last one unbalanced). The tables
+  give each value's median over the rounds and its spread ((max - min) / median); ratios are taken within a round
+  and then their median is reported.
 """
 
 import copy
@@ -285,13 +286,15 @@ def _run_variant(model, name: str, requests, estimates, true_lengths: dict[str, 
 def _medians(config: LatencyBenchConfig, runs: list[dict]) -> dict:
     """setting -> point -> policy -> {metric: (median, spread)} over the rounds."""
     keys = ("latency_mean_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "num_waited",
-            "queue_mean_s", "queue_p99_s", "tokens_per_s", "preemptions", "recomputed_tokens", "step_ms")
+            "queue_mean_s", "queue_p99_s", "tokens_per_s", "preemptions", "recomputed_tokens")
     medians: dict = {}
     for setting in config.settings:
         for point in config.points:
             for name in config.policies:
                 mine = [r for r in runs if (r["setting"], r["point"], r["policy"]) == (setting, point, name)]
                 values = {key: median_and_spread([r[key] or 0.0 for r in mine]) for key in keys}
+                gauged = [r["step_ms"] for r in mine if r["step_ms"] is not None]  # none: no step of that size
+                values["step_ms"] = median_and_spread(gauged) if gauged else (None, 0.0)
                 for cause in ("kv", "priority", "shorter_work"):
                     values[f"preemptions_{cause}"] = median_and_spread(
                         [r["preemptions_by_cause"].get(cause, 0) for r in mine])
@@ -327,6 +330,8 @@ def _report(config: LatencyBenchConfig, runs: list[dict], capacity: dict, info: 
 
     def cell(values: dict, key: str, spread: bool = False) -> str:
         median, spread_share = values[key]
+        if median is None:
+            return "n/a"
         return f"{median:.2f} ±{spread_share:.0%}" if spread else f"{median:.2f}"
 
     headers = ["point", "policy", "lat_mean", "lat_p50", "lat_p99", "ttft_p50", "ttft_p99", "waited", "wait_mean",
@@ -357,7 +362,8 @@ def _report(config: LatencyBenchConfig, runs: list[dict], capacity: dict, info: 
     print("\nagainst fcfs paging: median of the rounds' ratios [min-max]")
     print(format_table(["setting", "point", "policy", "lat_mean", "ttft_p50", "lat_p99", "tok/s", "short_lat_mean",
                         "oracle_share", "step_ms"], ratio_rows))
-    print("(step_ms far from 1.00 where few waited: the machine's speed moved between the runs, not the order)")
+    print("(step_ms far from 1.00 where few waited: the machine's speed moved between the runs, or the policy's "
+          "own time per step, not its order)")
     print(f"every engine: {config.max_num_seqs} slots, {config.max_num_batched_tokens} tokens per step, preemption "
           f"{config.preemption_mode} (swap within {config.swap_space_bytes / 1e6:.0f} MB, recompute beyond), "
           f"starvation bound {config.max_queue_wait_s:g} s, the same {WARMUP_REQUESTS} warm-up requests untimed; "

@@ -104,6 +104,9 @@ def run(config: NaturalPeersConfig, model_name: str = DEFAULT_MODEL, model_cache
         raise ValueError(f"--rates must be positive fractions of vLLM's capacity, got {list(config.rate_fractions)}")
     if config.kv_tokens < config.max_len:
         raise ValueError(f"--kv-tokens {config.kv_tokens} cannot hold one {config.max_len}-token sequence")
+    if config.max_len <= config.max_prompt_tokens:
+        raise ValueError(f"--max-len {config.max_len} leaves no room to answer a prompt of up to "
+                         f"{config.max_prompt_tokens} tokens")
     parse_predictor(config.predictor, {}, config.max_len, config.peers.seed)  # a bad spec fails here
     if PROBED in config.policies and config.probe == "default" and model_name != DEFAULT_MODEL \
             and config.policies in (NaturalPeersConfig.policies, quick_config().policies):

@@ -51,11 +51,12 @@ def add_latency_parser(benches) -> None:
                     "KV was scarce, none for shorter work, KV victims passed; with today's aging and starvation "
                     "bound), no_preempt, and victims_passed (the default with preempted_first off: a sequence "
                     "preempted for KV waits in the policy's order, as before 2026-12-02). Rounds interleave every "
-                    "setting, point and policy (a point's policies backwards on every second round, so that a "
-                    "drifting machine favours no row); tables give medians with their spread, ratios against fcfs "
-                    "per round, the share of the oracle's gain the default reaches, and step_ms, the machine's "
-                    "speed in each run (the median step of 4-12 sequences: far from paging's where few waited, the "
-                    "machine moved, not the order).")
+                    "setting, point and policy (a point's policies backwards on every second round, so that over "
+                    "each pair of rounds a steadily drifting machine favours no row: use an even --rounds); tables "
+                    "give medians with their spread, ratios against fcfs per round, the share of the oracle's gain "
+                    "the default reaches, and step_ms, the machine's speed in each run (the median step of 4-12 "
+                    "sequences: far from paging's where few waited, the machine moved or the policy spends its own "
+                    "time per step, not its order).")
     add_model_args(latency)
     latency.add_argument("--num-requests", type=int, default=None, help="requests per point (default 300; 64 with "
                                                                        "--quick)")

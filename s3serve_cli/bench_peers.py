@@ -12,8 +12,8 @@ def peers_systems(args: argparse.Namespace) -> list[str]:
     """The systems `bench peers` runs; ValueError for a flag its --workload does not use, or a system it lacks."""
     natural = args.workload == "natural"
     inapplicable = {"--kv-gib": args.kv_gib, "--single-output-tokens": args.single_output_tokens} if natural else {
-        "--rates": args.rates, "--kv-tokens": args.kv_tokens, "--labels": args.labels, "--predictor": args.predictor,
-        "--probe": args.probe}
+        "--rates": args.rates, "--kv-tokens": args.kv_tokens, "--max-len": args.max_len, "--labels": args.labels,
+        "--predictor": args.predictor, "--probe": args.probe}
     misplaced = [flag for flag, value in inapplicable.items() if value is not None]
     systems = args.systems or (["vllm", "ours"] if natural else ["vllm", "llamacpp", "openvino", "ours"])
     if natural and set(systems) - {"vllm", "ours"}:

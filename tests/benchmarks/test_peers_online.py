@@ -32,6 +32,8 @@ def test_arrivals_are_a_seeded_poisson_process_at_one_request_per_second():
     (("--workload", "natural", "--systems", "ours", "--kv-tokens", "100"), "cannot hold one 1024-token sequence"),
     (("--workload", "natural", "--systems", "ours", "--predictor", "no/such/dir"), "neither noisy-oracle:SIGMA"),
     (("--probe", "default"), "--probe does not apply to --workload p8"),
+    (("--max-len", "256"), "--max-len does not apply to --workload p8"),
+    (("--workload", "natural", "--systems", "ours", "--max-len", "200"), "--max-len 200 leaves no room to answer"),
 ])
 def test_bad_settings_are_one_line_errors(args, message):
     result = _peers(*args)
