@@ -37,8 +37,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.latency_runs import (GAUGE_SEQUENCES, LENGTH_CLASSES, WAITED_S, capacity_of, length_classes,
-                                     median_and_spread, round_ratios, summarize)
+from benchmarks.latency_runs import (GAUGE_SEQUENCES, WAITED_S, capacity_of, length_classes, medians_of, ratios_of,
+                                     summarize)
+from benchmarks.modelled_clock import CLOCKS, ModelledClock
 from benchmarks.natural_workload import HELD_OUT_LABELS, Labeler, build_natural_workload, compare_outputs
 from benchmarks.peers_online import unit_arrivals
 from benchmarks.policy_bench import parse_predictor
@@ -46,6 +47,7 @@ from benchmarks.policy_bench_config import DEFAULT_TRACE, PolicyBenchConfig
 from benchmarks.policy_replay import WARMUP_REQUESTS, PolicyRun, run_policy
 from benchmarks.prompt_pool import DEFAULT_PROMPTS
 from benchmarks.report import environment, format_table, write_json
+from benchmarks.step_time import StepModel, fit_linear
 from benchmarks.traces import read_trace
 from cluster.config import service_default
 from cluster.control.worker_probe import load_length_probe
@@ -111,6 +113,8 @@ class LatencyBenchConfig:
         seed: which held-out prompts, and the Poisson arrivals.
         dtype: the model's, as the service resolves it ("auto": bf16 on CPUs with bf16 instructions, fp32 over
             bf16 linear weights on AVX2-only ones).
+        clock: "wall", or "modelled": every run counts time by a step-time model fitted on each setting's
+            capacity run (`benchmarks.modelled_clock`), so the machine's drift between runs cannot favour a row.
     """
 
     num_requests: int = 300
@@ -132,6 +136,7 @@ class LatencyBenchConfig:
     other_probe: str | None = None
     seed: int = 0
     dtype: str = service_default("dtype")
+    clock: str = "wall"
     labels_path: Path = HELD_OUT_LABELS
     prompts_path: Path = DEFAULT_PROMPTS
     trace_path: Path = DEFAULT_TRACE
@@ -154,6 +159,8 @@ class LatencyBenchConfig:
             raise ValueError("policies must include fcfs: the ratios are against it")
         if self.rounds < 1 or self.kv_bound_slots < 1:
             raise ValueError(f"rounds and kv_bound_slots must be >= 1, got {self.rounds} and {self.kv_bound_slots}")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}")
 
@@ -221,17 +228,12 @@ def run(config: LatencyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache
     units = unit_arrivals(len(requests), config.seed)
     bursty = bursty_arrivals(config.trace_path, len(requests)) if config.bursty_load is not None else None
     capacity: dict[str, dict] = {}
+    step_models: dict[str, StepModel | None] = {}  # setting -> the modelled clock's step time (None: wall clock)
     for setting in config.settings:
-        bench = _bench_config(config, setting)
-        at_once = [dataclasses.replace(r, arrival_s=0.0) for r in requests]
-        with tqdm(total=len(requests), desc=f"capacity ({setting}: fcfs, all at t=0)", unit="req") as progress:
-            result = run_policy(copy.deepcopy(model), "paged_greedy", at_once, {}, bench,
-                                kv_tokens_of(config, setting) * bytes_per_token, progress)
-        capacity[setting] = {"requests_per_s": capacity_of(result, len(requests)),
-                             "tokens_per_s": result.output_tokens / result.wall_s,
-                             "kv_tokens": kv_tokens_of(config, setting)}
+        capacity[setting], step_models[setting] = _capacity(model, requests, config, setting, bytes_per_token)
         print(f"  {setting}: {capacity[setting]['requests_per_s']:.3f} requests/s until 90% done, "
-              f"{capacity[setting]['tokens_per_s']:.0f} tokens/s in all, {kv_tokens_of(config, setting)} KV tokens")
+              f"{capacity[setting]['tokens_per_s']:.0f} tokens/s in all, {kv_tokens_of(config, setting)} KV tokens"
+              + (f"; time modelled, {step_models[setting].describe()}" if step_models[setting] else ""))
     plan = [(r, s, p, v) for r in range(config.rounds) for s in config.settings for p in config.points
             for v in policy_order(config.policies, r)]
     runs: list[dict] = []
@@ -242,8 +244,9 @@ def run(config: LatencyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache
             rate = (config.bursty_load if point == BURSTY else float(point)) * capacity[setting]["requests_per_s"]
             times = bursty if point == BURSTY else units
             timed = [dataclasses.replace(r, arrival_s=t / rate) for r, t in zip(requests, times)]
+            clock = ModelledClock(step_models[setting]) if step_models[setting] else None
             result = _run_variant(model, name, timed, estimates, true_lengths, config, setting, bytes_per_token,
-                                  probes.get(VARIANTS[name].other_probe))
+                                  probes.get(VARIANTS[name].other_probe), clock)
             digests[f"{round_index + 1}/{setting}/{point}/{name}"] = result.digests
             runs.append({"round": round_index + 1, "setting": setting, "point": point, "rate_requests_per_s": rate,
                          **summarize(result, classes)})
@@ -251,6 +254,25 @@ def run(config: LatencyBenchConfig, model_name: str = DEFAULT_MODEL, model_cache
     token_check = compare_outputs(digests)
     token_check["num_requests_differing"] = len({rid for ids in token_check["differing"].values() for rid in ids})
     return _report(config, runs, capacity, info, precision, token_check, json_path)
+
+
+def _capacity(model, requests, config: LatencyBenchConfig, setting: str,
+              bytes_per_token: int) -> tuple[dict, StepModel | None]:
+    """FCFS paging with every request at t=0: requests/s until 90% are done. With the modelled clock, its steps
+    fit the step-time model and it runs again on that clock, so that the loads are fractions of modelled time."""
+    at_once = [dataclasses.replace(r, arrival_s=0.0) for r in requests]
+    kv_bytes, step_model, clock = kv_tokens_of(config, setting) * bytes_per_token, None, None
+    for attempt in range(2 if config.clock == "modelled" else 1):
+        desc = f"capacity ({setting}: fcfs, all at t=0{', modelled time' if attempt else ''})"
+        with tqdm(total=len(requests), desc=desc, unit="req") as progress:
+            result = run_policy(copy.deepcopy(model), "paged_greedy", at_once, {}, _bench_config(config, setting),
+                                kv_bytes, progress, clock=clock)
+        if config.clock == "modelled" and not attempt:
+            step_model = fit_linear(result.measured_steps, measured_on="this CPU's capacity run")
+            clock = ModelledClock(step_model)
+    return ({"requests_per_s": capacity_of(result, len(requests)),
+             "tokens_per_s": result.output_tokens / result.wall_s, "kv_tokens": kv_tokens_of(config, setting),
+             "clock": config.clock, "step_model": step_model.describe() if step_model else None}, step_model)
 
 
 def _bench_config(config: LatencyBenchConfig, setting: str) -> PolicyBenchConfig:
@@ -272,7 +294,7 @@ def _estimates(config: LatencyBenchConfig, requests, texts: dict[str, str]) -> d
 
 
 def _run_variant(model, name: str, requests, estimates, true_lengths: dict[str, int], config: LatencyBenchConfig,
-                 setting: str, bytes_per_token: int, probe) -> PolicyRun:
+                 setting: str, bytes_per_token: int, probe, clock: ModelledClock | None) -> PolicyRun:
     variant = VARIANTS[name]
     chosen = {"none": {}, "predictor": estimates,
               "true": {rid: (n, n) for rid, n in true_lengths.items()}}[variant.estimates]
@@ -280,53 +302,12 @@ def _run_variant(model, name: str, requests, estimates, true_lengths: dict[str, 
         return run_policy(copy.deepcopy(model), variant.policy, requests, chosen, _bench_config(config, setting),
                           kv_tokens_of(config, setting) * bytes_per_token, inner,
                           probe=probe if variant.probe else None, policy_options=dict(variant.options), label=name,
-                          engine_options=dict(variant.engine_options))
-
-
-def _medians(config: LatencyBenchConfig, runs: list[dict]) -> dict:
-    """setting -> point -> policy -> {metric: (median, spread)} over the rounds."""
-    keys = ("latency_mean_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "num_waited",
-            "queue_mean_s", "queue_p99_s", "tokens_per_s", "preemptions", "recomputed_tokens")
-    medians: dict = {}
-    for setting in config.settings:
-        for point in config.points:
-            for name in config.policies:
-                mine = [r for r in runs if (r["setting"], r["point"], r["policy"]) == (setting, point, name)]
-                values = {key: median_and_spread([r[key] or 0.0 for r in mine]) for key in keys}
-                gauged = [r["step_ms"] for r in mine if r["step_ms"] is not None]  # none: no step of that size
-                values["step_ms"] = median_and_spread(gauged) if gauged else (None, 0.0)
-                for cause in ("kv", "priority", "shorter_work"):
-                    values[f"preemptions_{cause}"] = median_and_spread(
-                        [r["preemptions_by_cause"].get(cause, 0) for r in mine])
-                for cls in LENGTH_CLASSES:
-                    values[f"latency_mean_{cls}_s"] = median_and_spread(
-                        [r["latency_mean_by_class_s"][cls] or 0.0 for r in mine])
-                medians.setdefault(setting, {}).setdefault(point, {})[name] = values
-    return medians
-
-
-def _ratios(config: LatencyBenchConfig, runs: list[dict], ours: str) -> dict:
-    """setting -> point -> ratio name -> {"median", "min", "max"} over the rounds, for policy `ours` against fcfs."""
-    ratios: dict = {}
-    for setting in config.settings:
-        for point in config.points:
-            per_round = []
-            for round_index in range(1, config.rounds + 1):
-                found = {r["policy"]: r for r in runs
-                         if (r["round"], r["setting"], r["point"]) == (round_index, setting, point)}
-                per_round.append(round_ratios(found["fcfs"], found[ours], found.get("oracle")))
-            summary = {}
-            for name in per_round[0]:
-                values = [r[name] for r in per_round if r[name] is not None]
-                if values:
-                    summary[name] = {"median": median_and_spread(values)[0], "min": min(values), "max": max(values)}
-            ratios.setdefault(setting, {})[point] = summary
-    return ratios
+                          engine_options=dict(variant.engine_options), clock=clock)
 
 
 def _report(config: LatencyBenchConfig, runs: list[dict], capacity: dict, info: dict, precision: str,
             token_check: dict, json_path: Path | None) -> dict:
-    medians = _medians(config, runs)
+    medians = medians_of(config, runs)
 
     def cell(values: dict, key: str, spread: bool = False) -> str:
         median, spread_share = values[key]
@@ -345,11 +326,12 @@ def _report(config: LatencyBenchConfig, runs: list[dict], capacity: dict, info: 
                  cell(v, "step_ms")]
                 for point, by_policy in medians[setting].items() for name, v in by_policy.items()]
         print(f"\n{setting} ({capacity[setting]['kv_tokens']} KV tokens, capacity "
-              f"{capacity[setting]['requests_per_s']:.3f} requests/s): seconds, medians of {config.rounds} rounds "
+              f"{capacity[setting]['requests_per_s']:.3f} requests/s): "
+              f"{'modelled seconds' if config.clock == 'modelled' else 'seconds'}, medians of {config.rounds} rounds "
               f"(±: spread); waited: requests more than {WAITED_S} s in the queue; step_ms: the machine's speed, the "
               f"median step of {GAUGE_SEQUENCES[0]}-{GAUGE_SEQUENCES[1]} sequences")
         print(format_table(headers, rows))
-    ratios_by_policy = {name: _ratios(config, runs, name) for name in config.policies if name != "fcfs"}
+    ratios_by_policy = {name: ratios_of(config, runs, name) for name in config.policies if name != "fcfs"}
     ratio_rows = []
     for name, by_setting in ratios_by_policy.items():
         for setting, by_point in by_setting.items():

@@ -25,10 +25,11 @@ def capacity_of(run: PolicyRun, num_requests: int) -> float:
 
 
 def step_ms(run: PolicyRun, band: tuple[int, int] = GAUGE_SEQUENCES) -> float | None:
-    """The machine's speed during a run: the median duration (ms) of its steps that held `band` sequences. The same
-    kernels run under every policy, so between two runs of one point a ratio far from 1 is the machine drifting (or
-    a policy's own host time per step), not the order it chose."""
-    durations = [duration_s for _, duration_s, num_seqs, _, _ in run.steps if band[0] <= num_seqs <= band[1]]
+    """The machine's speed during a run: the median wall-clock duration (ms) of its steps that held `band`
+    sequences (on the wall clock even where the run counted modelled time). The same kernels run under every policy,
+    so between two runs of one point a ratio far from 1 is the machine drifting (or a policy's own host time per
+    step), not the order it chose."""
+    durations = [duration_s for shape, duration_s in run.measured_steps if band[0] <= shape.num_seqs <= band[1]]
     return 1e3 * statistics.median(durations) if durations else None
 
 
@@ -68,4 +69,47 @@ def round_ratios(fcfs: dict, ours: dict, oracle: dict | None) -> dict:
     if oracle is not None:
         gain = fcfs["latency_mean_s"] - oracle["latency_mean_s"]
         ratios["oracle_share"] = (fcfs["latency_mean_s"] - ours["latency_mean_s"]) / gain if gain > 0 else None
+    return ratios
+
+
+def medians_of(config, runs: list[dict]) -> dict:
+    """setting -> point -> policy -> {metric: (median, spread)} over the rounds of `config` (a
+    `LatencyBenchConfig`: its settings, points and policies)."""
+    keys = ("latency_mean_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "num_waited",
+            "queue_mean_s", "queue_p99_s", "tokens_per_s", "preemptions", "recomputed_tokens")
+    medians: dict = {}
+    for setting in config.settings:
+        for point in config.points:
+            for name in config.policies:
+                mine = [r for r in runs if (r["setting"], r["point"], r["policy"]) == (setting, point, name)]
+                values = {key: median_and_spread([r[key] or 0.0 for r in mine]) for key in keys}
+                gauged = [r["step_ms"] for r in mine if r["step_ms"] is not None]  # none: no step of that size
+                values["step_ms"] = median_and_spread(gauged) if gauged else (None, 0.0)
+                for cause in ("kv", "priority", "shorter_work"):
+                    values[f"preemptions_{cause}"] = median_and_spread(
+                        [r["preemptions_by_cause"].get(cause, 0) for r in mine])
+                for cls in LENGTH_CLASSES:
+                    values[f"latency_mean_{cls}_s"] = median_and_spread(
+                        [r["latency_mean_by_class_s"][cls] or 0.0 for r in mine])
+                medians.setdefault(setting, {}).setdefault(point, {})[name] = values
+    return medians
+
+
+def ratios_of(config, runs: list[dict], ours: str) -> dict:
+    """setting -> point -> ratio name -> {"median", "min", "max"} over `config`'s rounds, for policy `ours` against
+    fcfs."""
+    ratios: dict = {}
+    for setting in config.settings:
+        for point in config.points:
+            per_round = []
+            for round_index in range(1, config.rounds + 1):
+                found = {r["policy"]: r for r in runs
+                         if (r["round"], r["setting"], r["point"]) == (round_index, setting, point)}
+                per_round.append(round_ratios(found["fcfs"], found[ours], found.get("oracle")))
+            summary = {}
+            for name in per_round[0]:
+                values = [r[name] for r in per_round if r[name] is not None]
+                if values:
+                    summary[name] = {"median": median_and_spread(values)[0], "min": min(values), "max": max(values)}
+            ratios.setdefault(setting, {})[point] = summary
     return ratios

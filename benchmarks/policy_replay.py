@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from benchmarks.modelled_clock import ModelledClock
 from benchmarks.natural_workload import output_digest
 from benchmarks.policy_bench_config import PolicyBenchConfig
 from benchmarks.policy_summary import NO_CACHE_SUFFIX, PROBE_SUFFIX
@@ -21,6 +22,7 @@ from workers.scheduling.policies import make_policy, overcommit_options
 from workers.scheduling.preemption import PreemptionRule
 from workers.scheduling.scheduler_output import SchedulerStats
 from workers.values.sampling_params import SamplingParams
+from workers.values.step_output import StepShape
 
 MAX_REPORTED_EVENTS = 50  # misprediction events listed per policy in the JSON
 WARMUP_REQUESTS = 2  # untimed, through every fresh engine before its replay
@@ -58,6 +60,7 @@ class PolicyRun:
     num_prefix_hit_tokens: int = 0  # of those, taken from the prefix cache
     digests: dict[str, str] = field(default_factory=dict)  # request id -> fingerprint of its output tokens
     num_probe_reads: int = 0  # bounds the hidden-state probe set (after prefill and every N decoded tokens)
+    measured_steps: list[tuple[StepShape, float]] = field(default_factory=list)  # (shape, wall s) of each step
 
 
 def warm_up_prompts(vocab_size: int) -> list[list[int]]:
@@ -85,13 +88,15 @@ def warm_up(engine: Engine, vocab_size: int) -> None:
 def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]], config: PolicyBenchConfig,
                kv_cache_bytes: int, progress: tqdm, prefix_caching: bool = True,
                probe: LengthProbe | None = None, policy_options: dict | None = None,
-               label: str | None = None, engine_options: dict | None = None) -> PolicyRun:
+               label: str | None = None, engine_options: dict | None = None,
+               clock: ModelledClock | None = None) -> PolicyRun:
     """Replay the requests through a fresh engine with one policy (and `probe` refining its bounds, if given).
 
     `estimates` holds each request's (point, upper bound) output tokens; the policy plans by the one it
     chooses (`PlanningRule.prediction_from`). `policy_options`: the policy's own constructor arguments (a
     variant); `engine_options`: settings of the engine's tree the variant sets (`EngineConfig.of`); `label`: the
-    run's name (default: the policy's, "+probe" with a probe)."""
+    run's name (default: the policy's, "+probe" with a probe); `clock`: time as a step-time model counts it
+    instead of the wall clock (arrivals, steps, latencies; `measured_steps` stay on the wall clock)."""
     natural = config.workload == "natural"
     kwargs = overcommit_options(name, config.overcommit_step,
                                 PreemptionRule.can_swap(config.preemption_mode, config.swap_space_bytes))
@@ -107,17 +112,19 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
                      **(engine_options or {})),
         policy=policy,
         probe=probe,
+        clock=clock,
     )
     warm_up(engine, engine.vocab_size)
+    now = engine.clock.now
     label = label or (name if probe is None else f"{name}{PROBE_SUFFIX}")
     run = PolicyRun(policy=label if prefix_caching else f"{label}{NO_CACHE_SUFFIX}", num_blocks=engine.allocator.num_blocks,
                     prefix_caching=prefix_caching)
     pending = sorted(requests, key=lambda r: r.arrival_s)
     expected = {r.request_id: r.output_tokens for r in requests}
-    start_s = time.monotonic()
+    start_s = now()
     next_index = 0
     while next_index < len(pending) or engine.has_unfinished():
-        now_s = time.monotonic() - start_s
+        now_s = now() - start_s
         while next_index < len(pending) and pending[next_index].arrival_s <= now_s:
             request = pending[next_index]
             max_tokens = config.max_len - len(request.prompt_token_ids)
@@ -133,12 +140,17 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
             next_index += 1
         if not engine.has_unfinished():
             idle_s = max(0.0, pending[next_index].arrival_s - now_s)
-            time.sleep(idle_s)
-            run.steps.append((time.monotonic() - start_s, idle_s, 0, 0, 0))
+            if clock is None:
+                time.sleep(idle_s)
+            else:
+                clock.wait_until(start_s + pending[next_index].arrival_s)
+            run.steps.append((now() - start_s, idle_s, 0, 0, 0))
             continue
-        step_start_s = time.monotonic()
+        step_start_s, wall_start_s = now(), time.perf_counter()
         outputs = engine.step()
-        now_s = time.monotonic()
+        wall_step_s, now_s = time.perf_counter() - wall_start_s, now()
+        if engine.last_num_scheduled:
+            run.measured_steps.append((engine.last_shape, wall_step_s))
         run.steps.append((now_s - start_s, now_s - step_start_s, engine.last_num_scheduled,
                           engine.last_used_blocks, engine.last_reserved_blocks))
         for out in outputs:
@@ -155,7 +167,7 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
                 if metrics.tpot_s is not None:
                     run.tpot_s.append(metrics.tpot_s)
                 progress.update(1)
-    run.wall_s = time.monotonic() - start_s
+    run.wall_s = now() - start_s
     stats = engine.scheduler.stats
     run.num_preemptions = stats.num_preemptions
     run.preemptions_by_cause = dict(stats.preemptions_by_cause)

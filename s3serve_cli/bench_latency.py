@@ -20,7 +20,7 @@ def _bench_latency(args: argparse.Namespace) -> int:
                        ("settings", args.settings), ("policies", args.policies), ("rounds", args.rounds),
                        ("kv_bound_slots", args.kv_bound_slots), ("predictor", args.predictor),
                        ("probe", args.probe), ("other_probe", args.other_probe), ("seed", args.seed),
-                       ("labels_path", args.labels)))
+                       ("labels_path", args.labels), ("clock", args.clock)))
     if args.bursty_load is not None:
         overrides["bursty_load"] = None if args.bursty_load == 0 else args.bursty_load
     overrides.update(given_values(args, ENGINE_SETTINGS))
@@ -94,6 +94,11 @@ def add_latency_parser(benches) -> None:
     latency.add_argument("--labels", type=Path, default=None, metavar="FILE",
                          help="the model's greedy lengths, labelled first where missing (default: "
                               "benchmarks/labels/smollm2-135m-instruct.heldout.greedy.jsonl)")
+    latency.add_argument("--clock", default=None, choices=("wall", "modelled"),
+                         help="wall: latencies in the machine's seconds (the default); modelled: the engine runs "
+                              "every token as ever, but time moves by a step-time model fitted on each setting's "
+                              "capacity run (which then runs twice), so the machine's drift between runs cannot "
+                              "favour a row; a policy's own host time per step is then counted nowhere")
     add_setting_flags(latency.add_argument_group("every policy's engines"), WorkerSettings, ENGINE_SETTINGS)
     latency.add_argument("--quick", action="store_true",
                          help="64 requests, kv_bound only, loads 0.95 and 1.2, two rounds (under 20 minutes here)")

@@ -10,6 +10,7 @@ import pytest
 from benchmarks.latency_bench import LatencyBenchConfig, bursty_arrivals, policy_order
 from benchmarks.latency_runs import capacity_of, length_classes, median_and_spread, round_ratios, step_ms
 from benchmarks.policy_replay import PolicyRun
+from workers.values.step_output import StepShape
 
 
 def _latency(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -47,11 +48,11 @@ def test_capacity_is_requests_per_second_until_ninety_percent_finished():
 
 
 def test_the_speed_gauge_is_the_median_step_of_a_middling_batch_and_its_ratio_shows_drift():
-    # (end s, duration s, sequences, used blocks, reserved blocks); idle gaps and other batch sizes are not counted
-    steps = [(1.0, 0.5, 0, 0, 0), (1.1, 0.010, 2, 1, 1), (1.2, 0.020, 4, 1, 1), (1.3, 0.030, 8, 1, 1),
-             (1.4, 0.250, 12, 1, 1), (1.5, 0.900, 30, 1, 1)]
-    assert step_ms(PolicyRun("fcfs", steps=steps)) == pytest.approx(30.0)  # median of 20, 30 and 250 ms
-    assert step_ms(PolicyRun("fcfs", steps=steps[:2])) is None  # no step of 4-12 sequences
+    # (shape, wall-clock s) of each step that ran; other batch sizes are not counted
+    steps = [(StepShape(num_seqs, num_seqs, 100 * num_seqs, 100 * num_seqs), duration_s)
+             for num_seqs, duration_s in ((2, 0.010), (4, 0.020), (8, 0.030), (12, 0.250), (30, 0.900))]
+    assert step_ms(PolicyRun("fcfs", measured_steps=steps)) == pytest.approx(30.0)  # median of 20, 30 and 250 ms
+    assert step_ms(PolicyRun("fcfs", measured_steps=steps[:1])) is None  # no step of 4-12 sequences
     slow, fast = {**_summary(10.0, 8.0), "step_ms": 30.0}, {**_summary(8.0, 6.0), "step_ms": 24.0}
     assert round_ratios(slow, fast, None)["step_ms_vs_fcfs"] == pytest.approx(0.8)  # the machine, not the order
     assert round_ratios(_summary(10.0, 8.0), fast, None)["step_ms_vs_fcfs"] is None

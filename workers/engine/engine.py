@@ -14,6 +14,7 @@ import time
 import torch
 
 from kv_kernels import KVKernelBackend, backend_for_device
+from workers.engine.clock import EngineClock
 from workers.engine.grammar_masks import CPU_OVERLAP_MAX_ROWS, GrammarMasks
 from workers.engine.kv_transfer import ExportedKV
 from workers.engine.logprobs import record_prompt_scores, sampled_logprobs, score_prompts, take_prompt_logprobs
@@ -51,6 +52,7 @@ class Engine:
             `workers.scheduling.length_probe`); the bound given with the request stays when None. Only policies
             that plan by a refinable prediction (`reads_prediction`: s3, s3_peak) get it; under the
             others it is not run.
+        clock: what time is read from (`workers.engine.clock`); the wall clock when None.
     """
 
     def __init__(
@@ -61,8 +63,10 @@ class Engine:
         backend: KVKernelBackend | None = None,
         policy: SchedulingPolicy | None = None,
         probe: LengthProbe | None = None,
+        clock: EngineClock | None = None,
     ) -> None:
         self.config = config
+        self.clock = clock or EngineClock()  # the wall clock; a bench may model time instead
         self.tokenizer = tokenizer
         device = next(model.parameters()).device
         model_config = model.config
@@ -142,7 +146,7 @@ class Engine:
 
         `predicted_output_tokens` is the length predictor's upper bound, used by
         length-aware policies; the worker never predicts by itself.
-        `arrival_s` (time.monotonic() seconds) defaults to now; replay passes
+        `arrival_s` (seconds on the engine's clock) defaults to now; replay passes
         the scheduled arrival so queueing before this call counts in TTFT.
         `resumed_output_token_ids` are outputs generated elsewhere (a moved or
         re-placed request): they count as output tokens (max_tokens, forced
@@ -171,7 +175,7 @@ class Engine:
             priority=priority,
             prompt_token_ids=prompt,
             params=params,
-            arrival_s=time.monotonic() if arrival_s is None else arrival_s,
+            arrival_s=self.clock.now() if arrival_s is None else arrival_s,
             predicted_output_tokens=predicted_output_tokens,
             predicted_center_tokens=predicted_output_tokens,
             output_token_ids=resumed,
@@ -255,7 +259,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         """Run one forward over every scheduled chunk; return the tokens it produced."""
         start_s = time.perf_counter()
-        decisions = self.scheduler.schedule(time.monotonic())
+        decisions = self.scheduler.schedule(self.clock.now())
+        swapped_before = self.swapped_bytes
         for seq, block_ids in decisions.swap_out:
             try:
                 self.swapped_bytes += self.runner.swap_out(seq.seq_id, block_ids)
@@ -268,6 +273,7 @@ class Engine:
         chunks = decisions.chunks
         self.last_num_scheduled = len(chunks)
         if not chunks:
+            self.clock.step_ran(None, self.swapped_bytes - swapped_before)
             return []
         scheduled_s = time.perf_counter()
         self.last_shape = step_shape(chunks)
@@ -285,6 +291,7 @@ class Engine:
         logprobs = sampled_logprobs(logits, seqs, token_ids)
         prompt_scores = None if scores is None else score_prompts(scores)
         sampled_s = time.perf_counter()
+        self.clock.step_ran(self.last_shape, self.swapped_bytes - swapped_before)
         # Progress moves only once sampling succeeded: if it raised, the next
         # step recomputes the same chunks (rewriting the same KV slots).
         for chunk in chunks:
@@ -325,7 +332,7 @@ class Engine:
     def _append_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> StepOutput:
         seq.output_token_ids.append(token_id)
         prompt_logprobs = take_prompt_logprobs(seq)
-        now_s = time.monotonic()
+        now_s = self.clock.now()
         if seq.first_token_s is None:
             seq.first_token_s = now_s
         reason = self._finish_reason(seq, token_id)
