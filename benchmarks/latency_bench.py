@@ -261,15 +261,17 @@ def _capacity(model, requests, config: LatencyBenchConfig, setting: str,
     """FCFS paging with every request at t=0: requests/s until 90% are done. With the modelled clock, its steps
     fit the step-time model and it runs again on that clock, so that the loads are fractions of modelled time."""
     at_once = [dataclasses.replace(r, arrival_s=0.0) for r in requests]
-    kv_bytes, step_model, clock = kv_tokens_of(config, setting) * bytes_per_token, None, None
-    for attempt in range(2 if config.clock == "modelled" else 1):
-        desc = f"capacity ({setting}: fcfs, all at t=0{', modelled time' if attempt else ''})"
+
+    def measure(clock: ModelledClock | None) -> PolicyRun:
+        desc = f"capacity ({setting}: fcfs, all at t=0{', modelled time' if clock else ''})"
         with tqdm(total=len(requests), desc=desc, unit="req") as progress:
-            result = run_policy(copy.deepcopy(model), "paged_greedy", at_once, {}, _bench_config(config, setting),
-                                kv_bytes, progress, clock=clock)
-        if config.clock == "modelled" and not attempt:
-            step_model = fit_linear(result.measured_steps, measured_on="this CPU's capacity run")
-            clock = ModelledClock(step_model)
+            return run_policy(copy.deepcopy(model), "paged_greedy", at_once, {}, _bench_config(config, setting),
+                              kv_tokens_of(config, setting) * bytes_per_token, progress, clock=clock)
+
+    result, step_model = measure(None), None
+    if config.clock == "modelled":
+        step_model = fit_linear(result.measured_steps, measured_on="this CPU's capacity run")
+        result = measure(ModelledClock(step_model))
     return ({"requests_per_s": capacity_of(result, len(requests)),
              "tokens_per_s": result.output_tokens / result.wall_s, "kv_tokens": kv_tokens_of(config, setting),
              "clock": config.clock, "step_model": step_model.describe() if step_model else None}, step_model)

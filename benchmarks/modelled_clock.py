@@ -29,5 +29,5 @@ class ModelledClock(EngineClock):
         self.now_s += compute_s + (self.model.swap_s(swapped_bytes) if swapped_bytes else 0.0)
 
     def wait_until(self, time_s: float) -> None:
-        """Nothing runs until `time_s` (the next arrival): the clock goes there at once."""
+        """Nothing runs until `time_s` (the next arrival): the clock goes there at once, without sleeping."""
         self.now_s = max(self.now_s, time_s)

@@ -140,10 +140,7 @@ def run_policy(model, name: str, requests, estimates: dict[str, tuple[int, int]]
             next_index += 1
         if not engine.has_unfinished():
             idle_s = max(0.0, pending[next_index].arrival_s - now_s)
-            if clock is None:
-                time.sleep(idle_s)
-            else:
-                clock.wait_until(start_s + pending[next_index].arrival_s)
+            engine.clock.wait_until(start_s + pending[next_index].arrival_s)
             run.steps.append((now() - start_s, idle_s, 0, 0, 0))
             continue
         step_start_s, wall_start_s = now(), time.perf_counter()

@@ -59,7 +59,7 @@ def _replay(tiny_model, clock):
 
     requests = [ReplayRequest(f"r{i}", 0.05 * i, tuple(range(3 + i, 13 + 2 * i)), 4 + 3 * i, 0, 0) for i in range(6)]
     config = PolicyBenchConfig(max_len=64, max_num_seqs=2, max_num_batched_tokens=16, workload="trace")
-    kv_bytes = 256 * 2 * 2 * 2 * 16 * 4  # 256 tokens of the tiny model's fp32 KV: some requests wait
+    kv_bytes = 256 * BYTES_PER_BLOCK // BLOCK_SIZE  # 256 tokens of the tiny model's fp32 KV: some requests wait
     with tqdm(total=len(requests), disable=True) as progress:
         return run_policy(copy.deepcopy(tiny_model), "paged_greedy", requests, {}, config, kv_bytes, progress,
                           clock=clock)

@@ -18,3 +18,7 @@ class EngineClock:
 
     def step_ran(self, shape: StepShape | None, swapped_bytes: int) -> None:
         """A step ran: `shape` is what it computed (None when it only swapped), `swapped_bytes` what it moved."""
+
+    def wait_until(self, time_s: float) -> None:
+        """Nothing runs until `time_s` on this clock (a replay's next arrival): sleep until then."""
+        time.sleep(max(0.0, time_s - self.now()))
