@@ -151,7 +151,7 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     import ray
 
     from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
-    from cluster.service import allow_slow_serve_proxy, start_service, stop_service
+    from cluster.service import start_local_ray, start_service, stop_service
 
     label = ((policy if prefix_aware_placement else f"{policy}-ffd-only").replace(PROBE_SUFFIX, "-probe")
              .replace(LATE, "-late"))
@@ -160,10 +160,8 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
                                      prefix_aware_placement)
     print(f"{policy}: starting the service ({config.num_workers} workers, {config.kv_cache_bytes} KV bytes each)",
           flush=True)
-    allow_slow_serve_proxy()
     # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
-    ray.init(num_cpus=config.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False)
+    start_local_ray(config.num_cpus, log_to_driver=False)
     running = start_service(service_config, config.ready_timeout_s, progress=lambda _msg: None)
     try:
         plan_path, results_path = work_dir / f"plan-{label}.json", work_dir / f"results-{label}.json"

@@ -113,12 +113,11 @@ def score_versions(attempts: list[dict], samples: list, max_len: int) -> list[di
 def run(config: ColdStartConfig, model: str | None = None, model_cache_dir: Path | None = None,
         json_path: Path | None = None) -> dict:
     """Start the service cold, send the load, print the table, write JSON."""
-    import ray
     import redis
 
-    from cluster.config import RAY_NAMESPACE, ServiceConfig
+    from cluster.config import ServiceConfig
     from predictor_service.sample_stream import SampleStream
-    from cluster.service import allow_slow_serve_proxy, start_service, stop_service
+    from cluster.service import start_local_ray, start_service, stop_service
     from workers.engine.models import DEFAULT_MODEL, resolve_model_dir
     from workers.scheduling.policies import length_range_tokens
 
@@ -130,9 +129,7 @@ def run(config: ColdStartConfig, model: str | None = None, model_cache_dir: Path
             retrain=True, retrain_min_samples=config.retrain_min_samples)
         print(f"coldstart: starting the service for {model} (retraining every {config.retrain_min_samples} "
               "finished requests)", flush=True)
-        allow_slow_serve_proxy()
-        ray.init(num_cpus=config.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False,
-                 logging_level="WARNING", log_to_driver=False)
+        start_local_ray(config.num_cpus, log_to_driver=False)
         running = start_service(service_config, config.ready_timeout_s, progress=lambda _msg: None)
         attempts: list[dict] = []
         stop = threading.Event()

@@ -202,15 +202,14 @@ def measure_overhead(config: ControlPlaneBenchConfig, model_name: str, model_cac
     import httpx
     import ray
 
-    from cluster.config import RAY_NAMESPACE, ServiceConfig
-    from cluster.service import allow_slow_serve_proxy, start_service, stop_service
+    from cluster.config import ServiceConfig
+    from cluster.service import start_local_ray, start_service, stop_service
 
     with tempfile.TemporaryDirectory(prefix="s3serve-ctl-bench-") as data_dir:
         service = ServiceConfig(port=free_port(), model=model_name,
                                 model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
                                 data_dir=data_dir, num_workers=1, retrain=False, default_max_tokens=4)
-        allow_slow_serve_proxy()
-        ray.init(namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        start_local_ray(None, log_to_driver=False)
         progress("  starting the service (one SmolLM2 worker)")
         running = start_service(service, config.ready_timeout_s, progress=lambda _msg: None)
         try:

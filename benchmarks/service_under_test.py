@@ -142,7 +142,7 @@ def bench_service(config, model_name: str, model_cache_dir: Path | None, work_di
     import ray
 
     from cluster.config import RAY_NAMESPACE, ServiceConfig
-    from cluster.service import allow_slow_serve_proxy, start_service, stop_service
+    from cluster.service import start_local_ray, start_service, stop_service
 
     service_config = ServiceConfig(
         port=free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,
@@ -151,10 +151,8 @@ def bench_service(config, model_name: str, model_cache_dir: Path | None, work_di
         dtype=config.dtype)
     print(f"{label}: starting the service ({config.num_workers} {config.dtype} workers, at most "
           f"{config.max_concurrent_requests} requests at once)", flush=True)
-    allow_slow_serve_proxy()
     # Ray started here rather than in start_service only to keep the actors' logs off the bench's output.
-    ray.init(num_cpus=config.num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False,
-             logging_level="WARNING", log_to_driver=False)
+    start_local_ray(config.num_cpus, log_to_driver=False)
     running = start_service(service_config, config.ready_timeout_s, progress=lambda _msg: None)
     try:
         yield running

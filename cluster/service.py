@@ -76,6 +76,49 @@ def allow_slow_serve_proxy() -> None:
         os.environ.setdefault(name, str(value_s))
 
 
+# Ray waits a fixed 30 s for a new node's raylet to register with its GCS; on a 2-core machine whose cores are busy
+# that can run out once (it did in CI). A second try, after killing what the first one started, gets another 30 s.
+RAY_NODE_START_TRIES = 2
+RAY_NODE_TIMEOUT_TEXT = "timed out during startup"
+
+
+def start_local_ray(num_cpus: int | None, progress=print, log_to_driver: bool = True, init=None) -> None:
+    """A local Ray cluster in our namespace (`num_cpus` None: Ray counts the cores; `init`: a stand-in for `ray.init`
+    in tests), with Serve's slow-proxy allowance; tried again when the node misses Ray's fixed registration window,
+    after killing what the failed try started (GCS, raylet, reaper)."""
+    import psutil
+    import ray
+
+    allow_slow_serve_proxy()
+    init = init or ray.init
+    for attempt in range(1, RAY_NODE_START_TRIES + 1):
+        before = {child.pid for child in psutil.Process().children(recursive=True)}
+        try:
+            init(num_cpus=num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING",
+                 log_to_driver=log_to_driver)
+            return
+        except Exception as error:
+            if RAY_NODE_TIMEOUT_TEXT not in str(error) or attempt == RAY_NODE_START_TRIES:
+                raise
+            progress(f"  ... Ray's node did not register within Ray's fixed 30 s (a busy machine); starting it "
+                     f"again (try {attempt + 1} of {RAY_NODE_START_TRIES})")
+            ray.shutdown()
+            _kill_children_except(before)
+
+
+def _kill_children_except(kept_pids: set[int]) -> None:
+    """Kill this process's descendants that are not in `kept_pids`, and wait for them (at most 10 s)."""
+    import psutil
+
+    started = [child for child in psutil.Process().children(recursive=True) if child.pid not in kept_pids]
+    for child in started:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(started, timeout=10)
+
+
 def _check_deadline(started_s: float, timeout_s: float, done: str) -> None:
     """Give up between start-up steps once `timeout_s` since `started_s` have passed (--start-timeout counts the
     whole start-up, not only the wait for /health)."""
@@ -134,8 +177,7 @@ def start_service(config: ServiceConfig, ready_timeout_s: float = 900.0, progres
         if not ray.is_initialized():
             num_cpus = config.num_cpus or 2 * (os.cpu_count() or 1)
             progress(f"s3serve: starting a local Ray cluster ({num_cpus} logical CPUs)")
-            allow_slow_serve_proxy()
-            ray.init(num_cpus=num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING")
+            start_local_ray(num_cpus, progress)
             _check_deadline(started_s, ready_timeout_s, "starting Ray")
         redis_url = config.redis_url_resolved
         if redis_url is None:
@@ -232,6 +274,10 @@ def stop_service(service: RunningService) -> None:
     import ray
     from ray import serve
 
+    if not ray.is_initialized():  # start-up failed before Ray ran: Serve's shutdown would start a cluster to stop
+        if service.redis is not None:
+            service.redis.stop()
+        return
     try:
         controller = ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE)
         ray.get(controller.shutdown.remote(), timeout=30)
