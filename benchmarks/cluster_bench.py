@@ -151,7 +151,8 @@ def run_policy(config: ClusterBenchConfig, policy: str, plan: list[LoadRequest],
     import ray
 
     from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE
-    from cluster.service import start_local_ray, start_service, stop_service
+    from cluster.local_ray import start_local_ray
+    from cluster.service import start_service, stop_service
 
     label = ((policy if prefix_aware_placement else f"{policy}-ffd-only").replace(PROBE_SUFFIX, "-probe")
              .replace(LATE, "-late"))

@@ -117,7 +117,8 @@ def run(config: ColdStartConfig, model: str | None = None, model_cache_dir: Path
 
     from cluster.config import ServiceConfig
     from predictor_service.sample_stream import SampleStream
-    from cluster.service import start_local_ray, start_service, stop_service
+    from cluster.local_ray import start_local_ray
+    from cluster.service import start_service, stop_service
     from workers.engine.models import DEFAULT_MODEL, resolve_model_dir
     from workers.scheduling.policies import length_range_tokens
 

@@ -203,7 +203,8 @@ def measure_overhead(config: ControlPlaneBenchConfig, model_name: str, model_cac
     import ray
 
     from cluster.config import ServiceConfig
-    from cluster.service import start_local_ray, start_service, stop_service
+    from cluster.local_ray import start_local_ray
+    from cluster.service import start_service, stop_service
 
     with tempfile.TemporaryDirectory(prefix="s3serve-ctl-bench-") as data_dir:
         service = ServiceConfig(port=free_port(), model=model_name,

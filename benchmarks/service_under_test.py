@@ -139,10 +139,9 @@ def bench_service(config, model_name: str, model_cache_dir: Path | None, work_di
     """The service the fault benches run against (`config`: num_workers, max_concurrent_requests, num_cpus, dtype,
     ready_timeout_s), its data in `work_dir` (the embedded Redis's in `redis_data_dir(work_dir)`); stopped on the
     way out."""
-    import ray
-
-    from cluster.config import RAY_NAMESPACE, ServiceConfig
-    from cluster.service import start_local_ray, start_service, stop_service
+    from cluster.config import ServiceConfig
+    from cluster.local_ray import start_local_ray
+    from cluster.service import start_service, stop_service
 
     service_config = ServiceConfig(
         port=free_port(), model=model_name, model_cache_dir=str(model_cache_dir) if model_cache_dir else None,

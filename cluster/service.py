@@ -1,6 +1,6 @@
 """The service's start and stop: a local Ray cluster (or the one already there), Redis, the Serve app.
 
-    check the model (and a remote Redis) -> ray.init (num_cpus) -> Redis ($S3_REDIS_URL or embedded, persistent
+    check the model (and a remote Redis) -> start_local_ray (num_cpus) -> Redis ($S3_REDIS_URL or embedded, persistent
     in data_dir) -> serve.start(host, port) -> serve.run(build_app) -> poll /health -> RunningService
     stop_service: controller.shutdown (kills the detached workers) -> serve.shutdown -> ray.shutdown -> Redis stop
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import CONTROLLER_NAME, RAY_NAMESPACE, ServiceConfig
+from cluster.local_ray import start_local_ray
 from cluster.start_error import ServiceStartError
 
 APP_NAME = "s3serve"
@@ -59,64 +60,6 @@ class RunningService:
     redis_url: str
     redis: "RedisSupervisor | None"  # the embedded Redis and its watchdog; None with a remote Redis
     health: dict
-
-
-# Serve checks that its HTTP proxy is up with a 5 s timeout, three times, and kills and restarts a proxy that
-# misses it; with every core of a 2-core machine busy with another process the proxy takes about two minutes to
-# start, so it never came up. Our local cluster gets generous timeouts (a cluster started by `ray start` keeps
-# its own settings).
-SERVE_PROXY_TIMEOUTS_S = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": 600.0,
-                          "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": 60.0}
-
-
-def allow_slow_serve_proxy() -> None:
-    """Give Serve's proxy checks `SERVE_PROXY_TIMEOUTS_S` (unless set); call before `ray.init` of a local cluster,
-    whose processes inherit the environment."""
-    for name, value_s in SERVE_PROXY_TIMEOUTS_S.items():
-        os.environ.setdefault(name, str(value_s))
-
-
-# Ray waits a fixed 30 s for a new node's raylet to register with its GCS; on a 2-core machine whose cores are busy
-# that can run out once (it did in CI). A second try, after killing what the first one started, gets another 30 s.
-RAY_NODE_START_TRIES = 2
-RAY_NODE_TIMEOUT_TEXT = "timed out during startup"
-
-
-def start_local_ray(num_cpus: int | None, progress=print, log_to_driver: bool = True, init=None) -> None:
-    """A local Ray cluster in our namespace (`num_cpus` None: Ray counts the cores; `init`: a stand-in for `ray.init`
-    in tests), with Serve's slow-proxy allowance; tried again when the node misses Ray's fixed registration window,
-    after killing what the failed try started (GCS, raylet, reaper)."""
-    import psutil
-    import ray
-
-    allow_slow_serve_proxy()
-    init = init or ray.init
-    for attempt in range(1, RAY_NODE_START_TRIES + 1):
-        before = {child.pid for child in psutil.Process().children(recursive=True)}
-        try:
-            init(num_cpus=num_cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="WARNING",
-                 log_to_driver=log_to_driver)
-            return
-        except Exception as error:
-            if RAY_NODE_TIMEOUT_TEXT not in str(error) or attempt == RAY_NODE_START_TRIES:
-                raise
-            progress(f"  ... Ray's node did not register within Ray's fixed 30 s (a busy machine); starting it "
-                     f"again (try {attempt + 1} of {RAY_NODE_START_TRIES})")
-            ray.shutdown()
-            _kill_children_except(before)
-
-
-def _kill_children_except(kept_pids: set[int]) -> None:
-    """Kill this process's descendants that are not in `kept_pids`, and wait for them (at most 10 s)."""
-    import psutil
-
-    started = [child for child in psutil.Process().children(recursive=True) if child.pid not in kept_pids]
-    for child in started:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(started, timeout=10)
 
 
 def _check_deadline(started_s: float, timeout_s: float, done: str) -> None:
