@@ -215,12 +215,20 @@ def _stop_quietly(service: RunningService) -> None:
 def stop_service(service: RunningService) -> None:
     """Kill the workers (detached, so nothing else would), the Serve app, Ray, then the embedded Redis."""
     import ray
-    from ray import serve
 
-    if not ray.is_initialized():  # start-up failed before Ray ran: Serve's shutdown would start a cluster to stop
+    try:
+        if ray.is_initialized():  # else start-up failed before Ray ran, and Serve's shutdown would start a cluster
+            _stop_ray()
+    finally:
         if service.redis is not None:
             service.redis.stop()
-        return
+
+
+def _stop_ray() -> None:
+    """The controller (and with it the workers), Serve, then Ray itself, each even when the one before failed."""
+    import ray
+    from ray import serve
+
     try:
         controller = ray.get_actor(CONTROLLER_NAME, namespace=RAY_NAMESPACE)
         ray.get(controller.shutdown.remote(), timeout=30)
@@ -233,5 +241,3 @@ def stop_service(service: RunningService) -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
-        if service.redis is not None:
-            service.redis.stop()
